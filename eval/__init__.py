@@ -1,0 +1,1 @@
+"""Evaluation: ShareGPT workloads, the independent-deployment baseline, benchmarks and notebooks."""

@@ -1,0 +1,243 @@
+"""MFS configuration: one dataclass tree, loaded from YAML in one place and validated with clear errors.
+
+Every policy knob lives here (documented in docs/CONFIG.md). Nothing else reads the environment or
+parses YAML for settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key path."""
+
+
+@dataclass(slots=True)
+class MemberLimit:
+    floor_pages: int = 0                 # pages always kept available to this member (reserved from others)
+    ceiling_pages: int | None = None     # at most this many pages in use by this member
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    page_bytes: int = 16384              # one page = one layer's K and V for one block of tokens
+    kv_memory_mb: float = 64.0           # arena size, used when num_pages is not set
+    num_pages: int | None = None
+    decode_reserve_blocks: int = 1       # blocks kept free per admitted request for its decode
+    host_tier_mb: float = 256.0          # 0 disables the host tier
+    disk_tier_mb: float = 0.0            # 0 disables the disk tier
+    disk_dir: str = ".cache/mfs/kv"
+    static_split: dict[str, float] | None = None   # baseline only: fixed fraction of pages per member
+    member_limits: dict[str, MemberLimit] = field(default_factory=dict)
+    cross_member_sharing: bool = True    # nested families share lower-layer pages; False = per-member lineages
+    session_ttl_s: float | None = None   # cached pages of an idle session become first to evict after this
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    max_batch_tokens: int = 2048         # tokens per step over all prefill chunks and decodes
+    prefill_chunk_tokens: int = 512
+    max_queue: int = 512                 # waiting requests beyond this are refused (HTTP 429)
+    preemption: str = "recompute"        # recompute | swap (swap needs the host tier)
+    request_timeout_s: float | None = 600.0
+
+
+@dataclass(slots=True)
+class RouterWeights:
+    complexity: float = 1.0
+    affinity: float = 1.0
+    load: float = 0.5
+    allow_downgrade: bool = True         # a saturated target may be downgraded to a smaller idle member
+
+
+def _default_profiles() -> dict[str, RouterWeights]:
+    return {
+        "latency": RouterWeights(complexity=1.0, affinity=1.0, load=0.6, allow_downgrade=True),
+        "quality": RouterWeights(complexity=1.5, affinity=0.5, load=0.2, allow_downgrade=False),
+    }
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    profile: str = "latency"
+    profiles: dict[str, RouterWeights] = field(default_factory=_default_profiles)
+    complexity_thresholds: list[float] = field(default_factory=lambda: [0.4, 0.7])  # boundaries between members
+    affinity_min_tokens: int = 32         # matches shorter than this earn no affinity
+    session_bonus: float = 0.2            # added to the session's last member
+    load_saturation_tokens: int = 4096    # queued+running tokens at which a member counts as saturated
+    use_affinity: bool = True
+    use_load: bool = True
+
+
+@dataclass(slots=True)
+class EscalationConfig:
+    enabled: bool = True
+    signal: str = "top1_prob"             # top1_prob | entropy (entropy is derived from top logprobs)
+    window_tokens: int = 8
+    threshold: float = 0.3                # escalate when the rolling mean top-1 probability falls below
+    min_tokens: int = 8                   # never escalate before this many generated tokens
+    on_escalate: str = "keep"             # keep | rollback (drop the last low-confidence window)
+    reuse_shared_layers: bool = True      # nested family: start the target at the source's exit depth
+    warmup: bool = True                   # prefill likely escalations on the next member while it is idle
+    warmup_band: list[float] = field(default_factory=lambda: [0.3, 0.4])  # complexity band that warms up
+    cold_handover: bool = False           # baseline: the target gets no cache from the source
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    kind: str = "local"                   # local | triton
+    device: str = "auto"                  # auto | cpu | cuda
+    dtype: str = "float32"                # float32 | float16 | bfloat16
+    triton_url: str = "127.0.0.1:8001"
+    triton_metrics_url: str | None = None
+    num_threads: int | None = None
+
+
+@dataclass(slots=True)
+class MFSConfig:
+    family: str = "tiny"                  # a shipped family name or a path to a family directory
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    escalation: EscalationConfig = field(default_factory=EscalationConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self) -> None:
+        _check(self.pool.page_bytes > 0, "pool.page_bytes", "must be positive")
+        _check(self.pool.num_pages is None or self.pool.num_pages > 0, "pool.num_pages", "must be positive")
+        _check(self.pool.kv_memory_mb > 0, "pool.kv_memory_mb", "must be positive")
+        _check(self.pool.host_tier_mb >= 0 and self.pool.disk_tier_mb >= 0, "pool.*_tier_mb", "must be >= 0")
+        if self.pool.static_split is not None:
+            total = sum(self.pool.static_split.values())
+            _check(all(v > 0 for v in self.pool.static_split.values()) and abs(total - 1.0) < 1e-6,
+                   "pool.static_split", f"fractions must be positive and sum to 1 (got {total})")
+        _check(self.scheduler.max_running_requests > 0, "scheduler.max_running_requests", "must be positive")
+        _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
+        _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
+        _check(self.scheduler.preemption in ("recompute", "swap"), "scheduler.preemption",
+               f"must be recompute or swap, got {self.scheduler.preemption!r}")
+        _check(self.router.profile in self.router.profiles, "router.profile",
+               f"{self.router.profile!r} is not one of {sorted(self.router.profiles)}")
+        thresholds = self.router.complexity_thresholds
+        _check(all(0 <= t <= 1 for t in thresholds) and thresholds == sorted(thresholds),
+               "router.complexity_thresholds", "must be ascending values in [0, 1]")
+        _check(self.escalation.signal in ("top1_prob", "entropy"), "escalation.signal",
+               f"must be top1_prob or entropy, got {self.escalation.signal!r}")
+        _check(self.escalation.on_escalate in ("keep", "rollback"), "escalation.on_escalate",
+               f"must be keep or rollback, got {self.escalation.on_escalate!r}")
+        _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
+        _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
+        _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
+        _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
+               f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
+
+    def num_arena_pages(self) -> int:
+        if self.pool.num_pages is not None:
+            return self.pool.num_pages
+        return max(1, int(self.pool.kv_memory_mb * 2**20) // self.pool.page_bytes)
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {message}")
+
+
+# ----------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> MFSConfig:
+    """Reads YAML (or nothing: defaults), applies dotted overrides ({"pool.num_pages": 512}), validates."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at top level")
+        data = loaded or {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    config = from_dict(MFSConfig, data, "")
+    config.validate()
+    return config
+
+
+def config_to_dict(config: Any) -> Any:
+    return dataclasses.asdict(config)
+
+
+def from_dict(cls: type, data: Any, where: str) -> Any:
+    """Builds dataclass `cls` from plain data, rejecting unknown keys and wrong types by key path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{where or '<root>'}': expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"config key '{_join(where, unknown[0])}': unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {name: _coerce(hints[name], value, _join(where, name)) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"config key '{where}': invalid value {value!r}")
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin is dict:
+        key_type, value_type = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{where}': expected a mapping, got {type(value).__name__}")
+        return {_coerce(key_type, k, where): _coerce(value_type, v, f"{where}.{k}") for k, v in value.items()}
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{where}': expected a list, got {type(value).__name__}")
+        return [_coerce(item_type, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{where}': expected a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{where}': expected an integer, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{where}': expected true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{where}': expected a string, got {value!r}")
+        return value
+    return value

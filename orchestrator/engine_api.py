@@ -1,0 +1,56 @@
+"""The two engine-facing interfaces: a step executor (local engine) and a serving engine (what the server calls).
+
+Structural Protocols only; implementations live in engines/ (executors) and orchestrator/ (serving).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from orchestrator.types import PageId, Request, RequestId, RequestOutput, SampledToken, StepPlan
+
+
+class StepExecutor(Protocol):
+    """Runs the core's step plans on ONE page arena (the local engine, or a fake in tests).
+
+    Owns tensors only; every decision (which pages, which tokens, which layers) comes in the plan.
+    """
+
+    num_pages: int
+    page_bytes: int
+
+    def execute(self, plan: StepPlan) -> list[SampledToken]:
+        """Apply plan.page_loads (data must already be written), run every batch, sample, return tokens."""
+        ...
+
+    def read_page(self, page: PageId) -> bytes: ...
+
+    def write_page(self, page: PageId, data: bytes) -> None: ...
+
+    def release(self, request_ids: Sequence[RequestId]) -> None:
+        """Forget per-request state (sampler generators)."""
+        ...
+
+
+class ServingEngine(Protocol):
+    """Request-level interface the HTTP server and the bench drive: local loop or Triton-backed."""
+
+    family_name: str
+    member_names: list[str]        # small to large
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace_s: float = 5.0) -> None: ...
+
+    def is_ready(self) -> bool: ...
+
+    def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Streams incremental outputs; the last one has finished=True. Cancelling the iterator
+        (or calling abort) cancels the request at the next step and returns its pages."""
+        ...
+
+    def abort(self, request_id: RequestId) -> None: ...
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-able snapshot (see orchestrator.events.StatsSnapshot.to_dict)."""
+        ...

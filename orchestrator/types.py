@@ -1,0 +1,184 @@
+"""The shared vocabulary of MFS: requests, sampling, pages, step plans and results.
+
+Pure data, no behaviour beyond trivial helpers. The core, the engines and the server all speak
+these types; nothing here imports torch, the network or the engines.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+PageId = NewType("PageId", int)
+MemberName = NewType("MemberName", str)
+
+
+@dataclass(frozen=True, slots=True)
+class PageKey:
+    """Identity of a page's contents: what one layer's KV (or a residual block) holds for a prefix.
+
+    lineage: hash of everything that determines this layer's values for a given prefix (embeddings,
+    this layer and every layer below it, rope settings); for a residual block, the lineage of the
+    layer whose OUTPUT it stores, suffixed with ":residual".
+    block_hash: chained hash of the token blocks up to and including this one (seeded with the
+    tokenizer's content hash and the request's cache_salt).
+    """
+
+    lineage: str
+    block_hash: bytes
+
+
+class Profile(enum.Enum):
+    LATENCY = "latency"
+    QUALITY = "quality"
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"        # in the global queue, holds no pages
+    RUNNING = "running"        # admitted: holds pages, prefilling or decoding
+    PREEMPTED = "preempted"    # pages taken back (recompute) or swapped to host; waits to resume
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"              # eos or a stop token / string
+    LENGTH = "length"          # max_tokens or the member's context
+    CANCELLED = "cancelled"    # client went away or server-side timeout
+    ERROR = "error"
+
+
+class Tier(enum.Enum):
+    ARENA = "arena"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    num_top_logprobs: int = 0         # top alternatives returned per token (OpenAI top_logprobs)
+
+
+@dataclass(slots=True)
+class Request:
+    """What the edge hands the core: already validated and tokenized."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float
+    session_id: str | None = None
+    pinned_member: MemberName | None = None   # `model` named a member: no routing, no escalation
+    profile: Profile = Profile.LATENCY
+    cache_salt: str | None = None
+    priority: int = 0                         # lower runs first; FCFS within a priority
+    complexity_hint: float | None = None      # eval may pass a known difficulty; None = estimate
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """One routing decision with every component, so it can be explained and logged."""
+
+    request_id: RequestId
+    member: MemberName
+    reason: str
+    scores: dict[str, float]                          # member -> total score
+    components: dict[str, dict[str, float]]           # member -> {"complexity", "affinity", "load", ...}
+    matched_prefix_tokens: dict[str, int]             # member -> tokens cached (any tier)
+    complexity: float                                 # estimator output in [0, 1]
+    downgraded_from: MemberName | None = None
+
+
+# ----------------------------------------------------------------------------- step plan (core -> engine)
+@dataclass(slots=True)
+class SeqChunk:
+    """One request's share of one member's forward pass in one step.
+
+    The engine computes layers [start_layer, num_layers) for `token_ids` at positions
+    [start_pos, start_pos + len(token_ids)). Layer l's attention reads pages block_tables[l] for
+    positions [0, start_pos + len(token_ids)) and writes the new tokens' K/V into them.
+    start_layer > 0 only for a nested-family handover: the input to start_layer is then read from
+    residual pages (residual_table) instead of the embeddings.
+    If residual_table_out is set, the hidden state after the member's last layer (before the final
+    norm) for these tokens is written into those pages (one page per block), so a larger member can
+    later start from it.
+    """
+
+    request_id: RequestId
+    token_ids: list[int]
+    start_pos: int
+    block_tables: list[list[PageId]]             # one list per layer of the member
+    sample: bool                                 # sample from the last position's logits
+    sampling: SamplingParams
+    start_layer: int = 0
+    residual_table: list[PageId] | None = None   # input pages when start_layer > 0
+    residual_table_out: list[PageId] | None = None
+    num_generated: int = 0                       # tokens already generated (min_tokens, seeded sampling)
+
+
+@dataclass(slots=True)
+class MemberBatch:
+    member: MemberName
+    chunks: list[SeqChunk]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    batches: list[MemberBatch] = field(default_factory=list)
+    # Page copies the step needs before any forward: save evicted pages' contents to a tier
+    # (their pages are about to be overwritten), load tier hits into freshly allocated pages.
+    page_saves: list[tuple[PageId, PageKey]] = field(default_factory=list)
+    page_loads: list[tuple[PageId, PageKey, Tier]] = field(default_factory=list)
+    released_requests: list[RequestId] = field(default_factory=list)  # engine may drop per-request state
+
+    def is_empty(self) -> bool:
+        return not self.batches and not self.page_saves and not self.page_loads
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """What the engine returns for a chunk with sample=True."""
+
+    request_id: RequestId
+    token_id: int
+    logprob: float
+    top1_prob: float                                  # confidence signal for escalation
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+# ----------------------------------------------------------------------------- results (core -> edge)
+@dataclass(frozen=True, slots=True)
+class MemberSpan:
+    """Which member produced which generated tokens."""
+
+    member: MemberName
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Incremental output: the new tokens of one request since its last output."""
+
+    request_id: RequestId
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[tuple[tuple[int, float], ...]]
+    member: MemberName
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    spans: tuple[MemberSpan, ...] = ()
+    route: RouteDecision | None = None
+    error: str | None = None
