@@ -1,0 +1,39 @@
+"""Typed errors the edges translate: each maps to one HTTP status in the server."""
+from __future__ import annotations
+
+
+class MFSError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(MFSError):
+    """Bad input: names the offending field in `param`."""
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(MFSError):
+    status_code = 404
+    error_type = "model_not_found"
+
+
+class QueueFullError(MFSError):
+    """Overload: the bounded global queue is full; retry after `retry_after_s`."""
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailableError(MFSError):
+    """The engine (for example Triton) is down or not ready."""
+    status_code = 503
+    error_type = "service_unavailable"

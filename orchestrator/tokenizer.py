@@ -1,0 +1,113 @@
+"""The family's tokenizer at the edge: encode prompts, render chat templates, decode streams with stop strings.
+
+One tokenizer serves the whole family (members share it; family.incompatible_pairs() says otherwise).
+Uses the `tokenizers` library and jinja2 directly: no transformers at run time.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class FamilyTokenizer:
+    def __init__(self, checkpoint_dir: Path):
+        from tokenizers import Tokenizer
+
+        tokenizer_file = checkpoint_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"{tokenizer_file}: missing")
+        self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config_file = checkpoint_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos = bool(config.get("add_bos_token", False))
+        template = config.get("chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._chat_template = env.from_string(template) if isinstance(template, str) else None
+        self.vocab_size = self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self._chat_template is None:
+            raise TokenizerError("this family's tokenizer has no chat_template: use /v1/completions")
+        try:
+            text = self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                              bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc}") from exc
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise(message: str):
+    raise TokenizerError(message)
+
+
+@dataclass(slots=True)
+class IncrementalDecoder:
+    """Turns a growing token list into text deltas and applies stop strings (OpenAI semantics: the stop
+    string itself is not returned). Holds back a tail that could still become a stop string."""
+
+    tokenizer: FamilyTokenizer
+    stop_strings: tuple[str, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    stopped: bool = False
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Adds tokens; returns the new text safe to emit. Sets .stopped when a stop string appeared."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(new_token_ids)
+        text = self.tokenizer.decode(self.token_ids)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        for stop in self.stop_strings:
+            at = text.find(stop, max(0, self.emitted_chars - len(stop) + 1))
+            if at != -1:
+                self.stopped = True
+                delta = text[self.emitted_chars:at]
+                self.emitted_chars = at
+                return delta
+        holdback = max((len(s) - 1 for s in self.stop_strings), default=0)
+        safe_end = max(self.emitted_chars, len(text) - holdback)
+        delta = text[self.emitted_chars:safe_end]
+        self.emitted_chars = safe_end
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the stream: the held-back tail (no stop string matched)."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.token_ids)
+        delta = text[self.emitted_chars:]
+        self.emitted_chars = len(text)
+        return delta
