@@ -1,0 +1,319 @@
+"""OpenAI wire format at the edge: request validation into core types, and response/chunk/error builders."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.errors import InvalidRequestError, MFSError, ModelNotFoundError
+from orchestrator.family import FamilySpec
+from orchestrator.tokenizer import FamilyTokenizer, TokenizerError
+from orchestrator.types import (
+    FinishReason, MemberName, MemberSpan, Profile, Request, RequestId, RouteDecision, SamplingParams,
+)
+
+MAX_STOP_STRINGS = 4
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+COMPLETION_DEFAULT_MAX_TOKENS = 16       # OpenAI's default for /v1/completions
+_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class AuthenticationError(MFSError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated OpenAI request: the core Request plus what only the edge needs (stream shape, stops)."""
+
+    kind: str                          # "chat" | "completion"
+    request: Request
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    stop_strings: tuple[str, ...]
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+
+# ----------------------------------------------------------------------------- validation
+def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: FamilySpec,
+                  session_id: str | None) -> ParsedRequest:
+    """Validates an OpenAI body; raises InvalidRequestError / ModelNotFoundError naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", None)
+    model = _opt(body, "model", str) or family.name
+    if model != family.name and model not in family.member_names:
+        raise ModelNotFoundError(f"model {model!r} does not exist; use {family.name!r} or one of "
+                                 f"{', '.join(family.member_names)}", "model")
+    pinned = MemberName(model) if model != family.name else None
+    if kind == "chat":
+        prompt_ids, field_name = _chat_prompt(body, tokenizer), "messages"
+    else:
+        prompt_ids, field_name = _completion_prompt(body, tokenizer), "prompt"
+    context_tokens = family.member(pinned).context_tokens if pinned else family.context_tokens()
+    if len(prompt_ids) >= context_tokens:
+        raise InvalidRequestError(f"prompt is {len(prompt_ids)} tokens; the context of {model} is "
+                                  f"{context_tokens} tokens", field_name)
+
+    n = _opt(body, "n", int)
+    if n is not None and n != 1:
+        raise InvalidRequestError("only n=1 is supported", "n")
+    max_tokens, max_field = _max_tokens(body)
+    if max_tokens is None:
+        remaining = context_tokens - len(prompt_ids)
+        max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, remaining) if kind == "completion" else remaining
+    elif len(prompt_ids) + max_tokens > context_tokens:
+        raise InvalidRequestError(f"prompt ({len(prompt_ids)} tokens) + {max_field} ({max_tokens}) exceeds "
+                                  f"the context of {model} ({context_tokens} tokens)", max_field)
+    temperature = _opt_number(body, "temperature", 1.0)
+    if not 0.0 <= temperature <= 2.0:
+        raise InvalidRequestError("temperature must be in [0, 2]", "temperature")
+    top_p = _opt_number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+    top_k = _opt(body, "top_k", int)
+    top_k = 0 if top_k is None or top_k == -1 else top_k   # -1 means off (vLLM convention)
+    if top_k < 0:
+        raise InvalidRequestError("top_k must be >= 0 (or -1 for off)", "top_k")
+    min_tokens = _opt(body, "min_tokens", int) or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
+    stop = _stop_strings(body.get("stop"))
+    logprobs, top_logprobs = _logprobs(kind, body)
+    stream = bool(_opt(body, "stream", bool))
+    options = _opt(body, "stream_options", dict) or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise InvalidRequestError("stream_options.include_usage must be a boolean", "stream_options")
+    user = _opt(body, "user", str)
+    profile_name = _opt(body, "mfs_profile", str) or Profile.LATENCY.value
+    try:
+        profile = Profile(profile_name)
+    except ValueError:
+        raise InvalidRequestError("mfs_profile must be 'latency' or 'quality'", "mfs_profile") from None
+    cache_salt = _opt(body, "cache_salt", str)
+    if cache_salt == "":
+        raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=_opt(body, "seed", int), stop_strings=stop, ignore_eos=bool(_opt(body, "ignore_eos", bool)),
+        min_tokens=min_tokens, num_top_logprobs=top_logprobs,
+    )
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request = Request(
+        request_id=RequestId(f"{prefix}-{uuid.uuid4().hex}"), prompt_token_ids=prompt_ids, sampling=sampling,
+        arrival_s=time.monotonic(), session_id=session_id or user, pinned_member=pinned, profile=profile,
+        cache_salt=cache_salt,
+    )
+    return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=stream and include_usage,
+                         logprobs=logprobs, top_logprobs=top_logprobs, stop_strings=stop)
+
+
+def _opt(body: dict, name: str, kind: type) -> Any:
+    """An optional field of an exact JSON type (bool is not an int here); None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequestError(f"'{name}' must be {_type_word(kind)}, got {type(value).__name__}", name)
+    return value
+
+
+def _opt_number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"'{name}' must be a number, got {type(value).__name__}", name)
+    return float(value)
+
+
+def _type_word(kind: type) -> str:
+    return {str: "a string", int: "an integer", bool: "a boolean", dict: "an object", list: "an array"}[kind]
+
+
+def _max_tokens(body: dict) -> tuple[int | None, str]:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _opt(body, name, int)
+        if value is not None:
+            if value < 1:
+                raise InvalidRequestError(f"'{name}' must be >= 1", name)
+            return value, name
+    return None, "max_tokens"
+
+
+def _completion_prompt(body: dict, tokenizer: FamilyTokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]           # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt) if prompt else []
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+        ids = list(prompt)
+    elif prompt is None:
+        raise InvalidRequestError("'prompt' is required", "prompt")
+    else:
+        raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt only)", "prompt")
+    if not ids:
+        raise InvalidRequestError("'prompt' must not be empty", "prompt")
+    return ids
+
+
+def _chat_prompt(body: dict, tokenizer: FamilyTokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("'messages' must be a non-empty array", "messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}] needs a 'role' in {sorted(_CHAT_ROLES)}", "messages")
+        rendered.append({"role": message["role"], "content": _message_text(message.get("content"), i)})
+    try:
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+    except TokenizerError as exc:
+        raise InvalidRequestError(str(exc), "messages") from exc
+    if not ids:
+        raise InvalidRequestError("'messages' rendered to an empty prompt", "messages")
+    return ids
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise InvalidRequestError(f"'stop' must be a non-empty string or a list of at most "
+                                  f"{MAX_STOP_STRINGS} non-empty strings", "stop")
+    return tuple(stops)
+
+
+def _logprobs(kind: str, body: dict) -> tuple[bool, int]:
+    if kind == "chat":
+        wanted = bool(_opt(body, "logprobs", bool))
+        top = _opt(body, "top_logprobs", int) or 0
+        if not 0 <= top <= MAX_CHAT_TOP_LOGPROBS or (top and not wanted):
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}] and needs "
+                                      f"logprobs=true", "top_logprobs")
+        return wanted, top
+    top = _opt(body, "logprobs", int)
+    if top is None:
+        return False, 0
+    if not 0 <= top <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
+    return True, top
+
+
+# ----------------------------------------------------------------------------- responses
+def error_body(exc: MFSError) -> dict[str, Any]:
+    code = getattr(exc, "code", None) or exc.error_type
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": code}}
+
+
+def finish_reason_text(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def mfs_extension(spans: tuple[MemberSpan, ...], route: RouteDecision | None) -> dict[str, Any]:
+    """The `mfs` object: which members produced how many tokens, and why the first one was chosen."""
+    members = [{"member": s.member, "tokens": s.num_tokens} for s in spans]
+    return {"members": members, "escalated": len({s.member for s in spans}) > 1,
+            "route": None if route is None else {"member": route.member, "reason": route.reason,
+                                                 "complexity": route.complexity}}
+
+
+def logprob_entry(kind: str, tokenizer: FamilyTokenizer, token_id: int, logprob: float,
+                  top: tuple[tuple[int, float], ...]) -> dict[str, Any]:
+    """One token's logprob record, in the chat shape; completions are re-shaped by completion_logprobs."""
+    text = tokenizer.token_text(token_id)
+    entry: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    entry["top_logprobs"] = [{"token": (t := tokenizer.token_text(tid)), "logprob": lp, "bytes": list(t.encode())}
+                             for tid, lp in top]
+    return entry
+
+
+def chat_logprobs(entries: list[dict]) -> dict[str, Any]:
+    return {"content": entries}
+
+
+def completion_logprobs(entries: list[dict], text_offset_start: int) -> dict[str, Any]:
+    offsets, at = [], text_offset_start
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def full_response(parsed: ParsedRequest, model: str, text: str, finish_reason: str | None,
+                  logprobs: dict | None, usage_dict: dict, mfs: dict) -> dict[str, Any]:
+    rid = parsed.request.request_id
+    if parsed.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": parsed.created_s, "model": model, "choices": [choice],
+            "usage": usage_dict, "mfs": mfs}
+
+
+def chunk(parsed: ParsedRequest, model: str, *, text: str | None = None, role: bool = False,
+          finish_reason: str | None = None, logprobs: dict | None = None, mfs: dict | None = None) -> dict[str, Any]:
+    """One streaming chunk with a single choice (chat: delta; completions: text)."""
+    if parsed.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "text_completion"
+    out = {"id": parsed.request.request_id, "object": obj, "created": parsed.created_s, "model": model,
+           "choices": [choice]}
+    if mfs is not None:
+        out["mfs"] = mfs
+    return out
+
+
+def usage_chunk(parsed: ParsedRequest, model: str, usage_dict: dict) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if parsed.kind == "chat" else "text_completion"
+    return {"id": parsed.request.request_id, "object": obj, "created": parsed.created_s, "model": model,
+            "choices": [], "usage": usage_dict}
+
+
+def models_list(family: FamilySpec, created_s: int) -> dict[str, Any]:
+    ids = [family.name, *family.member_names]
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created_s, "owned_by": "mfs",
+         "root": name, "parent": None if name == family.name else family.name,
+         "max_model_len": family.context_tokens() if name == family.name else family.member(name).context_tokens}
+        for name in ids]}

@@ -1,0 +1,47 @@
+"""`mfs` command line: a thin dispatcher; each subcommand lives in the module that owns the feature.
+
+Each feature module exposes `add_arguments(parser)` and `main(args) -> int`; imports are lazy so
+`mfs --help` stays fast and a missing optional dependency only affects its own subcommand.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "serve": ("orchestrator.server", "OpenAI-compatible server for a model family"),
+    "bench": ("eval.bench", "MFS against an independent-deployment baseline on ShareGPT traffic"),
+    "demo": ("eval.demo", "replay a short ShareGPT multi-turn set through the tiny family and print a table"),
+    "triton-up": ("engines.triton.server_process", "start a real Triton Inference Server on a model repository"),
+    "dashboard": ("dashboard.launch", "Streamlit latency and hit-rate dashboard"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mfs", description="MFS: serve a family of LLMs as one model")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        parser.print_help()
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nmfs: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    name, rest = argv[0], argv[1:]
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    sub_parser = argparse.ArgumentParser(prog=f"mfs {name}", description=help_text)
+    module.add_arguments(sub_parser)
+    return int(module.main(sub_parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

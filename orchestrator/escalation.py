@@ -1,0 +1,113 @@
+"""Mid-request escalation policy: a rolling confidence monitor, the handover target, the warm-up band."""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Sequence
+
+from orchestrator.config import EscalationConfig
+from orchestrator.family import FamilySpec
+
+SIGNAL_TOP1 = "top1_prob"
+SIGNAL_ENTROPY = "entropy"
+ON_ESCALATE_ROLLBACK = "rollback"
+
+
+class ConfidenceMonitor:
+    """Watches one request's per-token confidence on its current member and says when to escalate.
+
+    Each observe() appends one value to a window of the last config.window_tokens values:
+      'top1_prob': the sampled position's top-1 probability; escalate when the window mean < threshold.
+      'entropy':   entropy in nats of the top-k alternatives renormalised to sum to 1
+                   (q_i = p_i / sum_j p_j, H = -sum q_i ln q_i, range [0, ln k]); the tail outside the
+                   top-k is ignored, so this underestimates the full entropy. With fewer than 2
+                   alternatives it falls back to the binary entropy of top1_prob versus the rest.
+                   Escalate when the window mean > threshold.
+    Nothing escalates before config.min_tokens values were observed since the last reset(); after that
+    the mean covers the (up to) window_tokens most recent values. A disabled config never escalates.
+    """
+
+    __slots__ = ("config", "_window", "_observed", "_use_entropy")
+
+    def __init__(self, config: EscalationConfig) -> None:
+        if config.signal not in (SIGNAL_TOP1, SIGNAL_ENTROPY):
+            raise ValueError(f"escalation.signal must be {SIGNAL_TOP1} or {SIGNAL_ENTROPY}, got {config.signal!r}")
+        if config.window_tokens <= 0:
+            raise ValueError(f"escalation.window_tokens must be positive, got {config.window_tokens}")
+        self.config = config
+        self._use_entropy = config.signal == SIGNAL_ENTROPY
+        self._window: deque[float] = deque(maxlen=config.window_tokens)
+        self._observed = 0
+
+    @property
+    def observed_tokens(self) -> int:
+        """Tokens observed since construction or the last reset()."""
+        return self._observed
+
+    def window_mean(self) -> float | None:
+        return sum(self._window) / len(self._window) if self._window else None
+
+    def observe(self, top1_prob: float, top_logprobs: Sequence[tuple[int, float]] = ()) -> bool:
+        """Records one generated token; True when the request should escalate now."""
+        value = top_logprobs_entropy(top1_prob, top_logprobs) if self._use_entropy else top1_prob
+        self._window.append(value)
+        self._observed += 1
+        config = self.config
+        if not config.enabled or self._observed < config.min_tokens:
+            return False
+        mean = sum(self._window) / len(self._window)   # window is tiny (default 8): a plain sum is exact and cheap
+        return mean > config.threshold if self._use_entropy else mean < config.threshold
+
+    def reset(self) -> None:
+        """After a handover the new member starts with an empty window and a fresh min_tokens count."""
+        self._window.clear()
+        self._observed = 0
+
+    def rollback_tokens(self) -> int:
+        """Trailing generated tokens to discard when escalating (the low-confidence window), 0 for 'keep'."""
+        if self.config.on_escalate != ON_ESCALATE_ROLLBACK:
+            return 0
+        return min(self.config.window_tokens, self._observed)
+
+
+def top_logprobs_entropy(top1_prob: float, top_logprobs: Sequence[tuple[int, float]]) -> float:
+    """Entropy (nats) of the renormalised top-k distribution; see ConfidenceMonitor for the definition."""
+    if len(top_logprobs) < 2:
+        return _binary_entropy(top1_prob)
+    probs = [math.exp(logprob) for _, logprob in top_logprobs]
+    mass = sum(probs)
+    if mass <= 0.0:
+        return _binary_entropy(top1_prob)
+    entropy = 0.0
+    for p in probs:
+        q = p / mass
+        if q > 0.0:
+            entropy -= q * math.log(q)
+    return entropy
+
+
+def _binary_entropy(p: float) -> float:
+    p = min(1.0, max(0.0, p))
+    if p <= 0.0 or p >= 1.0:
+        return 0.0
+    return -(p * math.log(p) + (1.0 - p) * math.log(1.0 - p))
+
+
+def escalation_target(family: FamilySpec, current: str, pinned: bool) -> str | None:
+    """The next larger member; None when pinned or already the largest (so escalation can never loop)."""
+    if pinned:
+        return None
+    larger = family.next_larger(current)
+    return larger.name if larger is not None else None
+
+
+def in_warmup_band(config: EscalationConfig, complexity: float) -> bool:
+    """True when a request's complexity sits just below a boundary: worth prefilling the next member.
+
+    The band is [low, high) so a complexity at `high` (routed to the larger member already) is out.
+    False when escalation or warm-up is disabled.
+    """
+    if not (config.enabled and config.warmup):
+        return False
+    low, high = config.warmup_band
+    return low <= complexity < high

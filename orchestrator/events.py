@@ -1,0 +1,213 @@
+"""Events (a bounded ring with subscribers) and the counters behind the stats snapshot."""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.types import RouteDecision, Tier
+
+OUTCOMES = ("finished", "cancelled", "failed", "rejected")
+HIT_TIERS = ("arena", "host", "disk")
+OFFLOAD_TIERS = ("host", "disk")
+PAGE_STATES = ("free", "used", "cached", "host", "disk")
+MEMBER_PAGE_STATES = ("used", "cached", "host", "disk")
+RECENT_ROUTES = 100
+
+
+class EventKind(enum.Enum):
+    ADMIT = "admit"
+    ROUTE = "route"
+    PREFIX_HIT = "prefix_hit"
+    PREFIX_MISS = "prefix_miss"
+    ESCALATE = "escalate"
+    PREEMPT = "preempt"
+    EVICT = "evict"
+    OFFLOAD = "offload"
+    LOAD = "load"
+    FINISH = "finish"
+    CANCEL = "cancel"
+    REJECT = "reject"
+    WARMUP = "warmup"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: EventKind
+    time_s: float
+    request_id: str | None
+    member: str | None
+    data: dict = field(default_factory=dict)
+
+
+class EventLog:
+    """The last `capacity` events; subscribers are called synchronously on emit (keep them cheap)."""
+
+    def __init__(self, capacity: int = 10000) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._events: deque[Event] = deque(maxlen=capacity)   # maxlen drops the oldest in O(1)
+        self._subscribers: list[Callable[[Event], None]] = []
+        self._lock = threading.Lock()
+
+    def emit(self, kind: EventKind, time_s: float, request_id: str | None = None,
+             member: str | None = None, **data: Any) -> Event:
+        event = Event(kind, time_s, request_id, member, data)
+        with self._lock:
+            self._events.append(event)
+            subscribers = tuple(self._subscribers)
+        for callback in subscribers:
+            callback(event)
+        return event
+
+    def recent(self, n: int | None = None) -> list[Event]:
+        """The last n events, oldest first (all of them when n is None)."""
+        with self._lock:
+            events = list(self._events)
+        if n is None:
+            return events
+        return events[-n:] if n > 0 else []
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Registers callback; returns a function that unsubscribes it."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+        return unsubscribe
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
+def _zeros(names: Sequence[str]) -> dict[str, int]:
+    return {name: 0 for name in names}
+
+
+def _tier_name(tier: str | Tier) -> str:
+    return tier.value if isinstance(tier, Tier) else tier
+
+
+class Stats:
+    """Monotonic counters (updated by the engine thread) and the snapshot any thread may read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, dict[str, int]] = {}
+        self._prefix_query_tokens: dict[str, int] = {}
+        self._prefix_hit_tokens: dict[str, dict[str, int]] = {}
+        self._escalations: dict[str, int] = {}
+        self._preemptions = 0
+        self._evictions = 0
+        self._offloads = _zeros(OFFLOAD_TIERS)
+        self._warmups = {"issued": 0, "hit": 0}
+        self._generated_tokens: dict[str, int] = {}
+        self._prompt_tokens: dict[str, int] = {}
+        self._routes: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUTES)
+
+    def on_request_done(self, member: str, outcome: str) -> None:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        with self._lock:
+            self._requests.setdefault(member, _zeros(OUTCOMES))[outcome] += 1
+
+    def on_prefix_query(self, member: str, prompt_tokens: int, hit_tokens_by_tier: Mapping[str, int]) -> None:
+        with self._lock:
+            self._prefix_query_tokens[member] = self._prefix_query_tokens.get(member, 0) + prompt_tokens
+            hits = self._prefix_hit_tokens.setdefault(member, _zeros(HIT_TIERS))
+            for tier, num_tokens in hit_tokens_by_tier.items():
+                name = _tier_name(tier)
+                hits[name] = hits.get(name, 0) + num_tokens
+
+    def on_escalation(self, src: str, dst: str) -> None:
+        with self._lock:
+            pair = f"{src}->{dst}"
+            self._escalations[pair] = self._escalations.get(pair, 0) + 1
+
+    def on_preemption(self) -> None:
+        with self._lock:
+            self._preemptions += 1
+
+    def on_eviction(self, num_pages: int) -> None:
+        with self._lock:
+            self._evictions += num_pages
+
+    def on_offload(self, tier: str | Tier, num_pages: int) -> None:
+        with self._lock:
+            name = _tier_name(tier)
+            self._offloads[name] = self._offloads.get(name, 0) + num_pages
+
+    def on_warmup(self, issued: bool, hit: bool) -> None:
+        with self._lock:
+            self._warmups["issued"] += int(issued)
+            self._warmups["hit"] += int(hit)
+
+    def on_tokens(self, member: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
+        with self._lock:
+            self._prompt_tokens[member] = self._prompt_tokens.get(member, 0) + prompt_tokens
+            self._generated_tokens[member] = self._generated_tokens.get(member, 0) + generated_tokens
+
+    def record_route(self, decision: RouteDecision) -> None:
+        route = {"request_id": decision.request_id, "member": decision.member, "reason": decision.reason,
+                 "complexity": decision.complexity, "scores": dict(decision.scores),
+                 "matched_prefix_tokens": dict(decision.matched_prefix_tokens)}
+        with self._lock:
+            self._routes.append(route)
+
+    def snapshot(self, *, time_s: float, family: str, members: Sequence[str], pages: Mapping[str, Any],
+                 queue_depth: int, running: Mapping[str, int], waiting: Mapping[str, int]) -> dict[str, Any]:
+        """The 'Stats snapshot' of docs/ARCHITECTURE.md: JSON-able, zeros for every member and tier.
+
+        pages: {"total", "page_bytes", "by_state": {...}, "by_member": {...}}; missing entries read 0.
+        """
+        members = list(members)
+        with self._lock:
+            counters = {
+                "requests": {m: {**_zeros(OUTCOMES), **self._requests.get(m, {})}
+                             for m in _union(members, self._requests)},
+                "prefix_query_tokens": {m: self._prefix_query_tokens.get(m, 0)
+                                        for m in _union(members, self._prefix_query_tokens)},
+                "prefix_hit_tokens": {m: {**_zeros(HIT_TIERS), **self._prefix_hit_tokens.get(m, {})}
+                                      for m in _union(members, self._prefix_hit_tokens)},
+                "escalations": {**{f"{a}->{b}": 0 for i, a in enumerate(members) for b in members[i + 1:]},
+                                **self._escalations},
+                "preemptions": self._preemptions,
+                "evictions": self._evictions,
+                "offloads": dict(self._offloads),
+                "warmups": dict(self._warmups),
+                "generated_tokens": {m: self._generated_tokens.get(m, 0)
+                                     for m in _union(members, self._generated_tokens)},
+                "prompt_tokens": {m: self._prompt_tokens.get(m, 0) for m in _union(members, self._prompt_tokens)},
+            }
+            routes = [{**r, "scores": dict(r["scores"]), "matched_prefix_tokens": dict(r["matched_prefix_tokens"])}
+                      for r in self._routes]
+        by_member = pages.get("by_member", {})
+        return {
+            "time_s": float(time_s),
+            "family": family,
+            "members": members,
+            "pages": {
+                "total": int(pages.get("total", 0)),
+                "page_bytes": int(pages.get("page_bytes", 0)),
+                "by_state": {**_zeros(PAGE_STATES), **pages.get("by_state", {})},
+                "by_member": {m: {**_zeros(MEMBER_PAGE_STATES), **by_member.get(m, {})}
+                              for m in _union(members, by_member)},
+            },
+            "queue_depth": int(queue_depth),
+            "running": {m: running.get(m, 0) for m in _union(members, running)},
+            "waiting": {m: waiting.get(m, 0) for m in _union(members, waiting)},
+            "counters": counters,
+            "recent_routes": routes,
+        }
+
+
+def _union(members: list[str], extra: Mapping[str, Any]) -> list[str]:
+    """The family's members in order, then any other names seen (never drop a counted name)."""
+    return members + [m for m in extra if m not in members]

@@ -1,0 +1,277 @@
+"""KV cache facade over the page pool: per-request per-layer block tables, prefix match across tiers, allocation.
+
+A member's logical block is one page per layer (plus one residual page when the member records its
+exit-depth hidden states for a nested handover). Prefix identity is PageKey(lineage, block_hash), so
+members of a nested family find each other's lower-layer pages; independent members never do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrator.block_hash import chain_block_hashes, hash_seed
+from orchestrator.family import FamilySpec, MemberSpec
+from orchestrator.page_pool import PagePool
+from orchestrator.tiers import TieredStore
+from orchestrator.types import PageId, PageKey, Tier
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """What a member already holds of a prompt, in full blocks (read-only result of a match)."""
+
+    member: str
+    tokens_per_block: int
+    num_full_blocks: int = 0                 # every layer present (arena or a tier)
+    num_shared_blocks: int = 0               # next blocks: layers < shared_depth and the residual present
+    shared_depth: int = 0                    # 0 = no partial-layer reuse
+    shared_source: str | None = None         # member whose residuals feed the handover
+    tier_blocks: dict[Tier, int] = field(default_factory=dict)  # full blocks by the slowest tier they need
+
+    @property
+    def num_full_tokens(self) -> int:
+        return self.num_full_blocks * self.tokens_per_block
+
+    @property
+    def num_shared_tokens(self) -> int:
+        return self.num_shared_blocks * self.tokens_per_block
+
+
+@dataclass(slots=True)
+class SeqKV:
+    """One request's pages on its current member."""
+
+    member: str
+    tokens_per_block: int
+    block_tables: list[list[PageId]]                      # [layer][block]
+    residual_out: list[PageId] | None = None              # [block]: exit-depth residual pages this member writes
+    residual_in: dict[int, PageId] = field(default_factory=dict)  # block -> residual page feeding a handover
+    num_registered_blocks: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_tables[0])
+
+    def all_pages(self) -> list[PageId]:
+        pages = [p for table in self.block_tables for p in table]
+        pages.extend(self.residual_out or ())
+        pages.extend(self.residual_in.values())
+        return pages
+
+
+class KVCacheManager:
+    def __init__(self, family: FamilySpec, pool: PagePool, page_bytes: int, dtype_bytes: int,
+                 tiers: TieredStore | None = None, record_residuals: bool = True):
+        self.family = family
+        self.pool = pool
+        self.tiers = tiers
+        self._blocks = {m.name: m.tokens_per_block(page_bytes, dtype_bytes) for m in family.members}
+        # A member records residuals when a larger member starts from its exit depth (nested family).
+        self._records_residual = {
+            m.name: record_residuals and m.residual_fits_page(page_bytes, dtype_bytes)
+            and any(family.shared_depth(m.name, big.name) == m.num_layers
+                    and self._blocks[big.name] == self._blocks[m.name]
+                    for big in family.members[m.index + 1:])
+            for m in family.members
+        }
+        # For each member, the smaller members whose exit residual can feed it (largest depth first).
+        self._residual_sources = {
+            m.name: [s for s in reversed(family.members[:m.index])
+                     if self._records_residual[s.name] and family.shared_depth(s.name, m.name) == s.num_layers
+                     and self._blocks[s.name] == self._blocks[m.name]]
+            for m in family.members
+        }
+
+    # ------------------------------------------------------------------ identity
+    def tokens_per_block(self, member: str) -> int:
+        return self._blocks[member]
+
+    def records_residual(self, member: str) -> bool:
+        return self._records_residual[member]
+
+    def pages_per_block(self, member: str) -> int:
+        return self.family.member(member).num_layers + (1 if self._records_residual[member] else 0)
+
+    def block_hashes(self, member: str, token_ids: list[int], cache_salt: str | None,
+                     known: list[bytes] | None = None) -> list[bytes]:
+        """Chained hashes of the full blocks of token_ids; extends `known` instead of recomputing."""
+        spec = self.family.member(member)
+        known = list(known or ())
+        parent = known[-1] if known else None
+        seed = hash_seed(spec.tokenizer_hash, cache_salt)
+        known.extend(chain_block_hashes(token_ids, self._blocks[member], seed, parent=parent, start_block=len(known)))
+        return known
+
+    def _locate(self, key: PageKey) -> Tier | None:
+        if self.pool.lookup(key) is not None:
+            return Tier.ARENA
+        return self.tiers.locate(key) if self.tiers is not None else None
+
+    # ------------------------------------------------------------------ matching
+    def match(self, member: str, hashes: list[bytes], num_tokens: int, allow_shared: bool = True) -> PrefixMatch:
+        """Exact per-layer match. Leaves at least one token to compute (its logits start decoding)."""
+        spec = self.family.member(member)
+        size = self._blocks[member]
+        limit = min(len(hashes), max(0, (num_tokens - 1) // size))
+        result = PrefixMatch(member=member, tokens_per_block=size)
+        block = 0
+        while block < limit:
+            slowest = self._block_tier(spec.layer_lineages, hashes[block])
+            if slowest is None:
+                break
+            result.tier_blocks[slowest] = result.tier_blocks.get(slowest, 0) + 1
+            block += 1
+        result.num_full_blocks = block
+        if not allow_shared:
+            return result
+        for source in self._residual_sources[member]:
+            lineages = source.layer_lineages + (source.residual_lineage(),)
+            shared = block
+            while shared < limit and self._block_tier(lineages, hashes[shared]) is not None:
+                shared += 1
+            if shared > block:
+                result.num_shared_blocks = shared - block
+                result.shared_depth = source.num_layers
+                result.shared_source = source.name
+                break
+        return result
+
+    def _block_tier(self, lineages, block_hash: bytes) -> Tier | None:
+        """The slowest tier any page of this block lives in, or None if one is missing."""
+        slowest = Tier.ARENA
+        for lineage in lineages:
+            tier = self._locate(PageKey(lineage, block_hash))
+            if tier is None:
+                return None
+            if tier is Tier.DISK or (tier is Tier.HOST and slowest is Tier.ARENA):
+                slowest = tier
+        return slowest
+
+    def estimate_cached_tokens(self, member: str, hashes: list[bytes]) -> int:
+        """Router's cheap estimate: checks only the top layer's key per block (all pages of a block
+        are released together, so they leave the arena together in LRU order)."""
+        top = self.family.member(member).layer_lineages[-1]
+        block = 0
+        for block_hash in hashes:
+            if self._locate(PageKey(top, block_hash)) is None:
+                break
+            block += 1
+        return block * self._blocks[member]
+
+    # ------------------------------------------------------------------ allocation
+    def attach(self, member: str, match: PrefixMatch, hashes: list[bytes], total_tokens: int,
+               reserve_pages: int = 0, evict: bool = True) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]] | None:
+        """Builds a request's block tables for its first total_tokens: acquires matched arena pages,
+        allocates pages for tier hits (returned as loads) and for the rest. None if pages are short
+        (then nothing is held). reserve_pages must stay available afterwards (decode headroom);
+        evict=False admits only into never-used free pages (warm-ups use idle memory only)."""
+        spec = self.family.member(member)
+        size = self._blocks[member]
+        records = self._records_residual[member]
+        # Slots in table order: (kind, layer or None, block, key or None); key None = compute fresh.
+        slots: list[tuple[str, int | None, int, PageKey | None]] = []
+        for block in range(match.num_full_blocks):
+            for layer, lineage in enumerate(spec.layer_lineages):
+                slots.append(("kv", layer, block, PageKey(lineage, hashes[block])))
+            if records:
+                key = PageKey(spec.residual_lineage(), hashes[block])
+                slots.append(("out", None, block, key if self._locate(key) is not None else None))
+        if match.num_shared_blocks:
+            source = self.family.member(match.shared_source)
+            for block in range(match.num_full_blocks, match.num_full_blocks + match.num_shared_blocks):
+                for layer in range(spec.num_layers):
+                    key = PageKey(spec.layer_lineages[layer], hashes[block]) if layer < match.shared_depth else None
+                    slots.append(("kv", layer, block, key))
+                slots.append(("in", None, block, PageKey(source.residual_lineage(), hashes[block])))
+                if records:
+                    slots.append(("out", None, block, None))
+        # Pass 1: pin arena hits first, so allocating fresh pages below cannot evict them.
+        pages: list[PageId | None] = []
+        for _, _, _, key in slots:
+            page = self.pool.lookup(key) if key is not None else None
+            if page is not None:
+                self.pool.acquire(page, member)
+            pages.append(page)
+        num_blocks = -(-total_tokens // size)
+        num_grow = max(0, num_blocks - match.num_full_blocks - match.num_shared_blocks)
+        fresh = pages.count(None) + num_grow * self.pages_per_block(member)
+        enough = (self.pool.can_allocate(member, fresh + reserve_pages) if evict
+                  else self.pool.counts()["free"] >= fresh + reserve_pages)
+        if not enough:
+            for page in pages:
+                if page is not None:
+                    self.pool.release(page)
+            return None
+        # Pass 2: fresh pages; tier hits get their key now and a load before the step runs.
+        loads: list[tuple[PageId, PageKey, Tier]] = []
+        seq = SeqKV(member=member, tokens_per_block=size, block_tables=[[] for _ in range(spec.num_layers)],
+                    residual_out=[] if records else None)
+        for (kind, layer, block, key), page in zip(slots, pages):
+            if page is None:
+                page = self._new(member)
+                if key is not None:
+                    tier = self.tiers.locate(key) if self.tiers is not None else None
+                    if tier is None:
+                        raise RuntimeError(f"tier entry for {key} vanished between match and attach")
+                    self.pool.register(page, key)
+                    loads.append((page, key, tier))
+            if kind == "kv":
+                seq.block_tables[layer].append(page)
+            elif kind == "out":
+                seq.residual_out.append(page)
+            else:
+                seq.residual_in[block] = page
+        seq.num_registered_blocks = match.num_full_blocks
+        if not self.grow(seq, total_tokens):
+            raise RuntimeError("page pool short after can_allocate said yes")  # invariant
+        return seq, loads
+
+    def _new(self, member: str) -> PageId:
+        pages = self.pool.allocate(member, 1)
+        if pages is None:
+            raise RuntimeError("page pool short after can_allocate said yes")  # invariant
+        return pages[0]
+
+    def blocks_to_grow(self, seq: SeqKV, total_tokens: int) -> int:
+        return max(0, -(-total_tokens // seq.tokens_per_block) - seq.num_blocks)
+
+    def grow(self, seq: SeqKV, total_tokens: int) -> bool:
+        """Adds blocks so the tables cover total_tokens. All or nothing."""
+        missing = self.blocks_to_grow(seq, total_tokens)
+        if missing == 0:
+            return True
+        per_block = self.pages_per_block(seq.member)
+        pages = self.pool.allocate(seq.member, missing * per_block)
+        if pages is None:
+            return False
+        it = iter(pages)
+        for _ in range(missing):
+            for table in seq.block_tables:
+                table.append(next(it))
+            if seq.residual_out is not None:
+                seq.residual_out.append(next(it))
+        return True
+
+    def register_full_blocks(self, seq: SeqKV, hashes: list[bytes], num_computed_tokens: int) -> None:
+        """Gives every newly full, fully computed block its keys so later requests can hit it."""
+        spec = self.family.member(seq.member)
+        full = min(len(hashes), num_computed_tokens // seq.tokens_per_block)
+        for block in range(seq.num_registered_blocks, full):
+            for layer, lineage in enumerate(spec.layer_lineages):
+                self.pool.register(seq.block_tables[layer][block], PageKey(lineage, hashes[block]))
+            if seq.residual_out is not None:
+                self.pool.register(seq.residual_out[block], PageKey(spec.residual_lineage(), hashes[block]))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def release(self, seq: SeqKV) -> None:
+        """Drops the request's references; keyed pages stay cached (delayed reclamation, LRU)."""
+        # Release deepest blocks first so a prefix's head stays in the arena longest (LRU order).
+        for block in reversed(range(seq.num_blocks)):
+            for table in seq.block_tables:
+                self.pool.release(table[block])
+            if seq.residual_out is not None and block < len(seq.residual_out):
+                self.pool.release(seq.residual_out[block])
+        for page in seq.residual_in.values():
+            self.pool.release(page)
+        seq.block_tables = [[] for _ in seq.block_tables]
+        seq.residual_out = [] if seq.residual_out is not None else None
+        seq.residual_in = {}

@@ -1,0 +1,300 @@
+"""The ledger of the KV arena: page states, refcounts, the key->page map and per-partition LRU queues."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from orchestrator.config import MemberLimit
+from orchestrator.types import PageId, PageKey
+
+# Page states (derived, never stored): FREE = refcount 0 and no key; CACHED = refcount 0 with a key
+# (reusable, evictable, LRU); USED = refcount > 0, with or without a key.
+
+
+@dataclass(slots=True)
+class _Partition:
+    """A set of pages with its own queues. The elastic pool is one partition shared by every member."""
+
+    name: str | None
+    num_pages: int
+    # Both queues are ordered sets (values unused): O(1) append, pop head, delete anywhere.
+    free: OrderedDict[PageId, None] = field(default_factory=OrderedDict)     # no key; taken first
+    cached: OrderedDict[PageId, None] = field(default_factory=OrderedDict)   # head = least recently released
+    floor_members: list[str] = field(default_factory=list)                   # members with a floor here
+
+
+def split_pages(num_pages: int, fractions: Mapping[str, float]) -> dict[str, int]:
+    """Static split (baseline): pages per member by largest remainder, summing exactly to num_pages."""
+    total = sum(fractions.values())
+    exact = {m: num_pages * f / total for m, f in fractions.items()}
+    pages = {m: int(x) for m, x in exact.items()}
+    leftover = num_pages - sum(pages.values())
+    for m in sorted(exact, key=lambda m: exact[m] - pages[m], reverse=True)[:leftover]:
+        pages[m] += 1
+    return pages
+
+
+class PagePool:
+    """THE ledger of the arena, in pages. Pure bookkeeping: it never touches page contents.
+
+    partitions: the baseline's static split (member -> pages only that member may allocate), assigned
+    as contiguous id ranges in the dict's order; they must sum to num_pages. None = one elastic pool.
+    limits: elastic floor_pages (kept available to the member: other members may not take them) and
+    ceiling_pages (at most this many USED pages owned by the member).
+    A page's owner is the member that allocated it, or that took it back from the cache (acquire at
+    refcount 0); sharing a USED page never changes its owner.
+    """
+
+    def __init__(self, num_pages: int, partitions: dict[str, int] | None = None,
+                 limits: dict[str, MemberLimit] | None = None, members: Iterable[str] = ()) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._refcount: list[int] = [0] * num_pages
+        self._key: list[PageKey | None] = [None] * num_pages
+        self._owner: list[str | None] = [None] * num_pages
+        self._partition_of: list[int] = [0] * num_pages      # index into self._partitions
+        self._page_of_key: dict[PageKey, PageId] = {}
+        self._evictions: list[tuple[PageId, PageKey]] = []
+        self._limits: dict[str, MemberLimit] = dict(limits or {})
+        # Per-owner counters, kept in step with every state change so accounting is O(1).
+        self._used_by: dict[str, int] = {}
+        self._cached_by: dict[str, int] = {}
+        self._num_used_pages = 0
+        self._partitions: list[_Partition] = []
+        self._partition_index: dict[str, int] = {}           # member -> partition (partitioned mode only)
+        self._build_partitions(partitions)
+        for member in [*members, *(partitions or {}), *self._limits]:
+            self._used_by.setdefault(member, 0)
+            self._cached_by.setdefault(member, 0)
+        for member, limit in self._limits.items():
+            part = self._partition_for(member)
+            if part is not None and limit.floor_pages > 0:
+                part.floor_members.append(member)
+
+    def _build_partitions(self, partitions: dict[str, int] | None) -> None:
+        if partitions is None:
+            self._partitions.append(_Partition(None, self.num_pages, OrderedDict.fromkeys(
+                PageId(p) for p in range(self.num_pages))))
+            return
+        if any(n < 0 for n in partitions.values()) or sum(partitions.values()) != self.num_pages:
+            raise ValueError(f"partitions must be >= 0 and sum to num_pages={self.num_pages}, got "
+                             f"{partitions} (use page_pool.split_pages)")
+        start = 0
+        for index, (member, size) in enumerate(partitions.items()):
+            pages = range(start, start + size)
+            self._partitions.append(_Partition(member, size, OrderedDict.fromkeys(PageId(p) for p in pages)))
+            self._partition_index[member] = index
+            for p in pages:
+                self._partition_of[p] = index
+            start += size
+
+    def _partition_for(self, member: str) -> _Partition | None:
+        if self._partitions[0].name is None:
+            return self._partitions[0]
+        index = self._partition_index.get(member)
+        return None if index is None else self._partitions[index]
+
+    # ------------------------------------------------------------------------- capacity
+    def num_available_pages(self, member: str) -> int:
+        """Free + cached pages `member` could get now: its partition, minus others' unmet floors, up to its ceiling."""
+        part = self._partition_for(member)
+        if part is None:
+            return 0
+        available = len(part.free) + len(part.cached)
+        for other in part.floor_members:
+            if other != member:
+                available -= max(0, self._limits[other].floor_pages - self._used_by[other])
+        limit = self._limits.get(member)
+        if limit is not None and limit.ceiling_pages is not None:
+            available = min(available, limit.ceiling_pages - self._used_by.get(member, 0))
+        return max(0, available)
+
+    def num_available_pages_total(self, member: str) -> int:
+        """The most pages `member` could ever hold (everyone else idle): its partition, minus others'
+        whole floors, up to its ceiling. A request needing more can never run: reject it up front."""
+        part = self._partition_for(member)
+        if part is None:
+            return 0
+        total = part.num_pages - sum(self._limits[m].floor_pages for m in part.floor_members if m != member)
+        limit = self._limits.get(member)
+        if limit is not None and limit.ceiling_pages is not None:
+            total = min(total, limit.ceiling_pages)
+        return max(0, total)
+
+    def can_allocate(self, member: str, num_pages: int) -> bool:
+        return num_pages <= self.num_available_pages(member)
+
+    def allocate(self, member: str, num_pages: int) -> list[PageId] | None:
+        """All or nothing: keyless free pages first, then the least recently released cached pages."""
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if not self.can_allocate(member, num_pages):
+            return None
+        part = self._partition_for(member)
+        assert part is not None  # can_allocate is False for a member without a partition
+        pages: list[PageId] = []
+        for _ in range(num_pages):
+            if part.free:
+                page, _ = part.free.popitem(last=False)
+            else:
+                page, _ = part.cached.popitem(last=False)
+                key = self._key[page]
+                assert key is not None
+                # The arena copy is about to be overwritten: record it so the caller can save it to a tier.
+                del self._page_of_key[key]
+                self._key[page] = None
+                self._cached_by[self._owner[page]] -= 1  # type: ignore[index]
+                self._evictions.append((page, key))
+            self._refcount[page] = 1
+            self._set_used_owner(page, member)
+            pages.append(page)
+        return pages
+
+    def take_evictions(self) -> list[tuple[PageId, PageKey]]:
+        """(page, key) evicted since the last call; copy them out BEFORE the next step overwrites them."""
+        evictions, self._evictions = self._evictions, []
+        return evictions
+
+    # ------------------------------------------------------------------------- references
+    def lookup(self, key: PageKey) -> PageId | None:
+        return self._page_of_key.get(key)
+
+    def acquire(self, page: PageId, member: str) -> None:
+        """One more reference. A cached page leaves the LRU queue, becomes USED and owned by `member`.
+
+        Never fails on capacity: a prefix hit is free memory-wise, but it does leave the cache, so
+        check can_allocate for new pages AFTER acquiring hits.
+        """
+        count = self._refcount[page]
+        if count == 0:
+            if self._key[page] is None:
+                raise ValueError(f"page {page} is free (no key, refcount 0): allocate it instead")
+            del self._partitions[self._partition_of[page]].cached[page]
+            self._cached_by[self._owner[page]] -= 1  # type: ignore[index]
+            self._set_used_owner(page, member)
+        self._refcount[page] = count + 1
+
+    def release(self, page: PageId) -> None:
+        """One reference less; at 0 a keyed page becomes CACHED at the LRU tail, a keyless one FREE."""
+        count = self._refcount[page]
+        if count <= 0:
+            raise ValueError(f"page {page} released at refcount {count}")
+        self._refcount[page] = count - 1
+        if count > 1:
+            return
+        owner = self._owner[page]
+        assert owner is not None
+        self._used_by[owner] -= 1
+        self._num_used_pages -= 1
+        part = self._partitions[self._partition_of[page]]
+        if self._key[page] is not None:
+            part.cached[page] = None
+            self._cached_by[owner] += 1
+        else:
+            part.free[page] = None
+            self._owner[page] = None
+
+    def demote(self, page: PageId) -> None:
+        """Moves a CACHED page to the LRU head: evicted first (e.g. its session's TTL expired)."""
+        cached = self._partitions[self._partition_of[page]].cached
+        if page not in cached:
+            raise ValueError(f"page {page} is not cached")
+        cached.move_to_end(page, last=False)
+
+    def register(self, page: PageId, key: PageKey) -> PageId:
+        """Gives a USED page its key (its block is full). Returns the canonical page for the key:
+        `page`, or the page that already held it (the mapping never moves; `page` stays keyless)."""
+        if self._refcount[page] <= 0:
+            raise ValueError(f"page {page} is not in use (refcount {self._refcount[page]})")
+        holder = self._page_of_key.get(key)
+        if holder is not None:
+            return holder
+        if self._key[page] is not None:
+            raise ValueError(f"page {page} already holds key {self._key[page]}, cannot take {key}")
+        self._key[page] = key
+        self._page_of_key[key] = page
+        return page
+
+    def drop_key(self, page: PageId) -> None:
+        """Forgets a page's key (its contents are not what the key says); a cached page becomes FREE."""
+        key = self._key[page]
+        if key is None:
+            return
+        del self._page_of_key[key]
+        self._key[page] = None
+        if self._refcount[page] == 0:
+            part = self._partitions[self._partition_of[page]]
+            del part.cached[page]
+            self._cached_by[self._owner[page]] -= 1  # type: ignore[index]
+            self._owner[page] = None
+            part.free[page] = None
+
+    def _set_used_owner(self, page: PageId, member: str) -> None:
+        self._owner[page] = member
+        self._used_by[member] = self._used_by.get(member, 0) + 1
+        self._cached_by.setdefault(member, 0)
+        self._num_used_pages += 1
+
+    # ------------------------------------------------------------------------- queries
+    def key_of(self, page: PageId) -> PageKey | None:
+        return self._key[page]
+
+    def refcount(self, page: PageId) -> int:
+        return self._refcount[page]
+
+    def owner(self, page: PageId) -> str | None:
+        return self._owner[page]
+
+    def is_cached(self, page: PageId) -> bool:
+        return self._refcount[page] == 0 and self._key[page] is not None
+
+    def num_used_pages(self, member: str | None = None) -> int:
+        """USED pages owned by `member` (all USED pages when None)."""
+        return self._num_used_pages if member is None else self._used_by.get(member, 0)
+
+    def counts(self) -> dict[str, int]:
+        free = sum(len(p.free) for p in self._partitions)
+        cached = sum(len(p.cached) for p in self._partitions)
+        return {"free": free, "used": self._num_used_pages, "cached": cached}
+
+    def counts_by_member(self) -> dict[str, dict[str, int]]:
+        """{"used", "cached"} pages by owner, for every member ever known (zeros included)."""
+        return {m: {"used": self._used_by[m], "cached": self._cached_by[m]} for m in self._used_by}
+
+    def check_invariants(self) -> None:
+        """Every page in exactly one state and queue, the key map a bijection, counters exact."""
+        used_by: dict[str, int] = {}
+        cached_by: dict[str, int] = {}
+        num_free = num_cached = num_used = 0
+        for page in range(self.num_pages):
+            count, key, owner = self._refcount[page], self._key[page], self._owner[page]
+            part = self._partitions[self._partition_of[page]]
+            in_free, in_cached = page in part.free, page in part.cached
+            assert count >= 0, f"page {page}: refcount {count} < 0"
+            assert key is None or self._page_of_key.get(key) == page, f"page {page}: key {key} not mapped to it"
+            if count > 0:
+                assert not in_free and not in_cached, f"page {page}: USED but queued"
+                assert owner is not None, f"page {page}: USED without owner"
+                used_by[owner] = used_by.get(owner, 0) + 1
+                num_used += 1
+            elif key is not None:
+                assert in_cached and not in_free, f"page {page}: CACHED but not (only) in the LRU queue"
+                assert owner is not None, f"page {page}: CACHED without owner"
+                cached_by[owner] = cached_by.get(owner, 0) + 1
+                num_cached += 1
+            else:
+                assert in_free and not in_cached, f"page {page}: FREE but not (only) in the free queue"
+                assert owner is None, f"page {page}: FREE with owner {owner}"
+                num_free += 1
+        for key, page in self._page_of_key.items():
+            assert self._key[page] == key, f"key map: {key} -> page {page} which holds {self._key[page]}"
+        queued = sum(len(p.free) + len(p.cached) for p in self._partitions)
+        assert queued == num_free + num_cached, f"queues hold {queued} pages, expected {num_free + num_cached}"
+        assert num_free + num_cached + num_used == self.num_pages, "pages lost"
+        assert num_used == self._num_used_pages, f"used counter {self._num_used_pages} != {num_used}"
+        for member in self._used_by:
+            assert self._used_by[member] == used_by.get(member, 0), f"{member}: used counter off"
+            assert self._cached_by[member] == cached_by.get(member, 0), f"{member}: cached counter off"
+        assert set(used_by) <= set(self._used_by) and set(cached_by) <= set(self._cached_by), "unknown owner"

@@ -1,0 +1,171 @@
+"""Routes a request to one family member by scoring complexity fit, cache affinity and load."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from orchestrator.config import RouterConfig, RouterWeights
+from orchestrator.family import FamilySpec
+from orchestrator.types import MemberName, Request, RouteDecision
+
+COMPONENTS = ("complexity", "affinity", "load", "session")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLoad:
+    """What one member is doing now (the scheduler's view)."""
+
+    num_running: int
+    num_waiting: int
+    running_tokens: int       # prompt + generated tokens of its running requests
+    queued_tokens: int        # prompt tokens of requests waiting for it
+
+    @property
+    def total_tokens(self) -> int:
+        return self.running_tokens + self.queued_tokens
+
+
+_IDLE = MemberLoad(0, 0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class FitPenalties:
+    """Shape of the complexity-fit component (RouterConfig has no knobs for it yet).
+
+    fit(member) = 1 for the smallest adequate member, minus `smaller_per_step` per size step below it
+    (too weak: answers get worse) or `larger_per_step` per step above it (adequate but slower and
+    dearer). Smaller is penalised much harder than larger.
+    """
+
+    smaller_per_step: float = 0.6
+    larger_per_step: float = 0.15
+    tie_epsilon: float = 1e-9    # totals closer than this count as a tie (the smaller member wins)
+
+
+class Router:
+    """Scores every member and picks one; every component lands in the RouteDecision so it can be explained.
+
+    total(member) = w.complexity * fit + w.affinity * cached_fraction + session - w.load * load_fraction
+      fit             see FitPenalties (thresholds from config.complexity_thresholds)
+      cached_fraction matched_prefix_tokens[member] / prompt tokens, 0 below config.affinity_min_tokens
+      session         config.session_bonus for the session's last member
+      load_fraction   min(1, (running + queued tokens) / config.load_saturation_tokens)
+    Affinity and session are 0 when config.use_affinity is False, load when config.use_load is False.
+    components[member] holds the weighted contributions (load is negative), so they sum to scores[member].
+    The highest total wins, ties go to the smaller member. A saturated winner (tokens >= saturation) is
+    downgraded to the largest smaller unsaturated member when the profile allows it and load is in use.
+    """
+
+    __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds")
+
+    def __init__(self, family: FamilySpec, config: RouterConfig, fit: FitPenalties | None = None) -> None:
+        if not family.members:
+            raise ValueError(f"family {family.name!r} has no members to route to")
+        self.family = family
+        self.config = config
+        self.fit = fit or FitPenalties()
+        self._names: tuple[str, ...] = tuple(family.member_names)
+        self._num_members = len(self._names)
+        self._thresholds = tuple(config.complexity_thresholds)
+
+    def adequate_index(self, complexity: float) -> int:
+        """Index of the smallest member whose complexity band holds `complexity` (thresholds are lower bounds)."""
+        return min(bisect.bisect_right(self._thresholds, complexity), self._num_members - 1)
+
+    def adequate_member(self, complexity: float) -> str:
+        return self._names[self.adequate_index(complexity)]
+
+    def weights(self, request: Request) -> RouterWeights:
+        profiles = self.config.profiles
+        weights = profiles.get(getattr(request.profile, "value", request.profile))
+        return weights if weights is not None else profiles[self.config.profile]
+
+    def route(self, request: Request, *, complexity: float, matched_prefix_tokens: dict[str, int],
+              loads: dict[str, MemberLoad], session_member: str | None, now_s: float) -> RouteDecision:
+        """One decision. now_s is accepted for time-aware policies (session expiry); unused today."""
+        config, fit = self.config, self.fit
+        weights = self.weights(request)
+        names = self._names
+        adequate = self.adequate_index(complexity)
+        prompt_tokens = max(1, len(request.prompt_token_ids))
+        saturation_tokens = max(1, config.load_saturation_tokens)
+        use_affinity, use_load = config.use_affinity, config.use_load
+
+        scores: dict[str, float] = {}
+        components: dict[str, dict[str, float]] = {}
+        best_index, best_total = 0, float("-inf")
+        for index, name in enumerate(names):
+            steps = index - adequate
+            if steps >= 0:
+                fit_value = 1.0 - fit.larger_per_step * steps
+            else:
+                fit_value = 1.0 + fit.smaller_per_step * steps
+            complexity_part = weights.complexity * fit_value
+            affinity_part = session_part = load_part = 0.0
+            if use_affinity:
+                matched = matched_prefix_tokens.get(name, 0)
+                if matched >= config.affinity_min_tokens:
+                    affinity_part = weights.affinity * min(1.0, matched / prompt_tokens)
+                if name == session_member:
+                    session_part = config.session_bonus
+            if use_load:
+                load = loads.get(name, _IDLE)
+                load_part = -weights.load * min(1.0, (load.running_tokens + load.queued_tokens) / saturation_tokens)
+            total = complexity_part + affinity_part + session_part + load_part
+            scores[name] = total
+            components[name] = {"complexity": complexity_part, "affinity": affinity_part,
+                                "load": load_part, "session": session_part}
+            if total > best_total + fit.tie_epsilon:   # strict: ties keep the smaller member
+                best_index, best_total = index, total
+
+        winner = names[best_index]
+        reason = f"complexity {complexity:.2f} -> {names[adequate]}"
+        if best_index != adequate:
+            reason += "; " + self._why_not_adequate(names[adequate], winner, components, matched_prefix_tokens, loads)
+        elif components[winner]["affinity"] > 0.0:
+            reason += f" ({matched_prefix_tokens.get(winner, 0)} cached tokens)"
+
+        downgraded_from = None
+        if request.pinned_member is not None:
+            if request.pinned_member not in scores:
+                raise ValueError(f"pinned member {request.pinned_member!r} is not in family "
+                                 f"{self.family.name!r} (members: {', '.join(names)})")
+            winner, reason = request.pinned_member, "pinned"
+        elif use_load and weights.allow_downgrade:
+            target = self._downgrade_target(best_index, loads, saturation_tokens)
+            if target is not None:
+                tokens = loads.get(winner, _IDLE).total_tokens
+                reason += (f"; {winner} saturated ({tokens} >= {config.load_saturation_tokens} tokens), "
+                           f"downgraded to {names[target]}")
+                downgraded_from, winner = MemberName(winner), names[target]
+
+        return RouteDecision(
+            request_id=request.request_id, member=MemberName(winner), reason=reason, scores=scores,
+            components=components, matched_prefix_tokens=dict(matched_prefix_tokens), complexity=complexity,
+            downgraded_from=downgraded_from)
+
+    # ------------------------------------------------------------------------- internals
+    def _downgrade_target(self, winner_index: int, loads: dict[str, MemberLoad], saturation_tokens: int) -> int | None:
+        """Largest smaller member that is not saturated, when the winner is; else None."""
+        names = self._names
+        if loads.get(names[winner_index], _IDLE).total_tokens < saturation_tokens:
+            return None
+        for index in range(winner_index - 1, -1, -1):
+            if loads.get(names[index], _IDLE).total_tokens < saturation_tokens:
+                return index
+        return None   # everyone is saturated: stay put, the queue absorbs it
+
+    @staticmethod
+    def _why_not_adequate(adequate: str, winner: str, components: dict[str, dict[str, float]],
+                          matched_prefix_tokens: dict[str, int], loads: dict[str, MemberLoad]) -> str:
+        """Names the component that moved the decision away from the adequate member."""
+        won, lost = components[winner], components[adequate]
+        gains = {key: won[key] - lost[key] for key in ("affinity", "session", "load")}
+        key = max(gains, key=gains.__getitem__)
+        if gains[key] <= 0.0:
+            return f"{winner} scored highest"
+        if key == "affinity":
+            return f"{matched_prefix_tokens.get(winner, 0)} cached tokens on {winner} outweighed it"
+        if key == "session":
+            return f"the session's last member {winner} outweighed it"
+        return f"{adequate} is loaded ({loads.get(adequate, _IDLE).total_tokens} tokens), {winner} chosen"

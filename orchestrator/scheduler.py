@@ -1,0 +1,540 @@
+"""One scheduler for the whole family: global queue, admission against the ledger, chunked prefill and
+decode batches per member, preemption, escalation handover and warm-up. Pure: no torch, no I/O,
+the clock is passed in.
+
+Step shape: schedule(now) -> StepPlan (the engine runs it) -> update(plan, sampled, now) -> outputs.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from orchestrator.complexity import ComplexityEstimator
+from orchestrator.config import MFSConfig
+from orchestrator.errors import InvalidRequestError, QueueFullError
+from orchestrator.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
+from orchestrator.events import EventKind, EventLog, Stats
+from orchestrator.family import FamilySpec
+from orchestrator.kv_cache import KVCacheManager, SeqKV
+from orchestrator.page_pool import PagePool, split_pages
+from orchestrator.router import MemberLoad, Router
+from orchestrator.tiers import TieredStore
+from orchestrator.types import (FinishReason, MemberBatch, MemberName, MemberSpan, PageId, Request, RequestId,
+                                RequestOutput, RequestState, RouteDecision, SampledToken, SeqChunk, StepPlan, Tier)
+
+WARMUP_PRIORITY = 100          # warm-up prefills run only when nothing else waits
+_MAX_SESSIONS = 10000          # session -> last member map is bounded (LRU)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The core's state for one request (or one warm-up prefill)."""
+
+    request: Request
+    member: MemberName
+    token_ids: list[int]                       # prompt + generated
+    num_prompt_tokens: int
+    route: RouteDecision | None = None
+    complexity: float = 0.0
+    state: RequestState = RequestState.WAITING
+    kv: SeqKV | None = None
+    hashes: list[bytes] = field(default_factory=list)   # full-block hashes for the current member
+    num_computed_tokens: int = 0               # positions whose KV exists at every layer
+    shared_until_tokens: int = 0               # positions below this start at shared_depth (handover)
+    shared_depth: int = 0
+    monitor: ConfidenceMonitor | None = None
+    spans: list[MemberSpan] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple] = field(default_factory=list)
+    num_emitted_tokens: int = 0
+    num_cached_prompt_tokens: int | None = None
+    admit_order: int = 0
+    is_warmup: bool = False
+    had_warmup: bool = False
+    count_query: bool = True                   # next admission reports a prefix query (not after preemption)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def request_id(self) -> RequestId:
+        return self.request.request_id
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def is_decoding(self) -> bool:
+        return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_generated > 0
+
+
+class Scheduler:
+    def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
+                 estimator: ComplexityEstimator, tiers: TieredStore | None = None,
+                 events: EventLog | None = None, stats: Stats | None = None):
+        self.family = family
+        self.config = config
+        self.pool = pool
+        self.kv = kv
+        self.tiers = tiers
+        self.router = Router(family, config.router)
+        self.estimator = estimator
+        self.events = events or EventLog()
+        self.stats = stats or Stats()
+        self._waiting: dict[int, deque[Sequence]] = {}          # priority -> FCFS queue
+        self._running: OrderedDict[RequestId, Sequence] = OrderedDict()  # admission order
+        self._by_id: dict[RequestId, Sequence] = {}
+        self._aborts: list[tuple[RequestId, str | None]] = []
+        self._released: list[RequestId] = []
+        self._sessions: OrderedDict[str, MemberName] = OrderedDict()
+        self._admit_counter = itertools.count()
+        self._eos = {m.name: frozenset(m.eos_token_ids) for m in family.members}
+        self._capacity_pages = {m.name: self._member_capacity(m.name) for m in family.members}
+        self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
+                               for m in family.members}
+
+    def _member_capacity(self, member: str) -> int:
+        """Most pages one member can ever hold: its static slice, or the pool under its ceiling."""
+        cfg = self.config.pool
+        capacity = self.pool.num_pages
+        if cfg.static_split is not None:
+            capacity = split_pages(self.pool.num_pages, cfg.static_split).get(member, 0)
+        limit = cfg.member_limits.get(member)
+        if limit is not None and limit.ceiling_pages is not None:
+            capacity = min(capacity, limit.ceiling_pages)
+        return capacity
+
+    # ------------------------------------------------------------------ intake
+    def num_waiting(self) -> int:
+        return sum(len(q) for p, q in self._waiting.items() if p < WARMUP_PRIORITY)
+
+    def has_work(self) -> bool:
+        return bool(self._running or any(self._waiting.values()) or self._aborts)
+
+    def add_request(self, request: Request, now_s: float) -> RouteDecision:
+        """Validates against the family and the pool, routes, queues. Raises InvalidRequestError/QueueFullError."""
+        if request.request_id in self._by_id:
+            raise InvalidRequestError(f"duplicate request id {request.request_id}", param="request_id")
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if request.pinned_member is not None and request.pinned_member not in self.family.member_names:
+            raise InvalidRequestError(f"unknown member {request.pinned_member}", param="model")
+        needed = len(request.prompt_token_ids) + request.sampling.max_tokens
+        candidates = [request.pinned_member] if request.pinned_member else self.family.member_names
+        for name in candidates:
+            member = self.family.member(name)
+            if len(request.prompt_token_ids) >= member.context_tokens:
+                raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens; member {name} "
+                                          f"holds {member.context_tokens}", param="prompt")
+            pages = -(-min(needed, member.context_tokens) // self.kv.tokens_per_block(name)) * self.kv.pages_per_block(name)
+            if pages > self._capacity_pages[name]:
+                raise InvalidRequestError(f"request needs {pages} KV pages on {name}; the pool can give it "
+                                          f"at most {self._capacity_pages[name]}", param="max_tokens")
+        if self.num_waiting() >= self.config.scheduler.max_queue:
+            self.stats.on_request_done(request.pinned_member or "all", "rejected")
+            raise QueueFullError(f"queue full ({self.config.scheduler.max_queue} waiting requests)")
+        complexity = (request.complexity_hint if request.complexity_hint is not None
+                      else self.estimator.score(request.prompt_token_ids))
+        decision = self._route(request, complexity, now_s)
+        seq = Sequence(request=request, member=decision.member, token_ids=list(request.prompt_token_ids),
+                       num_prompt_tokens=len(request.prompt_token_ids), route=decision, complexity=complexity)
+        if self._can_escalate(seq):
+            seq.monitor = ConfidenceMonitor(self.config.escalation)
+        self._by_id[request.request_id] = seq
+        self._enqueue(seq)
+        self.stats.record_route(decision)
+        self.events.emit(EventKind.ROUTE, now_s, request.request_id, decision.member, reason=decision.reason)
+        self._maybe_warm_up(seq, now_s)
+        return decision
+
+    def abort(self, request_id: RequestId, reason: str | None = None) -> None:
+        self._aborts.append((request_id, reason))
+
+    def _route(self, request: Request, complexity: float, now_s: float) -> RouteDecision:
+        matched: dict[str, int] = {}
+        if self.config.router.use_affinity and request.pinned_member is None:
+            by_block_size: dict[int, list[bytes]] = {}
+            for name in self.family.member_names:
+                size = self.kv.tokens_per_block(name)
+                if size not in by_block_size:
+                    by_block_size[size] = self.kv.block_hashes(name, request.prompt_token_ids, request.cache_salt)
+                matched[name] = self.kv.estimate_cached_tokens(name, by_block_size[size])
+        session_member = self._sessions.get(request.session_id) if request.session_id else None
+        return self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
+                                 loads=self.loads(), session_member=session_member, now_s=now_s)
+
+    def loads(self) -> dict[str, MemberLoad]:
+        running = {n: [0, 0] for n in self.family.member_names}
+        waiting = {n: [0, 0] for n in self.family.member_names}
+        for seq in self._running.values():
+            running[seq.member][0] += 1
+            running[seq.member][1] += len(seq.token_ids)
+        for queue in self._waiting.values():
+            for seq in queue:
+                waiting[seq.member][0] += 1
+                waiting[seq.member][1] += len(seq.token_ids)
+        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1]) for n in running}
+
+    def _can_escalate(self, seq: Sequence) -> bool:
+        return (self.config.escalation.enabled and not seq.is_warmup and seq.request.pinned_member is None
+                and escalation_target(self.family, seq.member, pinned=False) is not None)
+
+    def _maybe_warm_up(self, seq: Sequence, now_s: float) -> None:
+        """Prefill a likely escalation's prompt on the next member while that member is idle."""
+        cfg = self.config.escalation
+        if not (cfg.warmup and cfg.enabled and seq.monitor is not None and in_warmup_band(cfg, seq.complexity)):
+            return
+        target = escalation_target(self.family, seq.member, pinned=False)
+        load = self.loads()[target]
+        if load.num_running or load.num_waiting:
+            return
+        warm = Request(request_id=RequestId(f"{seq.request_id}#warmup"), prompt_token_ids=seq.request.prompt_token_ids,
+                       sampling=seq.request.sampling, arrival_s=now_s, cache_salt=seq.request.cache_salt,
+                       priority=WARMUP_PRIORITY)
+        warm_seq = Sequence(request=warm, member=target, token_ids=list(warm.prompt_token_ids),
+                            num_prompt_tokens=len(warm.prompt_token_ids), is_warmup=True, count_query=False)
+        seq.had_warmup = True
+        self._by_id[warm.request_id] = warm_seq
+        self._enqueue(warm_seq)
+        self.stats.on_warmup(issued=True, hit=False)
+        self.events.emit(EventKind.WARMUP, now_s, seq.request_id, target)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        seq.state = RequestState.WAITING if seq.state is not RequestState.PREEMPTED else seq.state
+        queue = self._waiting.setdefault(seq.request.priority, deque())
+        if front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, now_s: float) -> tuple[StepPlan, list[RequestOutput]]:
+        """Plans one step. Also returns outputs produced without running anything (cancellations)."""
+        plan = StepPlan(released_requests=self._released)
+        self._released = []
+        outputs = self._process_aborts(now_s)
+        self._ensure_decode_slots(now_s)
+        self._admit(plan, now_s)
+        self._build_batches(plan)
+        evictions = self.pool.take_evictions()
+        if evictions:
+            self.stats.on_eviction(len(evictions))
+            self.events.emit(EventKind.EVICT, now_s, None, None, num_pages=len(evictions))
+            if self.tiers is not None:
+                plan.page_saves.extend(evictions)
+        return plan, outputs
+
+    def _process_aborts(self, now_s: float) -> list[RequestOutput]:
+        timeout = self.config.scheduler.request_timeout_s
+        if timeout is not None:
+            for seq in list(self._by_id.values()):
+                if not seq.is_warmup and now_s - seq.request.arrival_s > timeout:
+                    self._aborts.append((seq.request_id, f"timed out after {timeout:.0f} s"))
+        outputs = []
+        aborts, self._aborts = self._aborts, []
+        for request_id, reason in aborts:
+            seq = self._by_id.get(request_id)
+            if seq is None:
+                continue
+            seq.finish_reason = FinishReason.CANCELLED
+            seq.error = reason
+            outputs.append(self._finish(seq, now_s, outcome="cancelled"))
+            warm = self._by_id.get(RequestId(f"{request_id}#warmup"))
+            if warm is not None:
+                self._finish(warm, now_s, outcome=None)
+        return outputs
+
+    def _ensure_decode_slots(self, now_s: float) -> None:
+        """Every decoding request gets a page slot for its next token, reserved before the step runs;
+        when pages are short the youngest running request (of the same slice, under a static split)
+        is preempted, possibly the requester itself."""
+        partitioned = self.config.pool.static_split is not None
+        for seq in list(self._running.values()):
+            if seq.request_id not in self._running or not seq.is_decoding():
+                continue
+            while not self.kv.grow(seq.kv, len(seq.token_ids)):
+                victim = next(s for s in reversed(self._running.values())
+                              if not partitioned or s.member == seq.member)
+                self._preempt(victim, now_s)
+                if victim is seq:
+                    break
+
+    def _preempt(self, seq: Sequence, now_s: float) -> None:
+        """Recompute-style preemption: pages go back (full blocks stay cached, and reach the host tier
+        on eviction when it is on), the request waits at the queue front and resumes identically."""
+        self._drop_kv(seq)
+        del self._running[seq.request_id]
+        if seq.is_warmup:
+            self._forget(seq)
+            return
+        seq.state = RequestState.PREEMPTED
+        seq.count_query = False
+        self._enqueue(seq, front=True)
+        self.stats.on_preemption()
+        self.events.emit(EventKind.PREEMPT, now_s, seq.request_id, seq.member)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        if seq.kv is not None:
+            self.kv.release(seq.kv)
+            seq.kv = None
+        seq.num_computed_tokens = 0
+        seq.shared_until_tokens = 0
+        seq.shared_depth = 0
+
+    def _admit(self, plan: StepPlan, now_s: float) -> None:
+        max_running = self.config.scheduler.max_running_requests
+        blocked: set[str] = set()   # per-member head-of-line: one member's full pool never blocks another
+        for priority in sorted(self._waiting):
+            queue = self._waiting[priority]
+            kept: deque[Sequence] = deque()
+            while queue:
+                seq = queue.popleft()
+                if len(self._running) >= max_running or seq.member in blocked or not self._try_admit(seq, plan, now_s):
+                    if seq.is_warmup:
+                        self._forget(seq)   # a warm-up that cannot run now is worthless later
+                        continue
+                    blocked.add(seq.member)
+                    kept.append(seq)
+            self._waiting[priority] = kept
+
+    def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float) -> bool:
+        if seq.is_warmup and self.loads()[seq.member].num_running:
+            return False
+        cfg = self.config.escalation
+        seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt)
+        allow_shared = cfg.reuse_shared_layers and not cfg.cold_handover
+        match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
+        # Warm-ups never evict: they use idle memory only.
+        attached = self.kv.attach(seq.member, match, seq.hashes, len(seq.token_ids),
+                                  reserve_pages=self._reserve_pages[seq.member], evict=not seq.is_warmup)
+        if attached is None:
+            return False
+        seq.kv, loads = attached
+        plan.page_loads.extend(loads)
+        seq.num_computed_tokens = match.num_full_tokens
+        seq.shared_until_tokens = match.num_full_tokens + match.num_shared_tokens
+        seq.shared_depth = match.shared_depth
+        seq.state = RequestState.RUNNING
+        seq.admit_order = next(self._admit_counter)
+        self._running[seq.request_id] = seq
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = min(match.num_full_tokens, seq.num_prompt_tokens)
+        if seq.count_query:
+            tiers = {t.value: n * match.tokens_per_block for t, n in match.tier_blocks.items()}
+            self.stats.on_prefix_query(seq.member, len(seq.token_ids), tiers)
+            seq.count_query = False
+            if seq.had_warmup and match.num_full_blocks:
+                self.stats.on_warmup(issued=False, hit=True)
+        self.events.emit(EventKind.ADMIT, now_s, seq.request_id, seq.member, cached_tokens=match.num_full_tokens,
+                         shared_tokens=match.num_shared_tokens, loads=len(loads))
+        return True
+
+    def _build_batches(self, plan: StepPlan) -> None:
+        budget = self.config.scheduler.max_batch_tokens
+        chunk_limit = self.config.scheduler.prefill_chunk_tokens
+        batches: dict[str, list[SeqChunk]] = {}
+        prefills = []
+        for seq in self._running.values():
+            if seq.is_decoding():
+                pos = len(seq.token_ids) - 1
+                batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True))
+                budget -= 1
+            else:
+                prefills.append(seq)
+        for seq in prefills:
+            if budget <= 0:
+                break
+            start = seq.num_computed_tokens
+            stop_at = seq.shared_until_tokens if start < seq.shared_until_tokens else len(seq.token_ids)
+            end = min(stop_at, start + chunk_limit, start + budget)
+            sample = end == len(seq.token_ids) and not seq.is_warmup
+            batches.setdefault(seq.member, []).append(self._chunk(seq, start, end, sample=sample))
+            budget -= end - start
+        plan.batches = [MemberBatch(MemberName(m), chunks) for m, chunks in batches.items()]
+
+    def _chunk(self, seq: Sequence, start: int, end: int, sample: bool) -> SeqChunk:
+        kv = seq.kv
+        blocks_needed = -(-end // kv.tokens_per_block)
+        start_layer = seq.shared_depth if start < seq.shared_until_tokens else 0
+        residual_in = None
+        if start_layer:
+            # The engine indexes residual pages by block from 0; blocks before the handover range
+            # are never read, so any valid page pads them.
+            first = min(kv.residual_in)
+            residual_in = [kv.residual_in.get(b, kv.residual_in[first]) for b in range(blocks_needed)]
+        return SeqChunk(request_id=seq.request_id, token_ids=seq.token_ids[start:end], start_pos=start,
+                        block_tables=[table[:blocks_needed] for table in kv.block_tables], sample=sample,
+                        sampling=seq.request.sampling, start_layer=start_layer, residual_table=residual_in,
+                        residual_table_out=kv.residual_out[:blocks_needed] if kv.residual_out is not None else None,
+                        num_generated=seq.num_generated)
+
+    def drop_failed_loads(self, plan: StepPlan, failed_pages: list[PageId], now_s: float) -> StepPlan:
+        """A tier block failed its checksum: forget it and recompute the affected requests."""
+        failed = set(failed_pages)
+        for page in failed:
+            self.pool.drop_key(page)
+        affected = {seq.request_id for seq in self._running.values()
+                    if seq.kv is not None and failed.intersection(seq.kv.all_pages())}
+        for request_id in affected:
+            self._preempt(self._running[request_id], now_s)
+        plan.page_loads = [load for load in plan.page_loads if load[0] not in failed]
+        for batch in plan.batches:
+            batch.chunks = [c for c in batch.chunks if c.request_id not in affected]
+        plan.batches = [b for b in plan.batches if b.chunks]
+        return plan
+
+    # ------------------------------------------------------------------ update
+    def update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
+        for batch in plan.batches:
+            for chunk in batch.chunks:
+                seq = self._running.get(chunk.request_id)
+                if seq is None:
+                    continue
+                seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.start_pos + len(chunk.token_ids))
+                self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
+                if seq.is_warmup and seq.num_computed_tokens >= len(seq.token_ids):
+                    self._finish(seq, now_s, outcome=None)
+        outputs: list[RequestOutput] = []
+        for token in sampled:
+            seq = self._running.get(token.request_id)
+            if seq is None:
+                continue
+            output = self._append_token(seq, token, now_s)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
+        seq.token_ids.append(token.token_id)
+        seq.logprobs.append(token.logprob)
+        seq.top_logprobs.append(token.top_logprobs)
+        if seq.spans and seq.spans[-1].member == seq.member:
+            seq.spans[-1] = MemberSpan(seq.member, seq.spans[-1].num_tokens + 1)
+        else:
+            seq.spans.append(MemberSpan(seq.member, 1))
+        if len(seq.hashes) * self.kv.tokens_per_block(seq.member) + self.kv.tokens_per_block(seq.member) <= len(seq.token_ids):
+            seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
+        self.stats.on_tokens(seq.member, generated_tokens=1)
+        reason = self._stop_reason(seq, token.token_id)
+        if reason is not None:
+            seq.finish_reason = reason
+            return self._finish(seq, now_s, outcome="finished")
+        if seq.monitor is not None and seq.monitor.observe(token.top1_prob, token.top_logprobs):
+            self._escalate(seq, now_s)
+        return self._emit(seq)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        sampling = seq.request.sampling
+        if seq.num_generated >= sampling.min_tokens:
+            if token_id in sampling.stop_token_ids:
+                return FinishReason.STOP
+            if not sampling.ignore_eos and token_id in self._eos[seq.member]:
+                return FinishReason.STOP
+        if seq.num_generated >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        if len(seq.token_ids) >= self.family.member(seq.member).context_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _escalate(self, seq: Sequence, now_s: float) -> None:
+        """Hand the request to the next larger member. Its full blocks stay cached under their keys,
+        so the target's prefix match finds its own cache and (nested family) the shared lower layers
+        and residuals; only the rest is prefilled there."""
+        target = escalation_target(self.family, seq.member, pinned=seq.request.pinned_member is not None)
+        if target is None or len(seq.token_ids) >= self.family.member(target).context_tokens:
+            return
+        rollback = min(seq.monitor.rollback_tokens(), seq.num_generated - seq.num_emitted_tokens)
+        if rollback > 0:
+            del seq.token_ids[-rollback:], seq.logprobs[-rollback:], seq.top_logprobs[-rollback:]
+            last = seq.spans[-1]
+            seq.spans[-1] = MemberSpan(last.member, last.num_tokens - rollback)
+        source = seq.member
+        self._drop_kv(seq)
+        del self._running[seq.request_id]
+        seq.member = MemberName(target)
+        seq.hashes = []
+        seq.count_query = True
+        seq.monitor.reset()
+        if not self._can_escalate(seq):
+            seq.monitor = None
+        self._enqueue(seq, front=True)
+        self.stats.on_escalation(source, target)
+        self.events.emit(EventKind.ESCALATE, now_s, seq.request_id, target, source=source,
+                         num_generated=seq.num_generated)
+
+    def _holdback(self, seq: Sequence) -> int:
+        """Tokens kept from the client while a rollback could still drop them."""
+        if seq.monitor is not None and self.config.escalation.on_escalate == "rollback":
+            return self.config.escalation.window_tokens
+        return 0
+
+    def _emit(self, seq: Sequence, final: bool = False) -> RequestOutput | None:
+        end = seq.num_generated if final else max(seq.num_emitted_tokens, seq.num_generated - self._holdback(seq))
+        if end <= seq.num_emitted_tokens and not final:
+            return None
+        begin = seq.num_emitted_tokens
+        offset = seq.num_prompt_tokens
+        seq.num_emitted_tokens = end
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=seq.token_ids[offset + begin:offset + end],
+            new_logprobs=seq.logprobs[begin:end], new_top_logprobs=seq.top_logprobs[begin:end],
+            member=seq.member, finished=final, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0,
+            spans=tuple(seq.spans), route=seq.route if begin == 0 else None, error=seq.error)
+
+    def _finish(self, seq: Sequence, now_s: float, outcome: str | None) -> RequestOutput | None:
+        """Returns the pages (they stay cached) and produces the final output."""
+        if seq.request_id in self._running:
+            del self._running[seq.request_id]
+        else:
+            for queue in self._waiting.values():
+                if seq in queue:
+                    queue.remove(seq)   # rare path (cancel while waiting), queues are bounded
+                    break
+        self._drop_kv(seq)
+        self._forget(seq)
+        seq.state = RequestState.CANCELLED if seq.finish_reason is FinishReason.CANCELLED else RequestState.FINISHED
+        if outcome is None:
+            return None
+        self.stats.on_request_done(seq.member, outcome)
+        self.stats.on_tokens(seq.member, prompt_tokens=seq.num_prompt_tokens)
+        if seq.request.session_id:
+            self._sessions[seq.request.session_id] = seq.member
+            self._sessions.move_to_end(seq.request.session_id)
+            if len(self._sessions) > _MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        kind = EventKind.CANCEL if outcome == "cancelled" else EventKind.FINISH
+        self.events.emit(kind, now_s, seq.request_id, seq.member, reason=seq.finish_reason.value if seq.finish_reason else None)
+        return self._emit(seq, final=True)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._by_id.pop(seq.request_id, None)
+        self._released.append(seq.request_id)
+
+    # ------------------------------------------------------------------ stats
+    def snapshot(self, now_s: float) -> dict:
+        counts = self.pool.counts()
+        tier_counts = self.tiers.counts() if self.tiers is not None else {"host": 0, "disk": 0}
+        by_member = {name: {"used": 0, "cached": 0, "host": 0, "disk": 0} for name in self.family.member_names}
+        for name, states in self.pool.counts_by_member().items():
+            if name in by_member:
+                by_member[name].update(states)
+        if self.tiers is not None:
+            owner_of_lineage = {}
+            for member in reversed(self.family.members):   # shared lineages count for the smallest member
+                for lineage in (*member.layer_lineages, member.residual_lineage()):
+                    owner_of_lineage[lineage] = member.name
+            for lineage, tiers in self.tiers.counts_by_lineage().items():
+                owner = owner_of_lineage.get(lineage)
+                if owner is not None:
+                    for tier, n in tiers.items():
+                        by_member[owner][tier] += n
+        loads = self.loads()
+        pages = {"total": self.pool.num_pages, "page_bytes": self.config.pool.page_bytes,
+                 "by_state": {"free": counts["free"], "used": counts["used"], "cached": counts["cached"],
+                              "host": tier_counts.get("host", 0), "disk": tier_counts.get("disk", 0)},
+                 "by_member": by_member}
+        return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
+                                   pages=pages, queue_depth=self.num_waiting(),
+                                   running={n: l.num_running for n, l in loads.items()},
+                                   waiting={n: l.num_waiting for n, l in loads.items()})

@@ -1,0 +1,463 @@
+"""The OpenAI-compatible HTTP edge (`mfs serve`): app factory, routes, SSE streaming, lifecycle and CLI."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.api_schema import (
+    AuthenticationError, ParsedRequest, chat_logprobs, chunk, completion_logprobs, error_body,
+    finish_reason_text, full_response, logprob_entry, mfs_extension, models_list, parse_request, usage,
+    usage_chunk,
+)
+from orchestrator.engine_api import ServingEngine
+from orchestrator.errors import EngineUnavailableError, InvalidRequestError, MFSError, QueueFullError
+from orchestrator.family import FamilySpec
+from orchestrator.metrics import CONTENT_TYPE, ServerMetrics
+from orchestrator.tokenizer import FamilyTokenizer, IncrementalDecoder
+from orchestrator.types import FinishReason, MemberSpan, RequestOutput, RouteDecision
+
+log = logging.getLogger("mfs.server")
+_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    api_key: str | None = None
+    request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
+    max_body_bytes: int = 4 * 2**20
+    grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
+
+
+class PayloadTooLargeError(MFSError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RequestTimeoutError(MFSError):
+    status_code = 504
+    error_type = "timeout"
+    code = "request_timeout"
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the answer was complete."""
+
+
+@dataclass(slots=True)
+class _Edge:
+    engine: ServingEngine
+    tokenizer: FamilyTokenizer
+    family: FamilySpec
+    settings: ServerSettings
+    metrics: ServerMetrics
+    draining: bool = False                     # set on SIGTERM: refuse new generations
+
+
+# ----------------------------------------------------------------------------- one generation
+@dataclass(slots=True)
+class _Generation:
+    """Drives one engine.generate stream: decodes text, applies stop strings, accumulates the answer."""
+
+    edge: _Edge
+    parsed: ParsedRequest
+    decoder: IncrementalDecoder
+    iterator: AsyncIterator[RequestOutput] | None = None
+    text: list[str] = field(default_factory=list)
+    text_chars: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    member: str = ""
+    spans: tuple[MemberSpan, ...] = ()
+    route: RouteDecision | None = None
+    finish_reason: str | None = None
+    engine_finished: bool = False              # the engine ended the request itself (no abort needed)
+    first_token_s: float | None = None
+    closed: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    async def next_delta(self) -> tuple[str, list[dict]]:
+        """Waits for the next engine output; returns (text delta, logprob entries). Raises MFSError."""
+        if self.iterator is None:
+            try:
+                self.iterator = aiter(self.edge.engine.generate(self.parsed.request))
+            except MFSError:
+                self.engine_finished = True        # refused before it existed: nothing to abort
+                raise
+        timeout_s = self.edge.settings.request_timeout_s
+        remaining_s = None if timeout_s is None else self.parsed.request.arrival_s + timeout_s - time.monotonic()
+        try:
+            if remaining_s is not None and remaining_s <= 0:
+                raise TimeoutError
+            out = await asyncio.wait_for(anext(self.iterator), remaining_s)
+        except StopAsyncIteration:
+            self.engine_finished = True
+            self.finish_reason = self.finish_reason or FinishReason.CANCELLED.value
+            tail = self.decoder.flush()
+            self._record(tail, [])
+            return tail, []
+        except TimeoutError:
+            raise RequestTimeoutError(f"request exceeded the server timeout of {timeout_s} s") from None
+        except MFSError:
+            if not self.completion_tokens:
+                self.engine_finished = True        # QueueFullError / unavailable at admission
+            raise
+        return self._absorb(out)
+
+    def _absorb(self, out: RequestOutput) -> tuple[str, list[dict]]:
+        now_s = time.monotonic()
+        self.member = out.member or self.member
+        self.spans = out.spans or self.spans
+        self.route = out.route or self.route
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_prompt_tokens)
+        if out.new_token_ids and self.first_token_s is None:
+            self.first_token_s = now_s
+        self.completion_tokens += len(out.new_token_ids)
+        entries = []
+        if self.parsed.logprobs:
+            tops = out.new_top_logprobs or [()] * len(out.new_token_ids)
+            entries = [logprob_entry(self.parsed.kind, self.edge.tokenizer, t, lp, top)
+                       for t, lp, top in zip(out.new_token_ids, out.new_logprobs, tops)]
+        delta = self.decoder.push(out.new_token_ids)
+        if out.finished:
+            self.engine_finished = True
+            if out.finish_reason is FinishReason.ERROR or out.error:
+                raise MFSError(f"engine error: {out.error or 'unknown'}")
+            self.finish_reason = "stop" if self.decoder.stopped else finish_reason_text(out.finish_reason)
+            delta += self.decoder.flush()
+        elif self.decoder.stopped:
+            # A stop string ended the answer: the engine stops at its next step and returns the pages.
+            self.edge.engine.abort(self.parsed.request.request_id)
+            self.finish_reason = "stop"
+        self._record(delta, entries)
+        return delta, entries
+
+    def _record(self, delta: str, entries: list[dict]) -> None:
+        self.text.append(delta)
+        self.text_chars += len(delta)
+        self.logprobs.extend(entries)
+
+    def model(self) -> str:
+        return self.spans[-1].member if self.spans else (self.member or self.edge.family.name)
+
+    def usage(self) -> dict:
+        return usage(len(self.parsed.request.prompt_token_ids), self.completion_tokens, self.cached_tokens)
+
+    def mfs(self) -> dict:
+        spans = self.spans or ((MemberSpan(self.member, self.completion_tokens),) if self.member else ())
+        return mfs_extension(spans, self.route)
+
+    def logprobs_object(self, entries: list[dict], offset: int) -> dict | None:
+        if not self.parsed.logprobs:
+            return None
+        if self.parsed.kind == "chat":
+            return chat_logprobs(entries)
+        return completion_logprobs(entries, offset)
+
+    def response(self) -> dict:
+        return full_response(self.parsed, self.model(), "".join(self.text), self.finish_reason,
+                             self.logprobs_object(self.logprobs, 0), self.usage(), self.mfs())
+
+    async def close(self) -> None:
+        """Always runs: aborts an unfinished request, closes the stream, records edge latencies."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.engine_finished:
+            self.edge.engine.abort(self.parsed.request.request_id)
+        closer = getattr(self.iterator, "aclose", None)
+        if closer is not None:
+            with anyio.CancelScope(shield=True):   # may run inside a cancelled (disconnected) stream
+                try:
+                    await asyncio.wait_for(closer(), 1.0)
+                except (Exception, asyncio.CancelledError):
+                    log.debug("closing the engine stream of %s failed", self.parsed.request.request_id)
+        now_s = time.monotonic()
+        first = None if self.first_token_s is None else self.first_token_s - self.parsed.request.arrival_s
+        self.edge.metrics.observe_request(self.model(), first, now_s - self.parsed.request.arrival_s,
+                                          self.completion_tokens)
+
+
+async def _until_disconnected(request: HTTPRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: HTTPRequest, work) -> Any:
+    """Runs `work` (a coroutine); raises _ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _stream(gen: _Generation, first: tuple[str, list[dict]]) -> AsyncIterator[str]:
+    """SSE body; a client disconnect cancels this generator and `close` aborts the request."""
+    parsed = gen.parsed
+    try:
+        if parsed.kind == "chat":
+            yield _sse(chunk(parsed, gen.model(), role=True))
+        delta, entries = first
+        while True:
+            if delta or entries:
+                yield _sse(chunk(parsed, gen.model(), text=delta,
+                                 logprobs=gen.logprobs_object(entries, gen.text_chars - len(delta))))
+            if gen.done:
+                break
+            try:
+                delta, entries = await gen.next_delta()
+            except MFSError as exc:
+                yield _sse(error_body(exc))
+                yield "data: [DONE]\n\n"
+                return
+        yield _sse(chunk(parsed, gen.model(), text="" if parsed.kind == "completion" else None,
+                         finish_reason=gen.finish_reason, mfs=gen.mfs()))
+        if parsed.include_usage:
+            yield _sse(usage_chunk(parsed, gen.model(), gen.usage()))
+        yield "data: [DONE]\n\n"
+    finally:
+        await gen.close()
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes the generation even when the client leaves before the body iterator ever started."""
+
+    def __init__(self, gen: _Generation, first: tuple[str, list[dict]]):
+        super().__init__(_stream(gen, first), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._gen.close()
+
+
+# ----------------------------------------------------------------------------- app
+def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: FamilySpec,
+               settings: ServerSettings) -> FastAPI:
+    edge = _Edge(engine, tokenizer, family, settings, ServerMetrics(engine.stats))
+    created_s = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop(settings.grace_s)
+
+    app = FastAPI(title="MFS", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.edge = edge
+
+    async def authorize(request: HTTPRequest) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+            raise AuthenticationError("missing or incorrect API key (Authorization: Bearer KEY)")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    async def generate(kind: str, request: HTTPRequest) -> Response:
+        if edge.draining:
+            raise EngineUnavailableError("server is shutting down")
+        body = await _read_json(request, settings.max_body_bytes)
+        session_id = request.headers.get("x-session-id") or None
+        parsed = parse_request(kind, body, tokenizer=tokenizer, family=family, session_id=session_id)
+        gen = _Generation(edge, parsed, IncrementalDecoder(tokenizer, parsed.stop_strings))
+        try:
+            if parsed.stream:
+                first = await _unless_disconnected(request, gen.next_delta())
+                return _SSEResponse(gen, first)
+
+            async def run_to_end() -> None:
+                while not gen.done:
+                    await gen.next_delta()
+            await _unless_disconnected(request, run_to_end())
+            return JSONResponse(gen.response())
+        except _ClientGone:
+            await gen.close()
+            return Response(status_code=499)      # nobody reads it; nginx's "client closed request"
+        except BaseException:
+            await gen.close()
+            raise
+        finally:
+            if not parsed.stream:
+                await gen.close()
+
+    @v1.post("/completions")
+    async def completions(request: HTTPRequest) -> Response:
+        return await generate("completion", request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Response:
+        return await generate("chat", request)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return models_list(family, created_s)
+
+    @v1.get("/stats")
+    async def stats() -> dict:
+        return engine.stats()
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = engine.is_ready() and not edge.draining
+        state = "ok" if ready else ("draining" if edge.draining else "starting")
+        return JSONResponse({"status": state, "family": family.name}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(edge.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    app.include_router(v1)
+    _install_error_handlers(app)
+    app.add_middleware(_ResponseCounter, metrics=edge.metrics)
+    return app
+
+
+async def _read_json(request: HTTPRequest, limit_bytes: int) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit_bytes:
+        raise PayloadTooLargeError(f"request body exceeds {limit_bytes} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit_bytes:
+            raise PayloadTooLargeError(f"request body exceeds {limit_bytes} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}", None) from None
+
+
+def _error_response(exc: MFSError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, QueueFullError):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MFSError)
+    async def on_mfs_error(request: HTTPRequest, exc: MFSError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        error = MFSError(str(exc.detail))
+        error.status_code, error.error_type = exc.status_code, "invalid_request_error"
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(InvalidRequestError(str(exc.errors()), None))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(MFSError(f"internal error: {type(exc).__name__}"))
+
+
+class _ResponseCounter:
+    """Pure ASGI middleware (no body buffering, so SSE and disconnects pass through): counts statuses."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in _KNOWN_ROUTES else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_response(route, message["status"])
+            await send(message)
+        await self.app(scope, receive, counting_send)
+
+
+# ----------------------------------------------------------------------------- mfs serve
+class _Server(uvicorn.Server):
+    """uvicorn.Server that flags the app as draining on SIGTERM/SIGINT (health 503, new requests 503)."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        edge = getattr(getattr(self.config.app, "state", None), "edge", None)
+        if edge is not None:
+            edge.draining = True
+        super().handle_exit(sig, frame)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--family", help="shipped family name or family directory (default: config, 'tiny')")
+    parser.add_argument("--config", help="YAML config file (docs/CONFIG.md)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--engine", choices=["local", "triton"], help="serving engine (default: config, local)")
+    parser.add_argument("--triton-url", help="Triton gRPC HOST:PORT for --engine triton")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM grace period for in-flight requests")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def main(args) -> int:
+    from orchestrator.config import ConfigError, load_config
+    from orchestrator.family import FamilyError
+    from orchestrator.serving import build_serving_engine
+
+    overrides = {key: value for key, value in (("family", args.family), ("engine.kind", args.engine),
+                                                ("engine.triton_url", args.triton_url)) if value is not None}
+    try:
+        config = load_config(args.config, overrides)
+        engine = build_serving_engine(config)
+    except (ConfigError, FamilyError) as exc:
+        print(f"mfs serve: {exc}")
+        return 2
+    settings = ServerSettings(api_key=args.api_key, request_timeout_s=config.scheduler.request_timeout_s,
+                              grace_s=args.grace_s)
+    app = create_app(engine, engine.tokenizer, engine.family, settings)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=max(1, int(args.grace_s)), lifespan="on"))
+    # uvicorn re-raises the captured signal after a graceful shutdown; a no-op handler makes that exit 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1

@@ -1,0 +1,314 @@
+"""Host and disk KV stores for pages evicted from the arena: bounded bytes, LRU, checksummed files."""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.types import PageKey, Tier
+
+_MAGIC = b"MFSKV1"
+# magic | lineage length (u16) | block hash length (u16) | data length (u64) | blake2b-16 checksum
+_HEADER = struct.Struct("<6sHHQ16s")
+_SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp-"
+
+
+def _checksum(lineage: bytes, block_hash: bytes, data: bytes) -> bytes:
+    # Covers the key too: a file renamed or half-written under another key is never served.
+    h = hashlib.blake2b(digest_size=16)
+    h.update(lineage)
+    h.update(block_hash)
+    h.update(data)
+    return h.digest()
+
+
+class HostTier:
+    """Page contents in host memory, LRU by bytes. Capacity counts data bytes."""
+
+    tier = Tier.HOST
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.bytes_used = 0
+        self._entries: OrderedDict[PageKey, bytes] = OrderedDict()   # head = least recently used
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def contains(self, key: PageKey) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[PageKey]:
+        return list(self._entries)
+
+    def put(self, key: PageKey, data: bytes) -> list[tuple[PageKey, bytes]]:
+        """Stores (replacing any old copy); returns the LRU entries evicted to make room."""
+        self.discard(key)
+        if len(data) > self.capacity_bytes:
+            return []
+        evicted: list[tuple[PageKey, bytes]] = []
+        while self.bytes_used + len(data) > self.capacity_bytes:
+            old_key, old_data = self._entries.popitem(last=False)
+            self.bytes_used -= len(old_data)
+            evicted.append((old_key, old_data))
+        self._entries[key] = bytes(data)
+        self.bytes_used += len(data)
+        return evicted
+
+    def get(self, key: PageKey) -> bytes | None:
+        data = self._entries.get(key)
+        if data is not None:
+            self._entries.move_to_end(key)
+        return data
+
+    def discard(self, key: PageKey) -> None:
+        data = self._entries.pop(key, None)
+        if data is not None:
+            self.bytes_used -= len(data)
+
+
+@dataclass(slots=True)
+class _DiskEntry:
+    path: Path
+    data_bytes: int
+
+
+class DiskTier:
+    """One checksummed file per page under `directory`; survives restarts. Capacity counts data bytes
+    (each file adds a header of ~40 bytes + the key)."""
+
+    tier = Tier.DISK
+
+    def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.bytes_used = 0
+        self._entries: OrderedDict[PageKey, _DiskEntry] = OrderedDict()   # head = least recently used
+        self._scan()
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def contains(self, key: PageKey) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[PageKey]:
+        return list(self._entries)
+
+    def path_for(self, key: PageKey) -> Path:
+        # The lineage is an arbitrary string: hash it for a safe, fixed-length file name.
+        lineage_hex = hashlib.blake2b(key.lineage.encode("utf-8"), digest_size=8).hexdigest()
+        return self.directory / f"{lineage_hex}-{key.block_hash.hex()}{_SUFFIX}"
+
+    def put(self, key: PageKey, data: bytes) -> list[tuple[PageKey, bytes]]:
+        """Stores atomically; returns evicted entries with their data (read back from their files)."""
+        return self._put(key, data, read_evicted=True)
+
+    def _put(self, key: PageKey, data: bytes, read_evicted: bool) -> list[tuple[PageKey, bytes]]:
+        self.discard(key)
+        if len(data) > self.capacity_bytes:
+            return []
+        evicted: list[tuple[PageKey, bytes]] = []
+        while self.bytes_used + len(data) > self.capacity_bytes:
+            old_key, old = self._entries.popitem(last=False)
+            self.bytes_used -= old.data_bytes
+            old_data = self._read(old_key, old.path) if read_evicted else None
+            _unlink(old.path)
+            if old_data is not None:
+                evicted.append((old_key, old_data))
+        path = self.path_for(key)
+        lineage = key.lineage.encode("utf-8")
+        header = _HEADER.pack(_MAGIC, len(lineage), len(key.block_hash), len(data),
+                              _checksum(lineage, key.block_hash, data))
+        # Temp file + os.replace: readers see the whole old file, the whole new one, or none. No fsync:
+        # a power loss may leave garbage under the final name, which the checksum then rejects.
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header + lineage + key.block_hash)
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            _unlink(Path(tmp))
+            return evicted
+        self._entries[key] = _DiskEntry(path, len(data))
+        self.bytes_used += len(data)
+        return evicted
+
+    def get(self, key: PageKey) -> bytes | None:
+        """The stored bytes, or None if missing or corrupt (a corrupt file is deleted)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        data = self._read(key, entry.path)
+        if data is None:
+            self.discard(key)
+            return None
+        self._entries.move_to_end(key)
+        try:
+            os.utime(entry.path)   # keeps the LRU order across restarts (scan sorts by mtime)
+        except OSError:
+            pass
+        return data
+
+    def discard(self, key: PageKey) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes_used -= entry.data_bytes
+            _unlink(entry.path)
+
+    def _read(self, key: PageKey, path: Path) -> bytes | None:
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None
+        parsed = _parse(raw)
+        if parsed is None or parsed[0] != key:
+            return None
+        return parsed[1]
+
+    def _scan(self) -> None:
+        """Rebuilds the index from the files: drops temp files and bad headers, then enforces capacity."""
+        found: list[tuple[float, PageKey, Path, int]] = []
+        for path in self.directory.iterdir():
+            if path.name.startswith(_TMP_PREFIX):
+                _unlink(path)   # an interrupted put
+                continue
+            if not path.name.endswith(_SUFFIX) or not path.is_file():
+                continue
+            parsed = _parse_header(path)
+            if parsed is None or self.path_for(parsed[0]) != path:
+                _unlink(path)
+                continue
+            found.append((path.stat().st_mtime, parsed[0], path, parsed[1]))
+        # Oldest first: full checksums are verified lazily on get, so a restart stays cheap.
+        for _, key, path, data_bytes in sorted(found, key=lambda item: item[0]):
+            self._entries[key] = _DiskEntry(path, data_bytes)
+            self.bytes_used += data_bytes
+        while self.bytes_used > self.capacity_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes_used -= old.data_bytes
+            _unlink(old.path)
+
+
+def _parse(raw: bytes) -> tuple[PageKey, bytes] | None:
+    """(key, data) of a whole file, or None if anything (magic, lengths, key, checksum) is off."""
+    if len(raw) < _HEADER.size:
+        return None
+    magic, lineage_len, hash_len, data_len, checksum = _HEADER.unpack_from(raw)
+    start = _HEADER.size
+    if magic != _MAGIC or len(raw) != start + lineage_len + hash_len + data_len:
+        return None
+    lineage = raw[start:start + lineage_len]
+    block_hash = raw[start + lineage_len:start + lineage_len + hash_len]
+    data = raw[start + lineage_len + hash_len:]
+    if _checksum(lineage, block_hash, data) != checksum:
+        return None
+    try:
+        return PageKey(lineage.decode("utf-8"), block_hash), data
+    except UnicodeDecodeError:
+        return None
+
+
+def _parse_header(path: Path) -> tuple[PageKey, int] | None:
+    """(key, data length) from a file's header only; the checksum is checked on get."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                return None
+            magic, lineage_len, hash_len, data_len, _ = _HEADER.unpack(head)
+            if magic != _MAGIC or size != _HEADER.size + lineage_len + hash_len + data_len:
+                return None
+            lineage = f.read(lineage_len)
+            block_hash = f.read(hash_len)
+        return PageKey(lineage.decode("utf-8"), block_hash), data_len
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class TieredStore:
+    """Host tier in front of the disk tier: host evictions are demoted to disk."""
+
+    def __init__(self, host: HostTier | None, disk: DiskTier | None) -> None:
+        self.host = host
+        self.disk = disk
+
+    def put(self, key: PageKey, data: bytes) -> Tier | None:
+        """Stores in the host tier (disk when there is no host or it is too small); returns where, or None."""
+        if self.host is None:
+            if self.disk is None:
+                return None
+            self.disk._put(key, data, read_evicted=False)
+            return Tier.DISK if self.disk.contains(key) else None
+        demoted = self.host.put(key, data)
+        stored = self.host.contains(key)
+        if not stored:
+            demoted.append((key, data))   # too big for the host: straight to disk
+        elif self.disk is not None:
+            self.disk.discard(key)        # one copy per key: the host copy is the newest
+        if self.disk is not None:
+            for old_key, old_data in demoted:
+                self.disk._put(old_key, old_data, read_evicted=False)
+        if stored:
+            return Tier.HOST
+        return Tier.DISK if self.disk is not None and self.disk.contains(key) else None
+
+    def get(self, key: PageKey) -> tuple[bytes, Tier] | None:
+        """The bytes and the tier they came from; the tier copy stays (both copies are valid)."""
+        if self.host is not None:
+            data = self.host.get(key)
+            if data is not None:
+                return data, Tier.HOST
+        if self.disk is not None:
+            data = self.disk.get(key)
+            if data is not None:
+                return data, Tier.DISK
+        return None
+
+    def locate(self, key: PageKey) -> Tier | None:
+        """Where a key is, from the in-memory indexes only (no disk read)."""
+        if self.host is not None and self.host.contains(key):
+            return Tier.HOST
+        if self.disk is not None and self.disk.contains(key):
+            return Tier.DISK
+        return None
+
+    def discard(self, key: PageKey) -> None:
+        if self.host is not None:
+            self.host.discard(key)
+        if self.disk is not None:
+            self.disk.discard(key)
+
+    def counts(self) -> dict[str, int]:
+        return {"host": self.host.num_entries if self.host is not None else 0,
+                "disk": self.disk.num_entries if self.disk is not None else 0}
+
+    def counts_by_lineage(self) -> dict[str, dict[str, int]]:
+        """Entries per lineage and tier (O(entries): for stats, not the hot path)."""
+        out: dict[str, dict[str, int]] = {}
+        for name, store in (("host", self.host), ("disk", self.disk)):
+            for key in store.keys() if store is not None else ():
+                counts = out.setdefault(key.lineage, {"host": 0, "disk": 0})
+                counts[name] += 1
+        return out

@@ -1,0 +1,202 @@
+"""Router decisions on a fake 3-member family: pinning, complexity, affinity, session, load, downgrade."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import RouterConfig
+from orchestrator.family import FamilySpec, MemberSpec
+from orchestrator.router import FitPenalties, MemberLoad, Router
+from orchestrator.types import MemberName, Profile, Request, RequestId, SamplingParams
+
+
+def _member(name: str, index: int, num_layers: int) -> MemberSpec:
+    # Nested lineages: layer l has the same lineage in every member that has it.
+    return MemberSpec(
+        name=MemberName(name), index=index, checkpoint_dir=Path("/nonexistent") / name, architecture="llama",
+        num_layers=num_layers, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=1000,
+        context_tokens=2048, layer_lineages=tuple(f"lin{l}" for l in range(num_layers)), tokenizer_hash="tok",
+        eos_token_ids=(0,))
+
+
+FAMILY = FamilySpec(name="fake", members=(_member("tiny-s", 0, 2), _member("tiny-m", 1, 4), _member("tiny-l", 2, 6)))
+IDLE = MemberLoad(num_running=0, num_waiting=0, running_tokens=0, queued_tokens=0)
+IDLE_LOADS = {name: IDLE for name in FAMILY.member_names}
+
+
+def _request(prompt_tokens: int = 500, *, profile: Profile = Profile.LATENCY, pinned: str | None = None) -> Request:
+    return Request(request_id=RequestId("r1"), prompt_token_ids=list(range(prompt_tokens)), sampling=SamplingParams(),
+                   arrival_s=0.0, pinned_member=MemberName(pinned) if pinned else None, profile=profile)
+
+
+def _route(router: Router, request: Request, complexity: float, *, matched: dict | None = None,
+           loads: dict | None = None, session: str | None = None):
+    return router.route(request, complexity=complexity, matched_prefix_tokens=matched or {},
+                        loads=loads or IDLE_LOADS, session_member=session, now_s=1.0)
+
+
+@pytest.fixture
+def router() -> Router:
+    return Router(FAMILY, RouterConfig())
+
+
+def test_adequate_member_follows_thresholds(router):
+    assert [router.adequate_member(c) for c in (0.0, 0.39, 0.4, 0.69, 0.7, 1.0)] == \
+        ["tiny-s", "tiny-s", "tiny-m", "tiny-m", "tiny-l", "tiny-l"]
+
+
+def test_pinned_member_wins_regardless(router):
+    decision = _route(router, _request(pinned="tiny-l"), 0.05, matched={"tiny-s": 500}, session="tiny-s")
+    assert decision.member == "tiny-l"
+    assert decision.reason == "pinned"
+    assert decision.downgraded_from is None
+    assert set(decision.components) == set(FAMILY.member_names)
+
+
+def test_pinned_to_unknown_member_is_an_error(router):
+    with pytest.raises(ValueError, match="not in family"):
+        _route(router, _request(pinned="tiny-xl"), 0.5)
+
+
+def test_simple_prompt_goes_to_smallest(router):
+    decision = _route(router, _request(), 0.1)
+    assert decision.member == "tiny-s"
+    assert decision.reason == "complexity 0.10 -> tiny-s"
+
+
+def test_complex_prompt_goes_to_largest(router):
+    decision = _route(router, _request(), 0.9)
+    assert decision.member == "tiny-l"
+    assert decision.downgraded_from is None
+
+
+def test_mid_complexity_goes_to_middle(router):
+    assert _route(router, _request(), 0.62).member == "tiny-m"
+
+
+def test_affinity_overrides_complexity_when_larger_member_holds_most_of_prompt(router):
+    decision = _route(router, _request(500), 0.62, matched={"tiny-l": 480})
+    assert decision.member == "tiny-l"
+    assert decision.reason == "complexity 0.62 -> tiny-m; 480 cached tokens on tiny-l outweighed it"
+    assert decision.matched_prefix_tokens == {"tiny-l": 480}
+
+
+def test_small_cache_hit_does_not_override_complexity(router):
+    # 20 cached tokens are below affinity_min_tokens: no affinity at all.
+    decision = _route(router, _request(500), 0.62, matched={"tiny-l": 20})
+    assert decision.member == "tiny-m"
+    assert decision.components["tiny-l"]["affinity"] == 0.0
+
+
+def test_affinity_never_pulls_to_a_too_small_member(router):
+    decision = _route(router, _request(500), 0.9, matched={"tiny-s": 500})
+    assert decision.member == "tiny-l"
+
+
+def test_session_bonus_breaks_a_near_tie(router):
+    without = _route(router, _request(500), 0.62, matched={"tiny-l": 70})
+    with_session = _route(router, _request(500), 0.62, matched={"tiny-l": 70}, session="tiny-l")
+    assert without.member == "tiny-m"
+    assert with_session.member == "tiny-l"
+    assert with_session.components["tiny-l"]["session"] == pytest.approx(RouterConfig().session_bonus)
+    assert "session" in with_session.reason
+
+
+def _saturated_large_loads(config: RouterConfig) -> dict[str, MemberLoad]:
+    saturation = config.load_saturation_tokens
+    return {"tiny-s": IDLE,
+            "tiny-m": MemberLoad(num_running=2, num_waiting=0, running_tokens=saturation // 2, queued_tokens=0),
+            "tiny-l": MemberLoad(num_running=8, num_waiting=4, running_tokens=saturation, queued_tokens=100)}
+
+
+def test_saturated_target_is_downgraded_under_latency(router):
+    decision = _route(router, _request(profile=Profile.LATENCY), 0.9, loads=_saturated_large_loads(router.config))
+    assert decision.member == "tiny-m"
+    assert decision.downgraded_from == "tiny-l"
+    assert "saturated" in decision.reason and "downgraded to tiny-m" in decision.reason
+    assert decision.scores["tiny-l"] > decision.scores["tiny-m"]  # the downgrade, not the score, moved it
+
+
+def test_saturated_target_is_kept_under_quality(router):
+    decision = _route(router, _request(profile=Profile.QUALITY), 0.9, loads=_saturated_large_loads(router.config))
+    assert decision.member == "tiny-l"
+    assert decision.downgraded_from is None
+
+
+def test_downgrade_skips_saturated_smaller_members(router):
+    full = MemberLoad(1, 1, router.config.load_saturation_tokens, 0)
+    decision = _route(router, _request(), 0.9, loads={"tiny-s": IDLE, "tiny-m": full, "tiny-l": full})
+    assert decision.member == "tiny-s"
+    assert decision.downgraded_from == "tiny-l"
+
+
+def test_everyone_saturated_stays_put(router):
+    full = MemberLoad(1, 1, router.config.load_saturation_tokens, 0)
+    decision = _route(router, _request(), 0.9, loads={name: full for name in FAMILY.member_names})
+    assert decision.member == "tiny-l"
+    assert decision.downgraded_from is None
+
+
+def test_use_affinity_false_ignores_cache_and_session():
+    router = Router(FAMILY, RouterConfig(use_affinity=False))
+    decision = _route(router, _request(500), 0.62, matched={"tiny-l": 500}, session="tiny-l")
+    assert decision.member == "tiny-m"
+    assert all(c["affinity"] == 0.0 and c["session"] == 0.0 for c in decision.components.values())
+
+
+def test_use_load_false_ignores_load_and_never_downgrades():
+    router = Router(FAMILY, RouterConfig(use_load=False))
+    decision = _route(router, _request(), 0.9, loads=_saturated_large_loads(router.config))
+    assert decision.member == "tiny-l"
+    assert decision.downgraded_from is None
+    assert all(c["load"] == 0.0 for c in decision.components.values())
+
+
+def test_load_moves_a_borderline_request_and_says_why(router):
+    busy = MemberLoad(4, 0, router.config.load_saturation_tokens - 1, 0)  # busy but not saturated
+    decision = _route(router, _request(), 0.45, loads={"tiny-s": IDLE, "tiny-m": busy, "tiny-l": IDLE})
+    assert decision.member == "tiny-l"
+    assert decision.downgraded_from is None
+    assert "tiny-m is loaded" in decision.reason
+
+
+def test_ties_go_to_the_smaller_member():
+    # Equal fit penalties both ways make tiny-s and tiny-l tie around an adequate tiny-m that is loaded.
+    config = RouterConfig()
+    router = Router(FAMILY, config, fit=FitPenalties(smaller_per_step=0.15, larger_per_step=0.15))
+    busy = MemberLoad(4, 0, config.load_saturation_tokens - 1, 0)
+    decision = _route(router, _request(), 0.5, loads={"tiny-s": IDLE, "tiny-m": busy, "tiny-l": IDLE})
+    assert decision.scores["tiny-s"] == pytest.approx(decision.scores["tiny-l"])
+    assert decision.member == "tiny-s"
+
+
+def test_components_and_scores_are_complete_and_consistent(router):
+    decision = _route(router, _request(500), 0.62, matched={"tiny-m": 200, "tiny-l": 480}, session="tiny-m",
+                      loads=_saturated_large_loads(router.config))
+    assert set(decision.scores) == set(decision.components) == set(FAMILY.member_names)
+    for name, parts in decision.components.items():
+        assert set(parts) == {"complexity", "affinity", "load", "session"}
+        assert decision.scores[name] == pytest.approx(sum(parts.values()))
+    assert decision.reason.startswith("complexity 0.62 -> tiny-m")
+    assert decision.complexity == 0.62
+    assert decision.request_id == "r1"
+
+
+def test_unknown_profile_falls_back_to_config_profile():
+    config = RouterConfig(profile="quality")
+    config.profiles = {"quality": config.profiles["quality"]}  # no 'latency' entry
+    router = Router(FAMILY, config)
+    decision = _route(router, _request(profile=Profile.LATENCY), 0.9, loads=_saturated_large_loads(config))
+    assert decision.member == "tiny-l"  # quality weights: no downgrade
+
+
+def test_missing_loads_and_matches_count_as_idle_and_uncached(router):
+    decision = router.route(_request(), complexity=0.1, matched_prefix_tokens={}, loads={},
+                            session_member=None, now_s=0.0)
+    assert decision.member == "tiny-s"
+
+
+def test_empty_prompt_does_not_divide_by_zero(router):
+    decision = _route(router, _request(0), 0.1, matched={"tiny-l": 0})
+    assert decision.member == "tiny-s"

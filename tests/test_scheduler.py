@@ -1,0 +1,249 @@
+"""Scheduler + KV cache manager with a fake executor and a fake clock: exact behaviour of every policy."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.complexity import ComplexityEstimator
+from orchestrator.errors import InvalidRequestError, QueueFullError
+from orchestrator.kv_cache import KVCacheManager
+from orchestrator.page_pool import PagePool, split_pages
+from orchestrator.scheduler import Scheduler
+from orchestrator.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.types import FinishReason, MemberName, Request, RequestId, SamplingParams
+from tests.fakes import FakeExecutor, fake_config, fake_vocab, independent_family, nested_family
+
+
+class Harness:
+    def __init__(self, family=None, tiers=None, low_confidence=(), **overrides):
+        self.family = family or nested_family()
+        self.config = fake_config(**overrides)
+        cfg = self.config
+        partitions = split_pages(cfg.pool.num_pages, cfg.pool.static_split) if cfg.pool.static_split else None
+        self.pool = PagePool(cfg.pool.num_pages, partitions, members=self.family.member_names)
+        self.tiers = tiers
+        esc = cfg.escalation
+        self.kv = KVCacheManager(self.family, self.pool, cfg.pool.page_bytes, 4, tiers,
+                                 record_residuals=esc.enabled and esc.reuse_shared_layers)
+        self.scheduler = Scheduler(self.family, cfg, self.pool, self.kv, ComplexityEstimator(fake_vocab()), tiers)
+        self.executor = FakeExecutor(self.family, cfg.pool.num_pages, cfg.pool.page_bytes, low_confidence)
+        self.now = 0.0
+        self.outputs: dict[str, list] = {}
+
+    def submit(self, rid, prompt, max_tokens=8, **kw):
+        request = Request(request_id=RequestId(rid), prompt_token_ids=list(prompt),
+                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=self.now, **kw)
+        return self.scheduler.add_request(request, self.now)
+
+    def step(self):
+        self.now += 0.01
+        plan, outs = self.scheduler.schedule(self.now)
+        self.executor.release(plan.released_requests)
+        for page, key in plan.page_saves:
+            self.tiers.put(key, self.executor.read_page(page))
+        failed = []
+        for page, key, _ in plan.page_loads:
+            found = self.tiers.get(key)
+            if found is None:
+                failed.append(page)
+            else:
+                self.executor.write_page(page, found[0])
+        if failed:
+            plan = self.scheduler.drop_failed_loads(plan, failed, self.now)
+        sampled = self.executor.execute(plan)
+        outs += self.scheduler.update(plan, sampled, self.now)
+        for out in outs:
+            self.outputs.setdefault(out.request_id, []).append(out)
+        self.pool.check_invariants()
+        return plan
+
+    def run(self, max_steps=500):
+        for _ in range(max_steps):
+            if not self.scheduler.has_work():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def tokens(self, rid):
+        return [t for out in self.outputs[rid] for t in out.new_token_ids]
+
+    def final(self, rid):
+        assert self.outputs[rid][-1].finished
+        return self.outputs[rid][-1]
+
+
+PROMPT = list(range(10, 30))   # 20 tokens = 5 blocks of 4
+
+
+def test_single_request_finishes_and_pages_stay_cached():
+    h = Harness()
+    h.submit("a", PROMPT, max_tokens=6, pinned_member=MemberName("m"))
+    h.run()
+    assert len(h.tokens("a")) == 6
+    assert h.final("a").finish_reason is FinishReason.LENGTH
+    counts = h.pool.counts()
+    assert counts["used"] == 0 and counts["cached"] > 0      # delayed reclamation: nothing freed eagerly
+    h.step()   # the next plan tells the engine to drop the finished request's sampler state
+    assert "a" in h.executor.released
+
+
+def test_second_turn_hits_the_first_turns_cache():
+    h = Harness()
+    h.submit("t1", PROMPT, max_tokens=8, pinned_member=MemberName("m"))
+    h.run()
+    turn2 = PROMPT + h.tokens("t1") + [5, 6, 7, 8]
+    h.submit("t2", turn2, max_tokens=4, pinned_member=MemberName("m"))
+    h.run()
+    cached = h.final("t2").num_cached_prompt_tokens
+    assert cached == 24        # 20 prompt + 8 generated = 28 computed; 7 full blocks minus the last (recomputed)
+    first_chunk = next(c for m, c in h.executor.chunks_seen if c.request_id == "t2")
+    assert first_chunk.start_pos == 24
+
+
+def test_nested_family_shares_lower_layers_across_members():
+    h = Harness()
+    h.submit("small", PROMPT, max_tokens=1, pinned_member=MemberName("s"))
+    h.run()
+    h.submit("large", PROMPT, max_tokens=1, pinned_member=MemberName("l"))
+    h.step()
+    chunk = next(c for m, c in h.executor.chunks_seen if c.request_id == "large")
+    # tiny-s's pages for layers 0-1 and its residual let the large member skip its two lowest layers
+    assert chunk.start_layer == 2 and chunk.start_pos == 0
+    small_pages = {p for m, c in h.executor.chunks_seen if c.request_id == "small" for p in c.block_tables[0]}
+    assert set(chunk.block_tables[0]) & small_pages
+
+
+def test_independent_family_never_shares_kv():
+    h = Harness(family=independent_family())
+    h.submit("small", PROMPT, max_tokens=1, pinned_member=MemberName("s"))
+    h.run()
+    h.submit("large", PROMPT, max_tokens=1, pinned_member=MemberName("l"))
+    h.run()
+    chunk = next(c for m, c in h.executor.chunks_seen if c.request_id == "large")
+    assert chunk.start_layer == 0 and chunk.start_pos == 0
+    assert h.final("large").num_cached_prompt_tokens == 0
+
+
+def test_escalation_hands_over_mid_stream_and_reuses_shared_layers():
+    h = Harness(low_confidence=("s", "m"), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                              "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+    decision = h.submit("e", PROMPT, max_tokens=12)
+    assert decision.member == "s"
+    h.run()
+    final = h.final("e")
+    assert len(h.tokens("e")) == 12
+    assert [s.member for s in final.spans] == ["s", "m", "l"]    # s -> m -> l; never past the largest
+    assert sum(s.num_tokens for s in final.spans) == 12
+    handover = [c for m, c in h.executor.chunks_seen if c.request_id == "e" and m == "m"][0]
+    assert handover.start_layer == 2 and handover.start_pos == 0    # only m's upper layers were computed
+    stats = h.scheduler.snapshot(h.now)
+    assert stats["counters"]["escalations"]["s->m"] == 1 and stats["counters"]["escalations"]["m->l"] == 1
+
+
+def test_pinned_request_never_escalates():
+    h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 2})
+    h.submit("p", PROMPT, max_tokens=10, pinned_member=MemberName("s"))
+    h.run()
+    assert [s.member for s in h.final("p").spans] == ["s"]
+
+
+def test_preemption_under_page_pressure_gives_identical_output():
+    reference = Harness()
+    for i in range(4):
+        reference.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
+    reference.run()
+    tight = Harness(**{"pool.num_pages": 84})   # l: 6 pages per block, 14 blocks; each request grows to 11
+    for i in range(4):
+        tight.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
+    tight.run(2000)
+    assert tight.scheduler.snapshot(tight.now)["counters"]["preemptions"] > 0
+    for i in range(4):
+        assert tight.tokens(f"r{i}") == reference.tokens(f"r{i}")
+    assert tight.pool.counts()["used"] == 0
+
+
+def test_abort_returns_pages():
+    h = Harness()
+    h.submit("x", PROMPT, max_tokens=50, pinned_member=MemberName("m"))
+    h.step()
+    h.step()
+    assert h.pool.counts()["used"] > 0
+    h.scheduler.abort(RequestId("x"))
+    h.step()
+    assert h.final("x").finish_reason is FinishReason.CANCELLED
+    assert h.pool.counts()["used"] == 0 and not h.scheduler.has_work()
+
+
+def test_queue_bound_and_bad_requests():
+    h = Harness(**{"scheduler.max_queue": 2})
+    h.submit("a", PROMPT)
+    h.submit("b", PROMPT)
+    with pytest.raises(QueueFullError):
+        h.submit("c", PROMPT)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        h.submit("d", [])
+    with pytest.raises(InvalidRequestError, match="holds"):
+        Harness().submit("e", list(range(600)))
+
+
+def test_request_larger_than_pool_is_refused_not_hung():
+    h = Harness(**{"pool.num_pages": 12})
+    with pytest.raises(InvalidRequestError, match="pages"):
+        h.submit("big", PROMPT, max_tokens=20, pinned_member=MemberName("l"))
+
+
+def test_static_split_isolates_members():
+    h = Harness(**{"pool.num_pages": 120, "pool.static_split": {"s": 0.5, "m": 0.25, "l": 0.25}})
+    h.submit("a", PROMPT, max_tokens=4, pinned_member=MemberName("m"))
+    h.run()
+    owners = {h.pool.owner(p) for p in range(120) if h.pool.key_of(p) is not None}
+    assert owners == {"m"}
+    assert all(60 <= p < 90 for p in range(120) if h.pool.key_of(p) is not None)
+
+
+def test_host_tier_serves_evicted_prefix(tmp_path):
+    tiers = TieredStore(HostTier(1 << 20), DiskTier(tmp_path, 1 << 20))
+    h = Harness(tiers=tiers, **{"pool.num_pages": 40})
+    h.submit("first", PROMPT, max_tokens=2, pinned_member=MemberName("m"))
+    h.run()
+    for i in range(3):   # other prompts push the first one's pages out of the arena
+        h.submit(f"other{i}", [40 + i] * 20, max_tokens=2, pinned_member=MemberName("m"))
+        h.run()
+    assert tiers.counts()["host"] > 0
+    h.submit("again", PROMPT, max_tokens=2, pinned_member=MemberName("m"))
+    h.run()
+    assert h.final("again").num_cached_prompt_tokens == 16
+    hits = h.scheduler.snapshot(h.now)["counters"]["prefix_hit_tokens"]["m"]
+    assert hits["host"] > 0
+
+
+def test_disk_tier_survives_restart_and_drops_corrupt_blocks(tmp_path):
+    tiers = TieredStore(None, DiskTier(tmp_path, 1 << 20))
+    h = Harness(tiers=tiers, **{"pool.num_pages": 40})
+    h.submit("first", PROMPT, max_tokens=2, pinned_member=MemberName("m"))
+    h.run()
+    for i in range(3):
+        h.submit(f"other{i}", [40 + i] * 20, max_tokens=2, pinned_member=MemberName("m"))
+        h.run()
+    # "restart": a new scheduler, arena and executor over the same disk directory
+    restarted = Harness(tiers=TieredStore(None, DiskTier(tmp_path, 1 << 20)), **{"pool.num_pages": 40})
+    restarted.submit("again", PROMPT, max_tokens=2, pinned_member=MemberName("m"))
+    restarted.run()
+    assert restarted.final("again").num_cached_prompt_tokens == 16
+    assert restarted.tokens("again") == h.tokens("first")
+    # corrupt every file: a third run recomputes instead of serving garbage
+    for path in tmp_path.iterdir():
+        path.write_bytes(path.read_bytes()[:-3] + b"xyz")
+    third = Harness(tiers=TieredStore(None, DiskTier(tmp_path, 1 << 20)), **{"pool.num_pages": 40})
+    third.submit("again", PROMPT, max_tokens=2, pinned_member=MemberName("m"))
+    third.run()
+    assert third.tokens("again") == h.tokens("first")
+
+
+def test_warmup_prefills_next_member_and_escalation_hits_it():
+    h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                          "escalation.warmup_band": [0.0, 1.0],
+                                          "router.complexity_thresholds": [0.99, 0.995]})
+    h.submit("w", PROMPT, max_tokens=8)
+    h.run()
+    warm = h.scheduler.snapshot(h.now)["counters"]["warmups"]
+    assert warm["issued"] == 1 and warm["hit"] == 1

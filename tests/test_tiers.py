@@ -1,0 +1,142 @@
+"""Host and disk tiers: LRU byte bounds, demotion, checksums, temp files, restart."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from orchestrator.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.types import PageKey, Tier
+
+
+def key(n: int, lineage: str = "lin/0") -> PageKey:
+    return PageKey(lineage, bytes([n]) * 16)
+
+
+def blob(n: int, size: int = 10) -> bytes:
+    return bytes([n]) * size
+
+
+def test_host_lru_bounds_and_eviction_order() -> None:
+    host = HostTier(capacity_bytes=30)
+    assert host.tier is Tier.HOST
+    assert host.put(key(1), blob(1)) == []
+    assert host.put(key(2), blob(2)) == []
+    assert host.put(key(3), blob(3)) == []
+    assert host.get(key(1)) == blob(1)             # 1 becomes most recent: order 2, 3, 1
+    assert host.put(key(4), blob(4, 15)) == [(key(2), blob(2)), (key(3), blob(3))]
+    assert (host.num_entries, host.bytes_used) == (2, 25)
+    assert not host.contains(key(2)) and host.get(key(2)) is None
+    assert host.put(key(5), blob(5, 31)) == [] and not host.contains(key(5))   # larger than capacity
+    host.put(key(4), blob(9, 5))                    # replace: bytes follow the new value
+    assert host.bytes_used == 15 and host.get(key(4)) == blob(9, 5)
+    host.discard(key(4))
+    host.discard(key(4))
+    assert (host.num_entries, host.bytes_used) == (1, 10)
+
+
+def test_disk_put_get_and_lru(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, capacity_bytes=20)
+    assert disk.tier is Tier.DISK
+    assert disk.put(key(1), blob(1)) == []
+    assert disk.put(key(2), blob(2)) == []
+    assert disk.get(key(1)) == blob(1)
+    assert disk.put(key(3), blob(3)) == [(key(2), blob(2))]
+    assert disk.keys() == [key(1), key(3)] and disk.bytes_used == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(disk.path_for(k).name for k in (key(1), key(3)))
+    assert disk.put(key(4), blob(4, 21)) == [] and not disk.contains(key(4))
+    disk.discard(key(1))
+    assert not disk.path_for(key(1)).exists() and disk.get(key(1)) is None
+
+
+def test_disk_corruption_returns_none_and_removes_file(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, capacity_bytes=100)
+    disk.put(key(1), blob(1))
+    path = disk.path_for(key(1))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF                                # flip a data bit
+    path.write_bytes(bytes(raw))
+    assert disk.get(key(1)) is None
+    assert not path.exists() and not disk.contains(key(1)) and disk.bytes_used == 0
+
+
+def test_disk_truncated_file_and_missing_file(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, capacity_bytes=100)
+    disk.put(key(1), blob(1))
+    disk.put(key(2), blob(2))
+    path = disk.path_for(key(1))
+    path.write_bytes(path.read_bytes()[:-3])
+    assert disk.get(key(1)) is None and not path.exists()
+    disk.path_for(key(2)).unlink()                 # deleted behind our back
+    assert disk.get(key(2)) is None and disk.num_entries == 0
+
+
+def test_disk_restart_recovers_keys_and_bytes(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, capacity_bytes=100)
+    disk.put(key(1, "layer:a"), blob(1))
+    disk.put(key(2, "layer:b/residual"), blob(2, 7))
+    again = DiskTier(tmp_path, capacity_bytes=100)
+    assert set(again.keys()) == {key(1, "layer:a"), key(2, "layer:b/residual")}
+    assert again.bytes_used == 17
+    assert again.get(key(1, "layer:a")) == blob(1)
+    assert again.get(key(2, "layer:b/residual")) == blob(2, 7)
+
+
+def test_disk_scan_cleans_temp_files_and_junk(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, capacity_bytes=100)
+    disk.put(key(1), blob(1))
+    (tmp_path / ".tmp-abc123").write_bytes(b"half a block")      # an interrupted put
+    (tmp_path / "0000-ffff.kv").write_bytes(b"not a block at all")  # bad header
+    (tmp_path / "notes.txt").write_text("left alone")
+    again = DiskTier(tmp_path, capacity_bytes=100)
+    assert again.keys() == [key(1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([disk.path_for(key(1)).name, "notes.txt"])
+
+
+def test_disk_restart_enforces_smaller_capacity_oldest_first(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, capacity_bytes=100)
+    for n in range(3):
+        disk.put(key(n), blob(n))
+        os.utime(disk.path_for(key(n)), (1000 + n, 1000 + n))   # explicit ages: 0 oldest
+    small = DiskTier(tmp_path, capacity_bytes=20)
+    assert small.keys() == [key(1), key(2)]
+    assert not disk.path_for(key(0)).exists()
+
+
+def test_tiered_store_demotes_host_evictions_to_disk(tmp_path: Path) -> None:
+    store = TieredStore(HostTier(20), DiskTier(tmp_path, 100))
+    assert store.put(key(1), blob(1)) is Tier.HOST
+    store.put(key(2), blob(2))
+    store.put(key(3), blob(3))                     # host evicts 1 -> disk
+    assert store.locate(key(1)) is Tier.DISK and store.locate(key(3)) is Tier.HOST
+    assert store.counts() == {"host": 2, "disk": 1}
+    assert store.get(key(1)) == (blob(1), Tier.DISK)
+    assert store.get(key(3)) == (blob(3), Tier.HOST)
+    assert store.locate(key(3)) is Tier.HOST       # a host hit stays in the host
+    assert store.put(key(4), blob(4, 50)) is Tier.DISK   # too big for the host
+    assert store.locate(key(9)) is None and store.get(key(9)) is None
+    store.discard(key(1))
+    assert store.locate(key(1)) is None
+    assert store.counts_by_lineage() == {"lin/0": {"host": 2, "disk": 1}}
+
+
+def test_tiered_store_put_again_keeps_one_copy(tmp_path: Path) -> None:
+    store = TieredStore(HostTier(20), DiskTier(tmp_path, 100))
+    for n in (1, 2, 3):
+        store.put(key(n), blob(n))
+    assert store.locate(key(1)) is Tier.DISK
+    store.put(key(1), blob(1))                     # back into the host (2 demoted), disk copy of 1 dropped
+    assert store.locate(key(1)) is Tier.HOST and store.locate(key(2)) is Tier.DISK
+    assert store.counts() == {"host": 2, "disk": 1}
+
+
+def test_tiered_store_without_tiers(tmp_path: Path) -> None:
+    only_host = TieredStore(HostTier(10), None)
+    only_host.put(key(1), blob(1))
+    only_host.put(key(2), blob(2))
+    assert only_host.counts() == {"host": 1, "disk": 0} and only_host.locate(key(1)) is None
+    only_disk = TieredStore(None, DiskTier(tmp_path, 10))
+    assert only_disk.put(key(1), blob(1)) is Tier.DISK
+    assert only_disk.get(key(1)) == (blob(1), Tier.DISK)
+    nothing = TieredStore(None, None)
+    assert nothing.put(key(1), blob(1)) is None and nothing.get(key(1)) is None
+    assert nothing.counts() == {"host": 0, "disk": 0}
