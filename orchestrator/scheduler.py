@@ -87,6 +87,8 @@ class Scheduler:
         self._aborts: list[tuple[RequestId, str | None]] = []
         self._released: list[RequestId] = []
         self._sessions: OrderedDict[str, MemberName] = OrderedDict()
+        # session -> (last finish time, its pages and their keys): TTL ageing of idle sessions' cache
+        self._session_pages: OrderedDict[str, tuple[float, list[tuple[PageId, object]]]] = OrderedDict()
         self._admit_counter = itertools.count()
         self._eos = {m.name: frozenset(m.eos_token_ids) for m in family.members}
         self._capacity_pages = {m.name: self._member_capacity(m.name) for m in family.members}
@@ -213,6 +215,7 @@ class Scheduler:
         plan = StepPlan(released_requests=self._released)
         self._released = []
         outputs = self._process_aborts(now_s)
+        self._age_idle_sessions(now_s)
         self._ensure_decode_slots(now_s)
         self._admit(plan, now_s)
         self._build_batches(plan)
@@ -223,6 +226,20 @@ class Scheduler:
             if self.tiers is not None:
                 plan.page_saves.extend(evictions)
         return plan, outputs
+
+    def _age_idle_sessions(self, now_s: float) -> None:
+        """Cached pages of a session idle for longer than session_ttl_s become the first to evict."""
+        ttl = self.config.pool.session_ttl_s
+        if ttl is None:
+            return
+        while self._session_pages:
+            session, (last_s, pages) = next(iter(self._session_pages.items()))
+            if now_s - last_s <= ttl:
+                break
+            del self._session_pages[session]
+            for page, key in pages:
+                if self.pool.is_cached(page) and self.pool.key_of(page) == key:
+                    self.pool.demote(page)
 
     def _process_aborts(self, now_s: float) -> list[RequestOutput]:
         timeout = self.config.scheduler.request_timeout_s
@@ -491,6 +508,11 @@ class Scheduler:
                 if seq in queue:
                     queue.remove(seq)   # rare path (cancel while waiting), queues are bounded
                     break
+        session = seq.request.session_id
+        if session and seq.kv is not None and self.config.pool.session_ttl_s is not None:
+            pages = [(p, self.pool.key_of(p)) for p in seq.kv.all_pages()]
+            self._session_pages[session] = (now_s, [(p, k) for p, k in pages if k is not None])
+            self._session_pages.move_to_end(session)
         self._drop_kv(seq)
         self._forget(seq)
         seq.state = RequestState.CANCELLED if seq.finish_reason is FinishReason.CANCELLED else RequestState.FINISHED

@@ -247,3 +247,20 @@ def test_warmup_prefills_next_member_and_escalation_hits_it():
     h.run()
     warm = h.scheduler.snapshot(h.now)["counters"]["warmups"]
     assert warm["issued"] == 1 and warm["hit"] == 1
+
+
+def test_session_ttl_makes_idle_sessions_evict_first():
+    def run(ttl):
+        h = Harness(**{"pool.num_pages": 72, "pool.session_ttl_s": ttl})
+        h.submit("anon", PROMPT, max_tokens=2, pinned_member=MemberName("m"))   # older, no session
+        h.run()
+        h.submit("idle", [45] * 20, max_tokens=2, pinned_member=MemberName("m"), session_id="s1")
+        h.run()
+        h.now += 5.0       # the session idles past its TTL
+        h.submit("next", [46] * 20, max_tokens=2, pinned_member=MemberName("m"))   # needs evictions
+        h.run()
+        h.submit("anon-again", PROMPT, max_tokens=2, pinned_member=MemberName("m"))
+        h.run()
+        return h.final("anon-again").num_cached_prompt_tokens
+    assert run(ttl=None) < 16      # plain LRU: the older anonymous prefix goes first
+    assert run(ttl=1.0) == 16      # TTL: the idle session's pages go first, the anonymous prefix survives

@@ -1,0 +1,35 @@
+# Two entry points: `make demo` and `make test`. Each sets up .venv itself from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mfs-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install bench engine-bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch lies on disk on these machines; pin it first so nothing pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mfs demo
+
+test: $(STAMP)
+	@$(PY) -m pytest -q $(PYTEST_ARGS) tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; failing on purpose" >&2; exit 1; fi; \
+	exit $$rc
+
+bench: $(STAMP)
+	$(VENV)/bin/mfs bench --quick --out artifacts/bench_quick.json
+
+engine-bench: $(STAMP)
+	$(PY) -m eval.engine_bench
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache

@@ -1,0 +1,40 @@
+"""Config loading: defaults, YAML, dotted overrides, and clear errors naming the key."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import ConfigError, load_config
+
+
+def test_defaults_validate():
+    config = load_config()
+    assert config.family == "tiny" and config.engine.kind == "local"
+    assert config.num_arena_pages() == int(64 * 2**20) // 16384
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "mfs.yaml"
+    path.write_text("pool:\n  num_pages: 300\nrouter:\n  profile: quality\n")
+    config = load_config(path, overrides={"escalation.threshold": 0.5})
+    assert config.pool.num_pages == 300 and config.router.profile == "quality" and config.escalation.threshold == 0.5
+
+
+@pytest.mark.parametrize("text, message", [
+    ("pool:\n  nmu_pages: 3\n", "pool.nmu_pages': unknown key"),
+    ("pool:\n  num_pages: many\n", "pool.num_pages': expected an integer"),
+    ("router:\n  profile: fastest\n", "router.profile"),
+    ("escalation:\n  enabled: 3\n", "escalation.enabled': expected true or false"),
+    ("pool:\n  static_split: {tiny-s: 0.5, tiny-l: 0.2}\n", "sum to 1"),
+    ("- a list\n", "mapping"),
+    ("pool: [\n", "not valid YAML"),
+])
+def test_errors_name_the_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("{", r"\{")):
+        load_config(path)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent/mfs.yaml")
