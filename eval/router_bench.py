@@ -89,6 +89,52 @@ def run(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = DEFAULT_CALLS,
         total_us_p99=total_ns[min(len(total_ns) - 1, int(0.99 * len(total_ns)))] / 1e3)
 
 
+def run_full_path(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = 2000, cached_blocks: int = 10_000,
+                  vocab_size: int = DEFAULT_VOCAB_SIZE) -> dict[str, float]:
+    """The whole per-request routing cost as the scheduler pays it: chained block hashes of the prompt,
+    the cached-prefix estimate on every member against a pool holding `cached_blocks` cached blocks,
+    the complexity score and the router's decision."""
+    from orchestrator.block_hash import chain_block_hashes, hash_seed
+    from orchestrator.config import load_config
+    from orchestrator.kv_cache import KVCacheManager
+    from orchestrator.page_pool import PagePool
+    from orchestrator.scheduler import Scheduler
+    from orchestrator.types import PageKey
+
+    rng = random.Random(SEED)
+    family = synthetic_family()
+    config = load_config(overrides={"pool.page_bytes": 4096, "pool.host_tier_mb": 0})
+    largest = family.members[-1]
+    block = largest.tokens_per_block(config.pool.page_bytes, 4)
+    pool = PagePool(cached_blocks * largest.num_layers + 4096, members=family.member_names)
+    seed = hash_seed(largest.tokenizer_hash, None)
+    prompt = [rng.randrange(vocab_size) for _ in range(prompt_tokens)]
+    # half of the prompt is cached; the rest of the pool holds unrelated cached blocks
+    filler = [rng.randrange(vocab_size) for _ in range(cached_blocks * block)]
+    hashes = chain_block_hashes(prompt[: prompt_tokens // 2], block, seed)
+    hashes += chain_block_hashes(filler, block, seed)[: cached_blocks - len(hashes)]
+    for block_hash in hashes:
+        pages = pool.allocate(largest.name, largest.num_layers)
+        for page, lineage in zip(pages, largest.layer_lineages):
+            pool.register(page, PageKey(lineage, block_hash))
+            pool.release(page)
+    kv = KVCacheManager(family, pool, config.pool.page_bytes, 4)
+    estimator = ComplexityEstimator(synthetic_vocab(vocab_size), role_token_ids=range(len(ROLE_WORDS)))
+    scheduler = Scheduler(family, config, pool, kv, estimator)
+    request = Request(request_id=RequestId("bench"), prompt_token_ids=prompt, sampling=SamplingParams(), arrival_s=0.0)
+    samples = []
+    for call in range(WARMUP_CALLS + calls):
+        t0 = time.perf_counter_ns()
+        decision = scheduler._route(request, estimator.score(prompt), float(call))
+        if call >= WARMUP_CALLS:
+            samples.append(time.perf_counter_ns() - t0)
+    samples.sort()
+    return {"cached_blocks": pool.counts()["cached"] // largest.num_layers, "prompt_tokens": prompt_tokens,
+            "matched_tokens_largest": decision.matched_prefix_tokens.get(largest.name, 0),
+            "full_us_median": statistics.median(samples) / 1e3,
+            "full_us_p99": samples[int(0.99 * (len(samples) - 1))] / 1e3}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
@@ -105,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  complexity score  {result.score_us_median:8.1f} us")
     print(f"  router route      {result.route_us_median:8.1f} us")
     print(f"  score + route     {result.total_us_median:8.1f} us  (p99 {result.total_us_p99:.1f} us)")
+    full = run_full_path(args.prompt_tokens, vocab_size=args.vocab_size)
+    print(f"  full path (block hashes + cached-prefix estimate on every member, {full['cached_blocks']} cached "
+          f"blocks, {full['matched_tokens_largest']} tokens matched) + score + route: "
+          f"{full['full_us_median']:.1f} us  (p99 {full['full_us_p99']:.1f} us)")
 
 
 if __name__ == "__main__":

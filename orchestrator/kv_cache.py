@@ -147,15 +147,18 @@ class KVCacheManager:
         return slowest
 
     def estimate_cached_tokens(self, member: str, hashes: list[bytes]) -> int:
-        """Router's cheap estimate: checks only the top layer's key per block (all pages of a block
-        are released together, so they leave the arena together in LRU order)."""
+        """Router's cheap estimate: binary search for the longest cached prefix, checking only the top
+        layer's key. Prefixes are cached head-first (a block's key chains all earlier blocks, and a
+        request releases its deepest blocks first), and all pages of a block leave the arena together."""
         top = self.family.member(member).layer_lineages[-1]
-        block = 0
-        for block_hash in hashes:
-            if self._locate(PageKey(top, block_hash)) is None:
-                break
-            block += 1
-        return block * self._blocks[member]
+        low, high = 0, len(hashes)          # invariant: blocks < low are cached, blocks >= high are not
+        while low < high:
+            mid = (low + high) // 2
+            if self._locate(PageKey(top, hashes[mid])) is None:
+                high = mid
+            else:
+                low = mid + 1
+        return low * self._blocks[member]
 
     # ------------------------------------------------------------------ allocation
     def attach(self, member: str, match: PrefixMatch, hashes: list[bytes], total_tokens: int,

@@ -137,9 +137,11 @@ class Scheduler:
             raise QueueFullError(f"queue full ({self.config.scheduler.max_queue} waiting requests)")
         complexity = (request.complexity_hint if request.complexity_hint is not None
                       else self.estimator.score(request.prompt_token_ids))
-        decision = self._route(request, complexity, now_s)
+        hashes_by_block: dict[int, list[bytes]] = {}
+        decision = self._route(request, complexity, now_s, hashes_by_block)
         seq = Sequence(request=request, member=decision.member, token_ids=list(request.prompt_token_ids),
                        num_prompt_tokens=len(request.prompt_token_ids), route=decision, complexity=complexity)
+        seq.hashes = hashes_by_block.get(self.kv.tokens_per_block(seq.member), [])
         if self._can_escalate(seq):
             seq.monitor = ConfidenceMonitor(self.config.escalation)
         self._by_id[request.request_id] = seq
@@ -152,10 +154,12 @@ class Scheduler:
     def abort(self, request_id: RequestId, reason: str | None = None) -> None:
         self._aborts.append((request_id, reason))
 
-    def _route(self, request: Request, complexity: float, now_s: float) -> RouteDecision:
+    def _route(self, request: Request, complexity: float, now_s: float,
+               by_block_size: dict[int, list[bytes]] | None = None) -> RouteDecision:
+        """Routes; fills by_block_size with the prompt's block hashes so admission can reuse them."""
         matched: dict[str, int] = {}
+        by_block_size = {} if by_block_size is None else by_block_size
         if self.config.router.use_affinity and request.pinned_member is None:
-            by_block_size: dict[int, list[bytes]] = {}
             for name in self.family.member_names:
                 size = self.kv.tokens_per_block(name)
                 if size not in by_block_size:
@@ -318,7 +322,8 @@ class Scheduler:
         if seq.is_warmup and self.loads()[seq.member].num_running:
             return False
         cfg = self.config.escalation
-        seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt)
+        # Hashes chain per block size: extend what routing or an earlier member computed.
+        seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
         allow_shared = cfg.reuse_shared_layers and not cfg.cold_handover
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
         # Warm-ups never evict: they use idle memory only.
@@ -465,11 +470,15 @@ class Scheduler:
             del seq.token_ids[-rollback:], seq.logprobs[-rollback:], seq.top_logprobs[-rollback:]
             last = seq.spans[-1]
             seq.spans[-1] = MemberSpan(last.member, last.num_tokens - rollback)
+            if seq.spans[-1].num_tokens == 0:
+                seq.spans.pop()
+            seq.hashes = seq.hashes[:len(seq.token_ids) // self.kv.tokens_per_block(seq.member)]
         source = seq.member
         self._drop_kv(seq)
         del self._running[seq.request_id]
+        if self.kv.tokens_per_block(target) != self.kv.tokens_per_block(source):
+            seq.hashes = []
         seq.member = MemberName(target)
-        seq.hashes = []
         seq.count_query = True
         seq.monitor.reset()
         if not self._can_escalate(seq):

@@ -264,3 +264,15 @@ def test_session_ttl_makes_idle_sessions_evict_first():
         return h.final("anon-again").num_cached_prompt_tokens
     assert run(ttl=None) < 16      # plain LRU: the older anonymous prefix goes first
     assert run(ttl=1.0) == 16      # TTL: the idle session's pages go first, the anonymous prefix survives
+
+
+def test_rollback_drops_the_low_confidence_window_and_holds_it_back():
+    h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                          "escalation.on_escalate": "rollback", "escalation.warmup": False,
+                                          "router.complexity_thresholds": [0.99, 0.995]})
+    h.submit("r", PROMPT, max_tokens=10)
+    h.run()
+    final = h.final("r")
+    # s produced 4 tokens, all rolled back (never sent: held back); m wrote the 10 the client saw
+    assert [(s.member, s.num_tokens) for s in final.spans] == [("m", 10)]
+    assert len(h.tokens("r")) == 10
