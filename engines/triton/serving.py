@@ -1,0 +1,410 @@
+"""TritonServing: MFS routing and escalation per request over members served by Triton (ServingEngine).
+
+Triton owns each member's KV pool and batching; MFS decides the member, watches confidence, escalates.
+The KV ledger is an ESTIMATE (docs/TRTLLM.md): an approximate per-member prefix index from MFS's own
+routing history, corrected by the per-request kv_cache_reused_blocks output and Triton's KV block metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.triton.client import TritonClient
+from orchestrator.block_hash import chain_block_hashes, hash_seed
+from orchestrator.config import MFSConfig
+from orchestrator.errors import EngineUnavailableError, QueueFullError
+from orchestrator.events import Stats
+from orchestrator.family import FamilySpec, load_family
+from orchestrator.tokenizer import FamilyTokenizer
+from orchestrator.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
+                                RouteDecision)
+
+log = logging.getLogger("mfs.triton")
+PROBE_INTERVAL_S = 0.5
+METRICS_INTERVAL_S = 1.0
+DEFAULT_TOKENS_PER_BLOCK = 32
+DEFAULT_INDEX_BLOCKS = 4096          # until Triton's 'max' block metric is known
+
+
+class PrefixEstimate:
+    """Approximate view of one member's reusable blocks: chained block hashes, LRU, bounded by capacity."""
+
+    __slots__ = ("capacity_blocks", "_blocks")
+
+    def __init__(self, capacity_blocks: int = DEFAULT_INDEX_BLOCKS):
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks believed cached (a chain: the first miss ends the match)."""
+        count = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            count += 1
+        return count
+
+    def insert(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        self.trim()
+
+    def forget_from(self, hashes: list[bytes], first_missing: int) -> None:
+        """Triton reported fewer reused blocks than predicted: those blocks were evicted."""
+        for h in hashes[first_missing:]:
+            self._blocks.pop(h, None)
+
+    def trim(self) -> None:
+        while len(self._blocks) > max(0, self.capacity_blocks):
+            self._blocks.popitem(last=False)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    member: str
+    tokens: int                       # prompt + generated so far (the load the router sees)
+
+
+@dataclass(slots=True)
+class _EstimateCounters:
+    predicted_hit_tokens: int = 0     # what the prefix index expected Triton to reuse
+    reported_hit_tokens: int = 0      # what Triton reported (kv_cache_reused_blocks x tokens_per_block)
+    corrections: int = 0              # requests where the index over-predicted and was corrected
+    disconnects: int = 0
+    reconnects: int = 0
+    members: dict[str, dict[str, float]] = field(default_factory=dict)   # last KV block metrics per member
+
+
+class TritonServing:
+    """ServingEngine over Triton: route -> stream from the member's model -> escalate on low confidence."""
+
+    def __init__(self, config: MFSConfig, family: FamilySpec | None = None, url: str | None = None,
+                 metrics_url: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 probe_interval_s: float = PROBE_INTERVAL_S):
+        self.config = config
+        self.family = family or load_family(config.family)
+        self.family_name = self.family.name
+        self.member_names = self.family.member_names
+        self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)   # the server's edge uses it
+        self.clock = clock
+        url = url or config.engine.triton_url
+        if metrics_url is None:
+            metrics_url = config.engine.triton_metrics_url or _default_metrics_url(url)
+        self.client = TritonClient(url, metrics_url)
+        self.probe_interval_s = probe_interval_s
+        self.stats_counters = Stats()
+        self.tokens_per_block = {m: DEFAULT_TOKENS_PER_BLOCK for m in self.member_names}
+        self.index = {m: PrefixEstimate() for m in self.member_names}
+        self.estimate = _EstimateCounters()
+        self._seed = hash_seed(self.family.members[0].tokenizer_hash, None)
+        self._in_flight: dict[RequestId, _InFlight] = {}
+        self._aborted: set[RequestId] = set()   # ended at their next streamed token, like LocalServing's abort
+        self._sessions: dict[str, str] = {}
+        self._ready = False
+        self._accepting = False
+        self._probe_task: asyncio.Task | None = None
+        self._router = self._estimator = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        from orchestrator.router import Router
+
+        self._router = Router(self.family, self.config.router)
+        self._accepting = True
+        await self.client.connect()
+        await self._probe_once()
+        self._probe_task = asyncio.create_task(self._probe_loop(), name="mfs-triton-probe")
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._aborted.update(self._in_flight)
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+            self._probe_task = None
+        self._ready = False
+        await self.client.close()
+
+    def is_ready(self) -> bool:
+        return self._ready and self._accepting
+
+    async def _probe_loop(self) -> None:
+        last_metrics = 0.0
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await self._probe_once()
+                if self._ready and time.monotonic() - last_metrics >= METRICS_INTERVAL_S:
+                    last_metrics = time.monotonic()
+                    await self._poll_metrics()
+            except Exception:  # the probe must survive anything Triton does
+                log.exception("Triton health probe failed")
+
+    async def _probe_once(self) -> None:
+        """Health probe; after an outage the channel is rebuilt and the members' settings re-read."""
+        ready = await self.client.is_ready()
+        if not ready and self._ready:
+            self._mark_down("health probe failed")
+        elif not ready:
+            await self.client.connect()     # a fresh channel: the old one may sit in backoff
+            ready = await self.client.is_ready()
+        if ready and not self._ready:
+            try:
+                await self._load_member_settings()
+            except Exception as exc:  # a model not ready yet: try again at the next probe
+                log.warning("Triton up but member settings unavailable: %s", exc)
+                return
+            if self.estimate.disconnects:
+                self.estimate.reconnects += 1
+                # Triton restarted: every cached block it had is gone.
+                self.index = {m: PrefixEstimate(self.index[m].capacity_blocks) for m in self.member_names}
+            self._ready = True
+            log.info("Triton ready at %s", self.client.url)
+
+    def _mark_down(self, why: str) -> None:
+        if self._ready:
+            self._ready = False
+            self.estimate.disconnects += 1
+            log.warning("Triton unavailable (%s)", why)
+
+    async def _load_member_settings(self) -> None:
+        for member in self.member_names:
+            params = await self.client.model_parameters(member)
+            self.tokens_per_block[member] = int(params.get("mfs_tokens_per_block", DEFAULT_TOKENS_PER_BLOCK))
+
+    async def _poll_metrics(self) -> None:
+        try:
+            metrics = await self.client.kv_block_metrics()
+        except Exception as exc:  # metrics are advisory
+            log.debug("KV metrics poll failed: %s", exc)
+            return
+        for member in self.member_names:
+            values = metrics.get(member)
+            if not values:
+                continue
+            self.estimate.members[member] = values
+            if values.get("max"):
+                self.index[member].capacity_blocks = int(values["max"])
+                self.index[member].trim()
+
+    # ------------------------------------------------------------------ requests
+    def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        return self._generate(request)
+
+    async def _generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        if not self.is_ready():
+            self.stats_counters.on_request_done(request.pinned_member or self.member_names[0], "rejected")
+            raise EngineUnavailableError("Triton is not ready")
+        limit = self.config.scheduler.max_queue + self.config.scheduler.max_running_requests
+        if len(self._in_flight) >= limit:
+            raise QueueFullError(f"{len(self._in_flight)} requests in flight (limit {limit})")
+        route = self._route(request)
+        member = route.member if route is not None else str(request.pinned_member)
+        state = _InFlight(member, len(request.prompt_token_ids))
+        self._in_flight[request.request_id] = state
+        try:
+            async for output in self._run(request, member, route, state):
+                yield output
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            self._aborted.discard(request.request_id)
+
+    def _route(self, request: Request) -> RouteDecision | None:
+        if request.pinned_member is not None:
+            if request.pinned_member not in self.member_names:
+                from orchestrator.errors import ModelNotFoundError
+                raise ModelNotFoundError(f"no member {request.pinned_member!r} in family {self.family_name}")
+            return None
+        from orchestrator.router import MemberLoad
+
+        complexity = request.complexity_hint
+        if complexity is None:
+            complexity = self._complexity(request.prompt_token_ids)
+        matched = {m: self._predicted_hit_tokens(m, request.prompt_token_ids) for m in self.member_names}
+        loads = {m: MemberLoad(num_running=sum(1 for f in self._in_flight.values() if f.member == m), num_waiting=0,
+                               running_tokens=sum(f.tokens for f in self._in_flight.values() if f.member == m),
+                               queued_tokens=0) for m in self.member_names}
+        decision = self._router.route(request, complexity=complexity, matched_prefix_tokens=matched, loads=loads,
+                                      session_member=self._sessions.get(request.session_id or ""),
+                                      now_s=self.clock())
+        self.stats_counters.record_route(decision)
+        return decision
+
+    def _complexity(self, token_ids: list[int]) -> float:
+        if self._estimator is None:   # built on first use: decoding a large vocabulary takes a moment
+            from orchestrator.serving import build_estimator
+            self._estimator = build_estimator(self.tokenizer)
+        return self._estimator.score(token_ids)
+
+    def _hashes(self, member: str, token_ids: list[int]) -> list[bytes]:
+        return chain_block_hashes(token_ids, self.tokens_per_block[member], self._seed)
+
+    def _predicted_hit_tokens(self, member: str, token_ids: list[int]) -> int:
+        # The last prompt token is always recomputed (its logits start decoding), as in the engines.
+        hashes = self._hashes(member, token_ids[:-1])
+        return self.index[member].match_blocks(hashes) * self.tokens_per_block[member]
+
+    async def _run(self, request: Request, member: str, route: RouteDecision | None,
+                   state: _InFlight) -> AsyncIterator[RequestOutput]:
+        from orchestrator.escalation import ConfidenceMonitor, escalation_target
+
+        sampling = request.sampling
+        monitor = ConfidenceMonitor(self.config.escalation)
+        generated: list[int] = []
+        spans: list[MemberSpan] = []
+        prompt = list(request.prompt_token_ids)
+        num_cached = 0
+        first_output = True
+        stop_ids = set(sampling.stop_token_ids)
+        while True:
+            context = prompt + generated
+            predicted = self._predicted_hit_tokens(member, context)
+            self.estimate.predicted_hit_tokens += predicted
+            end_id = -1 if sampling.ignore_eos else self._end_id(member)
+            span_start = len(generated)
+            escalate_to: str | None = None
+            finish: FinishReason | None = None
+            reused_blocks: int | None = None
+            stream = self.client.generate(member, context, sampling, f"{request.request_id}-{len(spans)}",
+                                          end_id, sampling.max_tokens - len(generated))
+            try:
+                async for delta in stream:
+                    if delta.reused_blocks is not None:
+                        reused_blocks = delta.reused_blocks
+                    new_ids, new_logprobs = [], []
+                    if request.request_id in self._aborted:
+                        finish = FinishReason.CANCELLED
+                    for token, logprob in zip(delta.token_ids if finish is None else (), delta.logprobs):
+                        new_ids.append(token)
+                        new_logprobs.append(logprob)
+                        generated.append(token)
+                        if token in stop_ids or (not sampling.ignore_eos and token == end_id):
+                            finish = FinishReason.STOP
+                            break
+                        if len(generated) >= sampling.max_tokens:
+                            finish = FinishReason.LENGTH
+                            break
+                        # top-1 estimate: probability of the chosen token (exact for greedy decoding).
+                        if monitor.observe(math.exp(logprob)):
+                            escalate_to = escalation_target(self.family, member, request.pinned_member is not None)
+                            if escalate_to is not None:
+                                break
+                    state.tokens = len(prompt) + len(generated)
+                    if first_output and reused_blocks is not None:
+                        num_cached = reused_blocks * self.tokens_per_block[member]
+                    done = finish is not None or (delta.final and escalate_to is None)
+                    if done and finish is None:
+                        finish = FinishReason.LENGTH if len(generated) >= sampling.max_tokens else FinishReason.STOP
+                    if new_ids or done:
+                        out_spans = tuple(spans) + (MemberSpan(MemberName(member), len(generated) - span_start),)
+                        yield RequestOutput(
+                            request_id=request.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs,
+                            new_top_logprobs=[() for _ in new_ids], member=MemberName(member), finished=done,
+                            finish_reason=finish if done else None, num_prompt_tokens=len(prompt),
+                            num_cached_prompt_tokens=num_cached, spans=out_spans if done else (),
+                            route=route if first_output else None)
+                        first_output = False
+                    if done or escalate_to is not None:
+                        break
+            except EngineUnavailableError:
+                self._mark_down("stream failed")
+                self.stats_counters.on_request_done(member, "failed")
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                self.stats_counters.on_request_done(member, "cancelled")
+                raise
+            except Exception:
+                self.stats_counters.on_request_done(member, "failed")
+                raise
+            finally:
+                await stream.aclose()   # cancels the Triton request if we stopped reading early
+            self._account(member, context, predicted, reused_blocks, len(generated) - span_start)
+            spans.append(MemberSpan(MemberName(member), len(generated) - span_start))
+            if escalate_to is None:
+                self.stats_counters.on_request_done(
+                    member, "cancelled" if finish is FinishReason.CANCELLED else "finished")
+                if request.session_id:
+                    self._sessions[request.session_id] = member
+                return
+            # Escalation: the larger member continues from prompt + generated; its own cache serves what it holds.
+            self.stats_counters.on_escalation(member, escalate_to)
+            member = escalate_to
+            state.member = member
+            monitor.reset()
+
+    def _end_id(self, member: str) -> int | None:
+        eos = self.family.member(member).eos_token_ids
+        return eos[0] if eos else None
+
+    def _account(self, member: str, context: list[int], predicted_tokens: int, reused_blocks: int | None,
+                 num_generated: int) -> None:
+        tpb = self.tokens_per_block[member]
+        hashes = self._hashes(member, context[:-1])
+        reported = predicted_tokens if reused_blocks is None else reused_blocks * tpb
+        if reused_blocks is not None:
+            self.estimate.reported_hit_tokens += reported
+            if reused_blocks * tpb < predicted_tokens:
+                self.estimate.corrections += 1
+                self.index[member].forget_from(hashes, reused_blocks)
+        self.stats_counters.on_prefix_query(member, len(context), {"arena": reported})
+        self.stats_counters.on_tokens(member, prompt_tokens=len(context), generated_tokens=num_generated)
+        # Every full block of what Triton just processed is now reusable there (blocks enter its radix tree when full).
+        self.index[member].insert(hashes)
+
+    def abort(self, request_id: RequestId) -> None:
+        if request_id in self._in_flight:
+            self._aborted.add(request_id)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """The ARCHITECTURE.md snapshot; 'pages' here are Triton KV blocks (all layers), from its metrics."""
+        by_member, totals = {}, {"free": 0, "used": 0, "cached": 0, "host": 0, "disk": 0}
+        total = 0
+        for m in self.member_names:
+            metrics = self.estimate.members.get(m, {})
+            used, free = int(metrics.get("used", 0)), int(metrics.get("free", 0))
+            cached = min(len(self.index[m]), free)       # estimate: reusable blocks among the free ones
+            by_member[m] = {"used": used, "cached": cached, "host": 0, "disk": 0}
+            totals["used"] += used
+            totals["cached"] += cached
+            totals["free"] += free - cached
+            total += int(metrics.get("max", 0))
+        running: dict[str, int] = {m: 0 for m in self.member_names}
+        for flight in self._in_flight.values():
+            running[flight.member] = running.get(flight.member, 0) + 1
+        snapshot = self.stats_counters.snapshot(
+            time_s=self.clock(), family=self.family_name, members=self.member_names,
+            pages={"total": total, "page_bytes": 0, "by_state": totals, "by_member": by_member},
+            queue_depth=0, running=running, waiting={})
+        e = self.estimate
+        snapshot["engine"] = {
+            "kind": "triton", "url": self.client.url, "ready": self.is_ready(), "units": "kv_blocks",
+            "tokens_per_block": dict(self.tokens_per_block),
+            "estimate": {"predicted_hit_tokens": e.predicted_hit_tokens, "reported_hit_tokens": e.reported_hit_tokens,
+                         "corrections": e.corrections, "index_blocks": {m: len(i) for m, i in self.index.items()}},
+            "disconnects": e.disconnects, "reconnects": e.reconnects,
+            "kv_block_metrics": {m: dict(v) for m, v in e.members.items()},
+        }
+        return snapshot
+
+
+def _default_metrics_url(grpc_url: str) -> str:
+    """Triton's defaults put metrics on gRPC port + 1 (8001 -> 8002)."""
+    host, _, port = grpc_url.rpartition(":")
+    try:
+        return f"http://{host or '127.0.0.1'}:{int(port) + 1}/metrics"
+    except ValueError:
+        return f"http://{grpc_url}:8002/metrics"

@@ -1,0 +1,90 @@
+"""Bench sweeps: request rate x KV budget, `single` with ample memory, escalation.threshold (quality vs latency)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from eval.bench import BenchSettings, run_bench
+
+ROW_METRICS = ("mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "throughput_tok_s",
+               "prefix_hit_rate", "escalation_rate", "preemptions", "num_requests", "num_failed",
+               "quality_mean_logprob")
+
+
+def rows_of(result: dict[str, Any], **point: Any) -> list[dict[str, Any]]:
+    """One flat row per system of a bench result, tagged with the sweep point."""
+    rows = []
+    for name, m in result["systems"].items():
+        row = {**point, "system": name, **{k: m.get(k) for k in ROW_METRICS}}
+        row["reduction_vs_baseline"] = result.get("reductions_vs_baseline", {}).get(name)
+        rows.append(row)
+    return rows
+
+
+def run_sweep(base: BenchSettings, rates: list[float], kv_pages: list[int], ample_pages: int | None,
+              thresholds: list[float], log=print) -> dict[str, Any]:
+    out: dict[str, Any] = {"grid": [], "single_ample": [], "escalation": [], "notes": [],
+                           "settings": {"base": {k: getattr(base, k) for k in ("workload", "sessions", "seed", "family",
+                                                                               "quick", "max_turns", "max_output_tokens")},
+                                        "rates": rates, "kv_pages": kv_pages, "ample_pages": ample_pages,
+                                        "escalation_thresholds": thresholds}}
+    for rate in rates:
+        for pages in kv_pages:
+            log(f"sweep: workload={base.workload} rate={rate} kv_pages={pages}")
+            result = run_bench(replace(base, rate=rate, kv_pages=pages))
+            out["grid"] += rows_of(result, workload=base.workload, rate=rate, kv_pages=pages)
+            out["notes"] += [f"rate={rate} kv_pages={pages}: {n}" for n in result["notes"]]
+    if ample_pages:
+        # Every request new and memory to spare: nothing to reuse, nothing to evict; the gain should vanish.
+        log(f"sweep: workload=single kv_pages={ample_pages}")
+        result = run_bench(replace(base, workload="single", kv_pages=ample_pages))
+        out["single_ample"] = rows_of(result, workload="single", rate=base.rate, kv_pages=ample_pages)
+    for threshold in thresholds:
+        log(f"sweep: escalation.threshold={threshold}")
+        result = run_bench(replace(base, systems=("mfs",), score_quality=True,
+                                   extra_overrides={**base.extra_overrides, "escalation.threshold": threshold}))
+        out["escalation"] += rows_of(result, threshold=threshold, rate=base.rate, kv_pages=base.kv_pages)
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.sweep", description=__doc__ + " Writes JSON (--out).")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--workload", default="multiturn")
+    parser.add_argument("--sessions", type=int, default=None)
+    parser.add_argument("--rates", default="0.5,1.0,2.0", help="session arrivals per second")
+    parser.add_argument("--kv-pages", default="384,768,2048")
+    parser.add_argument("--ample-pages", type=int, default=8192, help="0 skips the `single` ample-memory point")
+    parser.add_argument("--thresholds", default="", help="escalation.threshold values, e.g. 0.1,0.3,0.5 (mfs only)")
+    parser.add_argument("--systems", default="mfs,baseline")
+    parser.add_argument("--family", default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="sweep.json")
+    args = parser.parse_args(argv)
+    base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
+    base = replace(base, workload=args.workload, family=args.family, seed=args.seed, progress=False,
+                   systems=tuple(s for s in args.systems.split(",") if s), score_quality=False,
+                   **({"sessions": args.sessions} if args.sessions else {}))
+    started = time.monotonic()
+    result = run_sweep(base, _floats(args.rates), [int(x) for x in _floats(args.kv_pages)], args.ample_pages or None,
+                       _floats(args.thresholds), log=lambda m: print(m, file=sys.stderr))
+    result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
+    result["settings"]["command"] = "python -m eval.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for row in result["grid"] + result["single_ample"] + result["escalation"]:
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Bench: system configs (baseline static split, ablation knobs), metric arithmetic, the real-time driver."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from eval.metrics_calc import RequestRecord, counter_delta, pages_timeline, percentile, prefix_hit_rates, summarize
+from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config
+from eval.workloads import Session, Trace, Turn, WorkloadSpec
+from orchestrator.config import load_config
+from orchestrator.family import FamilySpec, MemberSpec
+from orchestrator.types import MemberName, MemberSpan, RequestOutput
+
+SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
+
+
+def fake_family() -> FamilySpec:
+    members = tuple(MemberSpec(name=MemberName(n), index=i, checkpoint_dir=Path("."), architecture="llama",
+                               num_layers=layers, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                               vocab_size=4096, context_tokens=1024, layer_lineages=tuple(f"l{j}" for j in range(layers)),
+                               tokenizer_hash="t", eos_token_ids=(2,))
+                    for i, (n, layers) in enumerate((("tiny-s", 2), ("tiny-m", 4), ("tiny-l", 8))))
+    return FamilySpec(name="tiny", members=members)
+
+
+# ----------------------------------------------------------------------------- systems
+def test_baseline_split_is_traffic_share_of_tokens_times_layers():
+    config = load_config(overrides={"pool.num_pages": 100_000})   # ample: no floor binds
+    # thresholds [0.4, 0.7]: 0.1 -> tiny-s, 0.5 -> tiny-m, 0.9 -> tiny-l
+    requests = [RoutedRequest(0.1, 400), RoutedRequest(0.1, 400), RoutedRequest(0.5, 300), RoutedRequest(0.9, 200)]
+    split = best_static_split(fake_family(), requests, config, 100_000)
+    # weights: s 800*2=1600, m 300*4=1200, l 200*8=1600 -> total 4400
+    assert split.traffic_share == pytest.approx({"tiny-s": 1600 / 4400, "tiny-m": 1200 / 4400, "tiny-l": 1600 / 4400})
+    assert split.fractions == pytest.approx(split.traffic_share)
+    assert sum(split.fractions.values()) == pytest.approx(1.0, abs=1e-12)
+    assert split.requests_by_member == {"tiny-s": 2, "tiny-m": 1, "tiny-l": 1}
+
+
+def test_baseline_split_floors_keep_every_member_usable_and_sum_to_one():
+    config = load_config(overrides={"pool.num_pages": 512})
+    requests = [RoutedRequest(0.1, 500)] * 5 + [RoutedRequest(0.5, 100)]
+    split = best_static_split(fake_family(), requests, config, 512)
+    assert sum(split.fractions.values()) == pytest.approx(1.0, abs=1e-12)
+    assert all(f > 0 for f in split.fractions.values())
+    # tiny-l got no routed traffic yet must hold the longest request: ceil(500/16)+1 = 33 blocks x 8 layers
+    assert split.fractions["tiny-l"] >= 33 * 8 / 512 - 1e-12
+    assert split.notes
+    load_config(overrides={"pool.static_split": split.fractions})   # the validator accepts it
+
+
+def test_apply_floors():
+    fractions, _ = apply_floors({"a": 0.9, "b": 0.1, "c": 0.0}, {"a": 0.05, "b": 0.05, "c": 0.2})
+    assert fractions["c"] == pytest.approx(0.2)
+    assert fractions["a"] / fractions["b"] == pytest.approx(9.0)
+    assert sum(fractions.values()) == pytest.approx(1.0)
+
+
+def test_system_knobs():
+    cfg = {name: system_config(name, "tiny", 256, SPLIT) for name in SYSTEMS}
+    assert all(c.pool.num_pages == 256 for c in cfg.values())
+    default = load_config()
+    mfs = cfg["mfs"]
+    assert mfs.pool.static_split is None and mfs.router.use_affinity and mfs.escalation.warmup
+    assert mfs.pool.host_tier_mb == default.pool.host_tier_mb and mfs.pool.cross_member_sharing
+    b = cfg["baseline"]
+    assert b.pool.static_split == SPLIT and not b.pool.cross_member_sharing
+    assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (0.0, 0.0)
+    assert not b.router.use_affinity and not b.router.use_load
+    assert b.escalation.cold_handover and not b.escalation.warmup
+    assert not cfg["no_affinity"].router.use_affinity and cfg["no_affinity"].router.use_load
+    nsp = cfg["no_shared_pool"]
+    assert nsp.pool.static_split == SPLIT and nsp.router.use_affinity and nsp.pool.host_tier_mb == default.pool.host_tier_mb
+    assert (cfg["no_tiers"].pool.host_tier_mb, cfg["no_tiers"].pool.disk_tier_mb) == (0.0, 0.0)
+    assert not cfg["no_warmup"].escalation.warmup and not cfg["no_warmup"].escalation.cold_handover
+    nls = cfg["no_layer_sharing"]
+    assert not nls.pool.cross_member_sharing and not nls.escalation.reuse_shared_layers
+    assert nls.pool.static_split is None and nls.router.use_affinity
+    with pytest.raises(ValueError):
+        system_config("baseline", "tiny", 256, None)
+
+
+# ----------------------------------------------------------------------------- metrics
+def _record(turn, send, first, finish, prompt, cached, out, members):
+    return RequestRecord(session_id="s", turn_index=turn, send_s=send, first_token_s=first, finish_s=finish,
+                         prompt_tokens=prompt, cached_tokens=cached, output_tokens=out, members=members)
+
+
+def test_percentile_matches_linear_interpolation():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([0, 10], 99) == pytest.approx(9.9)
+    assert percentile([5], 99) == 5 and percentile([], 50) is None
+
+
+def test_summarize_exact_numbers():
+    records = [
+        _record(0, 0.0, 0.5, 2.5, 100, 0, 5, ["tiny-s"]),              # ttft .5, tpot .5, e2e 2.5
+        _record(1, 1.0, 1.1, 2.1, 200, 100, 11, ["tiny-s", "tiny-m"]),  # ttft .1, tpot .1, e2e 1.1, escalated
+        _record(0, 2.0, None, None, 50, 0, 0, []),                      # failed: excluded from latency
+    ]
+    records[2].error = "QueueFull"
+    counters = {"prefix_query_tokens": {"tiny-s": 300, "tiny-m": 100},
+                "prefix_hit_tokens": {"tiny-s": {"arena": 60, "host": 30}, "tiny-m": {"arena": 10, "disk": 0}},
+                "preemptions": 3, "escalations": {"tiny-s->tiny-m": 1}}
+    m = summarize(records, counters, duration_s=4.0, timeline=[[0.0, 1, 2, 3, 4]])
+    assert m["mean_token_latency_s"] == pytest.approx((2.5 / 5 + 1.1 / 11) / 2)
+    assert m["ttft_p50_s"] == pytest.approx(0.3) and m["ttft_p99_s"] == pytest.approx(0.1 + 0.4 * 0.99)
+    assert m["tpot_p50_s"] == pytest.approx(0.3)
+    assert m["e2e_p50_s"] == pytest.approx(1.8)
+    assert m["throughput_tok_s"] == pytest.approx(16 / 4.0)
+    assert m["prefix_hit_rate"] == pytest.approx(100 / 300)
+    assert m["prefix_hit_rate_by_tier"] == pytest.approx({"arena": 70 / 400, "host": 30 / 400, "disk": 0.0})
+    assert m["prefix_hit_rate_by_member"] == pytest.approx({"tiny-s": 0.3, "tiny-m": 0.1})
+    assert m["escalation_rate"] == 0.5 and m["preemptions"] == 3
+    assert (m["num_requests"], m["num_failed"]) == (2, 1)
+    assert m["requests_by_member"] == {"tiny-s": 1, "tiny-m": 1}
+    assert m["pages_timeline"] == [[0.0, 1, 2, 3, 4]]
+    row = m["per_request"][1]
+    assert (row["turn_index"], row["member"], row["escalated"], row["cached_tokens"]) == (1, "tiny-m", True, 100)
+    json.dumps(m)
+
+
+def test_counter_delta_and_timeline_and_empty_rates():
+    after = {"a": {"x": 5, "y": 2}, "n": 7, "s": "keep"}
+    assert counter_delta(after, {"a": {"x": 1}, "n": 2}) == {"a": {"x": 4, "y": 2}, "n": 5, "s": "keep"}
+    assert prefix_hit_rates({})["prefix_hit_rate_counters"] is None
+    snap = {"t_s": 0.5, "stats": {"pages": {"by_state": {"free": 9, "used": 3, "cached": 2, "host": 1}}}}
+    assert pages_timeline([snap]) == [[0.5, 3, 2, 1, 0]]
+
+
+# ----------------------------------------------------------------------------- driver (fake engine, no torch)
+class FakeEngine:
+    """Streams max_tokens tokens, one per output, from the member named by the prompt's first id."""
+
+    def __init__(self):
+        self.requests = []
+        self.finished = 0
+
+    def stats(self):
+        return {"pages": {"by_state": {"used": self.finished, "cached": 0}},
+                "counters": {"preemptions": self.finished, "prefix_query_tokens": {}, "prefix_hit_tokens": {}}}
+
+    async def generate(self, request):
+        self.requests.append(request)
+        n = request.sampling.max_tokens
+        for i in range(n):
+            await asyncio.sleep(0.001)
+            last = i == n - 1
+            if last:
+                self.finished += 1
+            yield RequestOutput(request_id=request.request_id, new_token_ids=[7], new_logprobs=[0.0],
+                                new_top_logprobs=[()], member=MemberName("tiny-s"), finished=last,
+                                num_prompt_tokens=len(request.prompt_token_ids), num_cached_prompt_tokens=2,
+                                spans=(MemberSpan(MemberName("tiny-s"), i + 1),))
+
+
+def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
+    from eval.bench import replay
+
+    spec = WorkloadSpec(num_sessions=2)
+    sessions = [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 3, 0.0), Turn([1, 2, 3, 4, 5], 2, 0.05)]),
+                Session("s1", "short", "c1", [Turn([1, 9], 4, 0.0)])]
+    trace = Trace(spec=spec, sessions=sessions, arrival_times_s=[0.0, 0.02])
+    engine = FakeEngine()
+    records, samples, counters, duration = asyncio.run(replay(engine, trace, "t"))
+    assert len(records) == 3 and all(r.ok for r in records)
+    assert all(r.sampling.temperature == 0.0 and r.sampling.ignore_eos for r in engine.requests)
+    s0 = [r for r in records if r.session_id == "s0"]
+    assert [r.output_tokens for r in s0] == [3, 2]
+    assert s0[1].send_s >= s0[0].finish_s + 0.05 - 1e-3          # think time after the previous turn finished
+    s1 = next(r for r in records if r.session_id == "s1")
+    assert s1.send_s >= 0.02 - 1e-3                              # not before its arrival time
+    assert counters["preemptions"] == 3 and samples and duration > 0
+    assert all(r.cached_tokens == 2 and r.members == ["tiny-s"] for r in records)
+
+
+# ----------------------------------------------------------------------------- end to end (real local engine)
+def test_tiny_end_to_end_bench(tmp_path):
+    pytest.importorskip("orchestrator.serving")
+    pytest.importorskip("torch")
+    from eval.bench import BenchSettings, format_table, run_bench
+    from tests.test_workloads import family_dir
+
+    settings = BenchSettings(sessions=2, rate=2.0, kv_pages=512, family=str(family_dir()), max_turns=2,
+                             max_prompt_tokens=256, max_output_tokens=8, think_s=0.2, progress=False)
+    result = run_bench(settings)
+    assert set(result["systems"]) == {"mfs", "baseline"}
+    assert sum(result["settings"]["static_split"].values()) == pytest.approx(1.0)
+    outputs = {}
+    for m in result["systems"].values():
+        assert m["num_requests"] == result["workload"]["num_requests"] and m["num_failed"] == 0
+        assert m["mean_token_latency_s"] > 0
+        outputs[id(m)] = sorted((r["session_id"], r["turn_index"], r["output_tokens"]) for r in m["per_request"])
+    a, b = outputs.values()
+    assert a == b   # greedy + ignore_eos: every system generates exactly the same number of tokens
+    assert isinstance(result["reduction_mean_token_latency"], float)
+    json.dumps(result)
+    assert "mfs" in format_table(result)

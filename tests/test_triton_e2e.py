@@ -1,0 +1,170 @@
+"""A REAL tritonserver (nvidia-pytriton) serving the tiny family's python-backend repository, driven by TritonServing.
+
+Checks: greedy tokens equal the local engine's; per-request KV reuse and KV block metrics arrive; killing Triton
+fails in-flight requests with EngineUnavailableError and turns is_ready() False; `mfs triton-up` on the same
+ports brings it back, TritonServing reconnects, and SIGTERM stops triton-up cleanly.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.errors import EngineUnavailableError
+from orchestrator.types import FinishReason
+from tests.triton_helpers import (REPO_ROOT, build_python_repo, collect, family_dir, free_ports, make_request,
+                                  triton_available)
+
+FAMILY = family_dir()
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(FAMILY is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)"),
+    pytest.mark.skipif(not triton_available(), reason="nvidia-pytriton's tritonserver is not installed"),
+]
+PROMPTS = {
+    "walk": "I am planning a long walk along the river this weekend with two friends and a dog. "
+            "What should we pack, and where should we stop for lunch?",
+    "code": "Write a python function that returns the sum of the squares of a list of numbers, and explain it.",
+}
+MAX_TOKENS = 10
+
+
+def _config(**overrides):
+    # Same arena geometry as the repository's models (16 KiB pages, float32) so greedy tokens can match.
+    return load_config(None, {"family": str(FAMILY), "pool.num_pages": 2048, "pool.host_tier_mb": 0.0,
+                              "engine.device": "cpu", "engine.num_threads": 1, **overrides})
+
+
+async def _local_tokens(prompts: dict[str, list[int]], members: list[str]) -> dict[tuple[str, str], list[int]]:
+    from orchestrator.serving import LocalServing
+
+    local = LocalServing(_config(**{"escalation.enabled": False}))
+    await local.start()
+    try:
+        return {(name, m): (await collect(local, make_request(f"local-{name}-{m}", ids, MAX_TOKENS, m)))[0]
+                for name, ids in prompts.items() for m in members}
+    finally:
+        await local.stop(1.0)
+
+
+def _start_triton_up(repo, ports, log_path) -> subprocess.Popen:
+    grpc_port, http_port, metrics_port = ports
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "triton-up", "--repo", str(repo), "--grpc-port", str(grpc_port),
+         "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--exit-timeout-s", "2",
+         "--log", str(log_path)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+async def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.1)
+    return predicate()
+
+
+def test_triton_serves_like_local_fails_fast_and_reconnects(tmp_path):
+    from engines.triton.server_process import TritonProcess
+    from engines.triton.serving import TritonServing
+
+    started = time.monotonic()
+    repo = build_python_repo(FAMILY, tmp_path / "build")
+    ports = free_ports(3)
+    server = TritonProcess(repo=repo, grpc_port=ports[0], http_port=ports[1], metrics_port=ports[2],
+                           exit_timeout_s=2, log_path=tmp_path / "triton-1.log")
+    triton_up: subprocess.Popen | None = None
+    try:
+        server.start()
+        serving = TritonServing(_config(), url=server.grpc_url, metrics_url=server.metrics_url,
+                                probe_interval_s=0.2)
+        prompts = {name: serving.tokenizer.encode(text) for name, text in PROMPTS.items()}
+        members = serving.member_names
+        local = asyncio.run(_local_tokens(prompts, members))      # while Triton's stubs load
+        server.wait_ready(timeout_s=300)
+        print(f"triton ready after {time.monotonic() - started:.1f} s")
+        triton_up = asyncio.run(_scenario(serving, server, prompts, members, local, repo, ports, tmp_path))
+        # SIGTERM: triton-up stops Triton (short exit timeout) and exits 0, leaving no process behind.
+        triton_up.send_signal(signal.SIGTERM)
+        assert triton_up.wait(timeout=30) == 0, triton_up.stdout.read()
+        with pytest.raises(ProcessLookupError):
+            os.killpg(triton_up.pid, 0)
+        print(f"whole scenario: {time.monotonic() - started:.1f} s")
+    finally:
+        server.stop()
+        if triton_up is not None and triton_up.poll() is None:
+            os.killpg(triton_up.pid, signal.SIGKILL)
+            triton_up.wait()
+
+
+async def _scenario(serving, server, prompts, members, local, repo, ports, tmp_path) -> subprocess.Popen:
+    await serving.start()
+    assert await _wait(serving.is_ready, 30), "TritonServing never saw Triton ready"
+    assert serving.tokens_per_block == {m: 16 for m in members}
+    try:
+        # 1. Greedy tokens through Triton equal the local engine's, member by member.
+        for name, ids in prompts.items():
+            for member in members:
+                tokens, outputs = await collect(serving, make_request(f"t-{name}-{member}", ids, MAX_TOKENS, member))
+                assert tokens == local[(name, member)], (name, member)
+                assert outputs[-1].finished and outputs[-1].spans[0].member == member
+        # 2. The same prompt again: Triton's model reports reused blocks (exact, from the engine).
+        ids = prompts["walk"]
+        _, outputs = await collect(serving, make_request("t-again", ids, 4, members[0]))
+        assert outputs[0].num_cached_prompt_tokens >= 16 * ((len(ids) - 1) // 16) - 16 > 0
+        # 3. Routed (unpinned) request: the router decides, the stats record it.
+        tokens, outputs = await collect(serving, make_request("t-routed", ids, 6))
+        assert outputs[0].route is not None and outputs[-1].finished
+        await asyncio.sleep(1.5)   # one metrics poll
+        stats = serving.stats()
+        assert stats["recent_routes"][-1]["request_id"] == "t-routed"
+        assert all(stats["engine"]["kv_block_metrics"][m]["max"] > 0 for m in members)
+        assert stats["counters"]["prefix_hit_tokens"][members[0]]["arena"] > 0
+
+        # 4. abort() ends a request at its next token with finish reason CANCELLED.
+        outputs = []
+        async for out in serving.generate(make_request("t-aborted", ids, 200, members[0])):
+            outputs.append(out)
+            if len(outputs) == 1:
+                serving.abort("t-aborted")
+        assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.CANCELLED
+        assert sum(len(o.new_token_ids) for o in outputs) < 200
+
+        # 5. Kill Triton mid-request: the stream fails with EngineUnavailableError, readiness drops.
+        long_request = make_request("t-killed", ids, 400, members[-1])
+        first_token = asyncio.Event()
+
+        async def consume():
+            async for out in serving.generate(long_request):
+                if out.new_token_ids:
+                    first_token.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(first_token.wait(), 60)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(server.kill)
+        with pytest.raises(EngineUnavailableError):
+            await asyncio.wait_for(task, 15)
+        assert await _wait(lambda: not serving.is_ready(), 5)
+        print(f"failure seen after {time.monotonic() - killed_at:.2f} s")
+        with pytest.raises(EngineUnavailableError):
+            await collect(serving, make_request("t-down", ids, 2, members[0]))
+
+        # 6. `mfs triton-up` on the same ports: TritonServing reconnects and serves the same tokens again.
+        triton_up = _start_triton_up(repo, ports, tmp_path / "triton-2.log")
+        restarted_at = time.monotonic()
+        assert await _wait(serving.is_ready, 300), "no reconnect after Triton came back"
+        print(f"reconnected {time.monotonic() - restarted_at:.1f} s after restart")
+        tokens, _ = await collect(serving, make_request("t-back", prompts["code"], MAX_TOKENS, members[1]))
+        assert tokens == local[("code", members[1])]
+        assert serving.stats()["engine"]["reconnects"] == 1
+        return triton_up
+    finally:
+        await serving.stop(1.0)

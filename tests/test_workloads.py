@@ -1,0 +1,124 @@
+"""Seeded ShareGPT workloads: determinism, the multi-turn prefix property, caps, arrivals, mix proportions."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from eval.sharegpt import Conversation
+from eval.workloads import MIXED_PROPORTIONS, WorkloadSpec, build_trace, kind_counts, poisson_arrivals
+from orchestrator.family import SHIPPED_FAMILIES_DIR
+
+
+def family_dir() -> Path:
+    """The shipped tiny family, or (while it is being trained) an identical-shape stand-in."""
+    for candidate in (SHIPPED_FAMILIES_DIR / "tiny", Path("/tmp/tinytest")):
+        if (candidate / "family.yaml").is_file() and (candidate / "tiny-s" / "tokenizer.json").is_file():
+            return candidate
+    pytest.skip("no tiny family on disk (engines/families/tiny is built by build_scripts/train_tiny_family.py)")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from orchestrator.tokenizer import FamilyTokenizer
+
+    return FamilyTokenizer(family_dir() / "tiny-s")
+
+
+@pytest.fixture(scope="module")
+def conversations() -> list[Conversation]:
+    from eval.sharegpt import iter_conversations
+
+    return list(iter_conversations(limit=400))
+
+
+def _spec(**kwargs) -> WorkloadSpec:
+    base = dict(name="multiturn", num_sessions=12, rate_sessions_per_s=2.0, seed=3, max_prompt_tokens=512,
+                max_output_tokens=64, max_turns=4)
+    return WorkloadSpec(**{**base, **kwargs})
+
+
+def _flat(trace):
+    return [(s.session_id, s.kind, s.conversation_id, [(t.prompt_token_ids, t.max_tokens, t.think_time_s)
+                                                       for t in s.turns]) for s in trace.sessions]
+
+
+def test_same_seed_same_trace_other_seed_other_trace(tokenizer, conversations):
+    a = build_trace(_spec(), tokenizer, conversations)
+    b = build_trace(_spec(), tokenizer, conversations)
+    c = build_trace(_spec(seed=4), tokenizer, conversations)
+    assert _flat(a) == _flat(b) and a.arrival_times_s == b.arrival_times_s
+    assert _flat(a) != _flat(c)
+
+
+def test_turn_k_prompt_extends_turn_k_minus_1(tokenizer, conversations):
+    trace = build_trace(_spec(), tokenizer, conversations)
+    assert all(len(s.turns) >= 2 for s in trace.sessions)
+    for session in trace.sessions:
+        for prev, cur in zip(session.turns, session.turns[1:]):
+            assert len(cur.prompt_token_ids) > len(prev.prompt_token_ids)
+            assert cur.prompt_token_ids[: len(prev.prompt_token_ids)] == prev.prompt_token_ids
+            assert cur.think_time_s > 0
+        assert session.turns[0].think_time_s == 0.0
+
+
+def test_caps_respected(tokenizer, conversations):
+    spec = _spec(name="mixed", num_sessions=20, max_prompt_tokens=300, max_output_tokens=32, max_turns=3,
+                 long_min_prompt_tokens=200)
+    trace = build_trace(spec, tokenizer, conversations)
+    assert trace.sessions
+    for session in trace.sessions:
+        assert 1 <= len(session.turns) <= 3
+        for turn in session.turns:
+            assert len(turn.prompt_token_ids) <= 300
+            assert 1 <= turn.max_tokens <= 32
+            assert len(turn.prompt_token_ids) + turn.max_tokens <= spec.context_tokens
+
+
+def test_output_length_is_the_real_reply_length(tokenizer):
+    reply = "one two three four five six seven"
+    conv = Conversation("c0", ({"role": "user", "content": "hello there"}, {"role": "assistant", "content": reply}))
+    trace = build_trace(_spec(name="single", num_sessions=1, max_output_tokens=1000), tokenizer, [conv])
+    (turn,) = trace.sessions[0].turns
+    assert turn.max_tokens == len(tokenizer.encode(reply, add_special_tokens=False))
+    assert turn.prompt_token_ids == tokenizer.apply_chat_template([conv.messages[0]], add_generation_prompt=True)
+
+
+def test_poisson_arrivals_ordered_with_the_right_rate():
+    times = poisson_arrivals(4000, 2.0, random.Random(0))
+    assert times[0] == 0.0 and times == sorted(times)
+    mean_gap = times[-1] / (len(times) - 1)
+    assert mean_gap == pytest.approx(0.5, rel=0.05)
+
+
+def test_trace_arrivals_ordered(tokenizer, conversations):
+    trace = build_trace(_spec(), tokenizer, conversations)
+    assert len(trace.arrival_times_s) == len(trace.sessions)
+    assert trace.arrival_times_s == sorted(trace.arrival_times_s)
+
+
+@pytest.mark.parametrize("n", [1, 7, 10, 33])
+def test_mixed_counts_have_the_proportions(n):
+    counts = kind_counts("mixed", n)
+    assert sum(counts.values()) == n
+    for kind, share in MIXED_PROPORTIONS.items():
+        assert abs(counts[kind] - share * n) < 1
+    assert kind_counts("multiturn", n) == {"multiturn": n, "short": 0, "long": 0}
+    assert kind_counts("single", n) == {"multiturn": 0, "short": n, "long": 0}
+
+
+def test_three_mixes_on_sharegpt(tokenizer, conversations):
+    mixed = build_trace(_spec(name="mixed", num_sessions=10), tokenizer, conversations)
+    kinds = [s.kind for s in mixed.sessions]
+    assert {k: kinds.count(k) for k in MIXED_PROPORTIONS} == {"short": 3, "long": 2, "multiturn": 5}
+    for s in mixed.sessions:
+        if s.kind == "short":
+            assert len(s.turns) == 1 and len(s.turns[0].prompt_token_ids) <= 128
+        if s.kind == "long":
+            assert len(s.turns) == 1 and len(s.turns[0].prompt_token_ids) >= 256
+    single = build_trace(_spec(name="single", num_sessions=10), tokenizer, conversations)
+    assert all(len(s.turns) == 1 for s in single.sessions)
+    assert len({s.conversation_id for s in single.sessions}) == 10     # every request new
+    multi = build_trace(_spec(num_sessions=10), tokenizer, conversations)
+    assert all(s.kind == "multiturn" and len(s.turns) >= 2 for s in multi.sessions)
