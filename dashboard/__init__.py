@@ -1,0 +1,1 @@
+"""Streamlit dashboard for MFS: live server metrics and `mfs bench` results."""
