@@ -247,9 +247,9 @@ def mfs_extension(spans: tuple[MemberSpan, ...], route: RouteDecision | None) ->
                                                  "complexity": route.complexity}}
 
 
-def logprob_entry(kind: str, tokenizer: FamilyTokenizer, token_id: int, logprob: float,
+def logprob_entry(tokenizer: FamilyTokenizer, token_id: int, logprob: float,
                   top: tuple[tuple[int, float], ...]) -> dict[str, Any]:
-    """One token's logprob record, in the chat shape; completions are re-shaped by completion_logprobs."""
+    """One token's logprob record in the chat shape; completion_logprobs re-shapes a list of them."""
     text = tokenizer.token_text(token_id)
     entry: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
     entry["top_logprobs"] = [{"token": (t := tokenizer.token_text(tid)), "logprob": lp, "bytes": list(t.encode())}

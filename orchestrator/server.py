@@ -68,6 +68,17 @@ class _Edge:
     settings: ServerSettings
     metrics: ServerMetrics
     draining: bool = False                     # set on SIGTERM: refuse new generations
+    loop: asyncio.AbstractEventLoop | None = None
+    stopping: asyncio.Future | None = None
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work and let the engine finish or cancel in-flight requests within grace_s,
+        so open streams end with a final chunk before uvicorn's own shutdown timeout cuts them."""
+        self.draining = True
+        if self.loop is not None and self.stopping is None:
+            def stop() -> None:
+                self.stopping = asyncio.ensure_future(self.engine.stop(self.settings.grace_s))
+            self.loop.call_soon_threadsafe(stop)
 
 
 # ----------------------------------------------------------------------------- one generation
@@ -136,12 +147,12 @@ class _Generation:
         entries = []
         if self.parsed.logprobs:
             tops = out.new_top_logprobs or [()] * len(out.new_token_ids)
-            entries = [logprob_entry(self.parsed.kind, self.edge.tokenizer, t, lp, top)
+            entries = [logprob_entry(self.edge.tokenizer, t, lp, top)
                        for t, lp, top in zip(out.new_token_ids, out.new_logprobs, tops)]
         delta = self.decoder.push(out.new_token_ids)
         if out.finished:
             self.engine_finished = True
-            if out.finish_reason is FinishReason.ERROR or out.error:
+            if out.finish_reason is FinishReason.ERROR or (out.error and out.finish_reason is None):
                 raise MFSError(f"engine error: {out.error or 'unknown'}")
             self.finish_reason = "stop" if self.decoder.stopped else finish_reason_text(out.finish_reason)
             delta += self.decoder.flush()
@@ -273,11 +284,14 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        edge.loop = asyncio.get_running_loop()
         await engine.start()
         try:
             yield
         finally:
-            await engine.stop(settings.grace_s)
+            if edge.stopping is not None:
+                await edge.stopping
+            await engine.stop(settings.grace_s)    # idempotent; finishes what a drain started
 
     app = FastAPI(title="MFS", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.edge = edge
@@ -414,12 +428,12 @@ class _ResponseCounter:
 
 # ----------------------------------------------------------------------------- mfs serve
 class _Server(uvicorn.Server):
-    """uvicorn.Server that flags the app as draining on SIGTERM/SIGINT (health 503, new requests 503)."""
+    """uvicorn.Server that drains the app on SIGTERM/SIGINT (health 503, new requests 503, engine.stop)."""
 
     def handle_exit(self, sig: int, frame) -> None:
         edge = getattr(getattr(self.config.app, "state", None), "edge", None)
         if edge is not None:
-            edge.draining = True
+            edge.begin_drain()
         super().handle_exit(sig, frame)
 
 
@@ -452,7 +466,7 @@ def main(args) -> int:
                               grace_s=args.grace_s)
     app = create_app(engine, engine.tokenizer, engine.family, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=max(1, int(args.grace_s)), lifespan="on"))
+                                    timeout_graceful_shutdown=int(args.grace_s) + 5, lifespan="on"))
     # uvicorn re-raises the captured signal after a graceful shutdown; a no-op handler makes that exit 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

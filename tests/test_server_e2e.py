@@ -1,0 +1,67 @@
+"""End to end: the real LocalServing on the tiny family behind a real uvicorn server, via the `openai` client."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.server import ServerSettings, create_app
+from tests.fakes_serving import family_dir, serve_in_thread
+
+try:
+    from orchestrator.serving import build_serving_engine
+except ImportError as exc:  # the engine is optional only while it is being written
+    pytest.skip(f"orchestrator.serving is not importable: {exc}", allow_module_level=True)
+
+FAMILY_DIR = family_dir()
+pytestmark = pytest.mark.skipif(FAMILY_DIR is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)")
+QUESTION = ("I am planning a long walk along the river this weekend with two friends and a dog. "
+            "What should we pack, how far can we go in a day, and where should we stop for lunch?")
+
+
+@pytest.fixture(scope="module")
+def served():
+    config = load_config(None, {"family": str(FAMILY_DIR), "pool.num_pages": 1024, "pool.host_tier_mb": 0,
+                                "engine.device": "cpu", "engine.num_threads": 1})
+    engine = build_serving_engine(config)
+    app = create_app(engine, engine.tokenizer, engine.family, ServerSettings(request_timeout_s=60))
+    with serve_in_thread(app, timeout_s=120) as url:
+        yield engine, url
+
+
+def test_chat_answers_and_second_turn_hits_the_cache(served):
+    engine, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": QUESTION}]
+    started = time.monotonic()
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                           extra_headers={"X-Session-ID": "e2e-1"})
+    elapsed_s = time.monotonic() - started
+    print(f"first turn: {elapsed_s:.2f} s, model {first.model}, usage {first.usage}")
+    assert elapsed_s < 30
+    assert first.model in engine.family.member_names
+    assert first.usage.completion_tokens >= 1 and first.choices[0].finish_reason in ("stop", "length")
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And if it rains?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                            extra_headers={"X-Session-ID": "e2e-1"})
+    print(f"second turn: model {second.model}, usage {second.usage}, mfs {second.model_extra.get('mfs')}")
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_streaming_answer_and_pages_return(served):
+    engine, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.completions.create(model="tiny", prompt=QUESTION, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens >= 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = httpx.get(url + "/v1/stats").json()
+        if stats["pages"]["by_state"]["used"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["pages"]["by_state"]["used"] == 0
