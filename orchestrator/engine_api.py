@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from orchestrator.types import PageId, Request, RequestId, RequestOutput, SampledToken, StepPlan
+from orchestrator.types import FinishReason, PageId, Request, RequestId, RequestOutput, SampledToken, StepPlan
 
 
 class StepExecutor(Protocol):
@@ -49,7 +49,10 @@ class ServingEngine(Protocol):
         (or calling abort) cancels the request at the next step and returns its pages."""
         ...
 
-    def abort(self, request_id: RequestId) -> None: ...
+    def abort(self, request_id: RequestId, finish_reason: FinishReason | None = None) -> None:
+        """Ends a request at the next step and returns its pages. finish_reason STOP means the edge
+        found a stop string (a normal finish); None means cancelled."""
+        ...
 
     def stats(self) -> dict[str, Any]:
         """A JSON-able snapshot (see orchestrator.events.StatsSnapshot.to_dict)."""

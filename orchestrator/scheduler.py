@@ -151,8 +151,11 @@ class Scheduler:
         self._maybe_warm_up(seq, now_s)
         return decision
 
-    def abort(self, request_id: RequestId, reason: str | None = None) -> None:
-        self._aborts.append((request_id, reason))
+    def abort(self, request_id: RequestId, reason: str | None = None,
+              finish_reason: FinishReason | None = None) -> None:
+        """Ends a request at the next schedule(); finish_reason STOP (a stop string found at the edge)
+        counts as finished, anything else as cancelled. Aborting twice is harmless."""
+        self._aborts.append((request_id, reason, finish_reason))
 
     def _route(self, request: Request, complexity: float, now_s: float,
                by_block_size: dict[int, list[bytes]] | None = None) -> RouteDecision:
@@ -250,16 +253,17 @@ class Scheduler:
         if timeout is not None:
             for seq in list(self._by_id.values()):
                 if not seq.is_warmup and now_s - seq.request.arrival_s > timeout:
-                    self._aborts.append((seq.request_id, f"timed out after {timeout:.0f} s"))
+                    self._aborts.append((seq.request_id, f"timed out after {timeout:.0f} s", None))
         outputs = []
         aborts, self._aborts = self._aborts, []
-        for request_id, reason in aborts:
+        for request_id, reason, finish_reason in aborts:
             seq = self._by_id.get(request_id)
             if seq is None:
                 continue
-            seq.finish_reason = FinishReason.CANCELLED
+            stopped = finish_reason is FinishReason.STOP
+            seq.finish_reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
             seq.error = reason
-            outputs.append(self._finish(seq, now_s, outcome="cancelled"))
+            outputs.append(self._finish(seq, now_s, outcome="finished" if stopped else "cancelled"))
             warm = self._by_id.get(RequestId(f"{request_id}#warmup"))
             if warm is not None:
                 self._finish(warm, now_s, outcome=None)

@@ -158,7 +158,7 @@ class _Generation:
             delta += self.decoder.flush()
         elif self.decoder.stopped:
             # A stop string ended the answer: the engine stops at its next step and returns the pages.
-            self.edge.engine.abort(self.parsed.request.request_id)
+            self.edge.engine.abort(self.parsed.request.request_id, FinishReason.STOP)
             self.finish_reason = "stop"
         self._record(delta, entries)
         return delta, entries

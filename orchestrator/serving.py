@@ -160,9 +160,9 @@ class LocalServing:
             if not finished:
                 self.abort(request.request_id)   # client went away: pages return at the next step
 
-    def abort(self, request_id: RequestId) -> None:
+    def abort(self, request_id: RequestId, finish_reason: FinishReason | None = None) -> None:
         with self._lock:
-            self.scheduler.abort(request_id)
+            self.scheduler.abort(request_id, finish_reason=finish_reason)
         self._wake.set()
 
     def stats(self) -> dict[str, Any]:

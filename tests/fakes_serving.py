@@ -81,7 +81,7 @@ class FakeServingEngine:
     def is_ready(self) -> bool:
         return self.ready
 
-    def abort(self, request_id: RequestId) -> None:
+    def abort(self, request_id: RequestId, finish_reason=None) -> None:
         self.aborted.append(request_id)
         if request_id in self._live:
             self._live[request_id] = True

@@ -276,3 +276,17 @@ def test_rollback_drops_the_low_confidence_window_and_holds_it_back():
     # s produced 4 tokens, all rolled back (never sent: held back); m wrote the 10 the client saw
     assert [(s.member, s.num_tokens) for s in final.spans] == [("m", 10)]
     assert len(h.tokens("r")) == 10
+
+
+def test_stop_string_abort_counts_as_finished_and_double_abort_is_harmless():
+    h = Harness()
+    h.submit("s1", PROMPT, max_tokens=50, pinned_member=MemberName("m"))
+    h.step()
+    h.step()
+    h.scheduler.abort(RequestId("s1"), finish_reason=FinishReason.STOP)
+    h.scheduler.abort(RequestId("s1"))
+    h.step()
+    assert h.final("s1").finish_reason is FinishReason.STOP
+    counts = h.scheduler.snapshot(h.now)["counters"]["requests"]["m"]
+    assert counts["finished"] == 1 and counts["cancelled"] == 0
+    assert h.pool.counts()["used"] == 0

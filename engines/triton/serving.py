@@ -364,7 +364,8 @@ class TritonServing:
         # Every full block of what Triton just processed is now reusable there (blocks enter its radix tree when full).
         self.index[member].insert(hashes)
 
-    def abort(self, request_id: RequestId) -> None:
+    def abort(self, request_id: RequestId, finish_reason: FinishReason | None = None) -> None:
+        # Triton has no "finished by stop string" notion: the stream is simply cancelled there.
         if request_id in self._in_flight:
             self._aborted.add(request_id)
 
