@@ -1,0 +1,91 @@
+"""Per-request token sampling (greedy, temperature, top-k, top-p, seeds, min_tokens) with logprobs from the raw model."""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from orchestrator.types import RequestId, SampledToken, SeqChunk
+
+
+def _step_seed(seed: int, num_generated: int) -> int:
+    """A generator seed per (request seed, step): a recomputed request draws exactly the same tokens."""
+    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Owns one torch.Generator per request (kept until release) on the logits' device."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._generators: dict[RequestId, torch.Generator] = {}
+
+    def release(self, request_ids: Sequence[RequestId]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def _generator(self, chunk: SeqChunk) -> torch.Generator:
+        generator = self._generators.get(chunk.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            if chunk.sampling.seed is None:
+                generator.seed()                     # unseeded: fresh entropy once, then a stream per request
+            self._generators[chunk.request_id] = generator
+        if chunk.sampling.seed is not None:
+            generator.manual_seed(_step_seed(chunk.sampling.seed, chunk.num_generated))
+        return generator
+
+    def sample(self, logits: torch.Tensor, chunks: Sequence[SeqChunk],
+               eos_token_ids: Sequence[int] = ()) -> list[SampledToken]:
+        """logits [len(chunks), vocab] float32, one row per sampling chunk; returns one token per row."""
+        if not chunks:
+            return []
+        logits = logits.float()
+        # raw distribution (temperature 1, unfiltered) is the confidence signal: log p = logit - logsumexp
+        log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)          # [rows, 1]
+        processed = logits
+        for row, chunk in enumerate(chunks):
+            if chunk.num_generated < chunk.sampling.min_tokens:
+                banned = list(eos_token_ids) + list(chunk.sampling.stop_token_ids)
+                if banned:
+                    processed = processed.clone() if processed is logits else processed
+                    processed[row, banned] = float("-inf")
+        chosen = processed.argmax(dim=-1)                          # [rows]; greedy rows are final
+        for row, chunk in enumerate(chunks):
+            if chunk.sampling.temperature > 0:
+                chosen[row] = self._draw(processed[row], chunk)
+        chosen_logprobs = (logits.gather(1, chosen[:, None]) - log_norm)[:, 0]
+        top1_probs = (logits.max(dim=-1, keepdim=True).values - log_norm)[:, 0].exp()
+        num_top = max(c.sampling.num_top_logprobs for c in chunks)
+        top_values = top_ids = None
+        if num_top > 0:
+            top_values, top_ids = logits.topk(min(num_top, logits.shape[-1]), dim=-1)
+            top_values, top_ids = (top_values - log_norm).tolist(), top_ids.tolist()
+        chosen_list, logprob_list, top1_list = chosen.tolist(), chosen_logprobs.tolist(), top1_probs.tolist()
+        tokens = []
+        for row, chunk in enumerate(chunks):
+            k = chunk.sampling.num_top_logprobs
+            alternatives = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k > 0 else ()
+            tokens.append(SampledToken(request_id=chunk.request_id, token_id=chosen_list[row],
+                                       logprob=logprob_list[row], top1_prob=top1_list[row],
+                                       top_logprobs=alternatives))
+        return tokens
+
+    def _draw(self, row_logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
+        """row_logits [vocab] -> a sampled token id (0-d tensor)."""
+        params = chunk.sampling
+        scaled = row_logits / params.temperature
+        if 0 < params.top_k < scaled.shape[-1]:
+            threshold = scaled.topk(params.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_logits, order = scaled.sort(descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            # drop a token when the tokens ranked above it already reach top_p (the best one always stays)
+            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        probs = scaled.softmax(-1)
+        return torch.multinomial(probs, 1, generator=self._generator(chunk))[0]

@@ -1,0 +1,161 @@
+"""Helpers for the local-engine tests: tiny random HF checkpoints and families on disk, a page counter, a step driver."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from orchestrator.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
+
+VOCAB = 256
+
+
+def write_tokenizer(folder: Path) -> None:
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    Tokenizer(WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+
+
+def llama_config(num_layers: int = 2, **overrides):
+    from transformers import LlamaConfig
+
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    initializer_range=0.2, eos_token_id=2, bos_token_id=1, tie_word_embeddings=True,
+                    rope_theta=500000.0,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def qwen2_config(num_layers: int = 2, **overrides):
+    from transformers import Qwen2Config
+
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    initializer_range=0.2, eos_token_id=2, tie_word_embeddings=False)
+    settings.update(overrides)
+    return Qwen2Config(**settings)
+
+
+def build_model(config, seed: int = 0):
+    """A random transformers model in fp32, with non-zero biases and norms so every weight matters."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def save_checkpoint(model, folder: Path, max_shard_size: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    write_tokenizer(folder)
+    return folder
+
+
+def write_family(root: Path, members: list[tuple[str, object]], name: str = "testfam") -> Path:
+    """members: (name, transformers model), small to large; writes family.yaml + one checkpoint each."""
+    root.mkdir(parents=True, exist_ok=True)
+    for member_name, model in members:
+        save_checkpoint(model, root / member_name)
+    manifest = {"name": name, "members": [{"name": n, "checkpoint": n} for n, _ in members]}
+    (root / "family.yaml").write_text(yaml.safe_dump(manifest))
+    return root
+
+
+def nested_pair(config_factory, small_layers: int, large_layers: int, seed: int = 0):
+    """(small, large): the small model IS the large one's lower layers (same embeddings, norm, head)."""
+    large = build_model(config_factory(num_layers=large_layers), seed=seed)
+    small = build_model(config_factory(num_layers=small_layers), seed=seed + 1)
+    state = {k: v for k, v in large.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < small_layers}
+    small.load_state_dict(state, strict=False)
+    return small, large
+
+
+class PageCounter:
+    """The tests' stand-in for the ledger: hands out fresh page ids."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.next_page, self.num_pages = 0, num_pages
+
+    def take(self, count: int = 1) -> list[PageId]:
+        if self.next_page + count > self.num_pages:
+            raise RuntimeError("test arena exhausted")
+        pages = [PageId(p) for p in range(self.next_page, self.next_page + count)]
+        self.next_page += count
+        return pages
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    tables: list[list[PageId]]                      # per layer
+    cached_tokens: int = 0                          # prompt tokens already in the tables' pages
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0                                    # tokens whose K/V are written
+
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens
+
+
+def next_chunk(request: EngineRequest, pages: PageCounter, block: int, chunk_tokens: int | None) -> SeqChunk:
+    """The request's next chunk: a prefill piece (at most chunk_tokens) or one decode token."""
+    if request.fed == 0:
+        request.fed = request.cached_tokens
+    sequence = request.prompt + request.generated
+    if request.fed < len(request.prompt):
+        end = len(request.prompt) if chunk_tokens is None else min(len(request.prompt), request.fed + chunk_tokens)
+    else:
+        end = len(sequence)
+    tokens, start = sequence[request.fed:end], request.fed
+    needed_blocks = -(-end // block)
+    for table in request.tables:
+        table.extend(pages.take(needed_blocks - len(table)) if needed_blocks > len(table) else [])
+    request.fed = end
+    return SeqChunk(request_id=RequestId(request.request_id), token_ids=tokens, start_pos=start,
+                    block_tables=request.tables, sample=end >= len(request.prompt), sampling=request.sampling,
+                    num_generated=len(request.generated))
+
+
+def run_to_completion(executor, member: str, requests: list[EngineRequest], pages: PageCounter,
+                      chunk_tokens: int | None = None) -> None:
+    """Steps every unfinished request together (continuous batching) until all have their tokens."""
+    block = executor.tokens_per_block(member)
+    while any(not r.done() for r in requests):
+        active = [r for r in requests if not r.done()]
+        chunks = [next_chunk(r, pages, block, chunk_tokens) for r in active]
+        sampled = executor.execute(StepPlan(batches=[MemberBatch(member=member, chunks=chunks)]))
+        by_id = {s.request_id: s for s in sampled}
+        for request in active:
+            if request.request_id in by_id:
+                request.generated.append(by_id[request.request_id].token_id)
+
+
+def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
