@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import math
 import random
 import time
@@ -258,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--conversations", type=int, default=12000)
     parser.add_argument("--tokenizer-conversations", type=int, default=4000)
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast (CPU AMX)")
+    parser.add_argument("--init-from", default=None,
+                        help="continue from a family this script wrote (its tokenizer and largest member's weights)")
+    parser.add_argument("--skip-windows", type=int, default=0,
+                        help="training windows already consumed by the run being continued (fresh data only)")
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
@@ -269,13 +274,24 @@ def main(argv: list[str] | None = None) -> None:
     shape = TinyShape(context_tokens=args.window)
     started = time.time()
 
-    texts = [render_chat(c.messages) for c in iter_conversations(limit=args.tokenizer_conversations)]
-    tokenizer = train_tokenizer(texts, shape.vocab_size)
+    if args.init_from:
+        from tokenizers import Tokenizer
+
+        largest = Path(args.init_from) / list(MEMBER_DEPTHS)[-1]
+        tokenizer = Tokenizer.from_file(str(largest / "tokenizer.json"))   # same ids: the family stays compatible
+    else:
+        texts = [render_chat(c.messages) for c in iter_conversations(limit=args.tokenizer_conversations)]
+        tokenizer = train_tokenizer(texts, shape.vocab_size)
     windows = load_token_windows(tokenizer, args.conversations, args.window + 1, args.seed)
     print(f"tokenizer ready ({tokenizer.get_vocab_size()} tokens); train windows {len(windows['train'])}, "
           f"val windows {len(windows['val'])}; {time.time() - started:.0f}s", flush=True)
 
     model = EarlyExitLlama(shape)
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(args.init_from) / list(MEMBER_DEPTHS)[-1] / "model.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in state.items()})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     order = torch.randperm(len(windows["train"]), generator=torch.Generator().manual_seed(args.seed))
@@ -284,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        idx = order[(torch.arange(args.batch_size) + step * args.batch_size) % len(order)]
+        idx = order[(torch.arange(args.batch_size) + step * args.batch_size + args.skip_windows) % len(order)]
         batch = windows["train"][idx]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model.exit_logits(batch[:, :-1], set(EXIT_LOSS_WEIGHTS))
@@ -298,7 +314,11 @@ def main(argv: list[str] | None = None) -> None:
         bar.set_postfix({f"L{d}": f"{l.item():.2f}" for d, l in losses.items()})
 
     held_out = evaluate(model, windows["val"][:64], args.batch_size)
-    recipe = {"command": "python -m build_scripts.train_tiny_family " + " ".join(argv or []),
+    previous = {}
+    if args.init_from and (Path(args.init_from) / "training.json").is_file():
+        previous = json.loads((Path(args.init_from) / "training.json").read_text())
+    recipe = {"command": "python -m build_scripts.train_tiny_family " + " ".join(argv or sys.argv[1:]),
+              "continues": previous or None,
               "steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
               "seed": args.seed, "train_tokens": args.steps * args.batch_size * args.window,
               "wall_s": round(time.time() - started, 1), "bf16_autocast": args.bf16}

@@ -46,7 +46,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 2048         # tokens per step over all prefill chunks and decodes
     prefill_chunk_tokens: int = 512
     max_queue: int = 512                 # waiting requests beyond this are refused (HTTP 429)
-    preemption: str = "recompute"        # recompute | swap (swap needs the host tier)
+    preallocate_blocks: bool = True      # reserve a decoding request's next block one token early
     request_timeout_s: float | None = 600.0
 
 
@@ -122,8 +122,6 @@ class MFSConfig:
         _check(self.scheduler.max_running_requests > 0, "scheduler.max_running_requests", "must be positive")
         _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
-        _check(self.scheduler.preemption in ("recompute", "swap"), "scheduler.preemption",
-               f"must be recompute or swap, got {self.scheduler.preemption!r}")
         _check(self.router.profile in self.router.profiles, "router.profile",
                f"{self.router.profile!r} is not one of {sorted(self.router.profiles)}")
         thresholds = self.router.complexity_thresholds

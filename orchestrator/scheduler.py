@@ -277,6 +277,8 @@ class Scheduler:
         for seq in list(self._running.values()):
             if seq.request_id not in self._running or not seq.is_decoding():
                 continue
+            if self.config.scheduler.preallocate_blocks and self.kv.grow(seq.kv, len(seq.token_ids) + 1):
+                continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not self.kv.grow(seq.kv, len(seq.token_ids)):
                 victim = next(s for s in reversed(self._running.values())
                               if not partitioned or s.member == seq.member)

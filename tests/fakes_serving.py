@@ -23,12 +23,9 @@ FAKE_TEXT = " the quick brown fox jumps over the lazy dog. STOP here and the dog
 BLOCK_TOKENS = 16                       # the fake's prefix-cache granularity
 
 
-def family_dir() -> Path | None:
-    """The shipped tiny family once trained, else the test copy in /tmp/tinytest; None if neither."""
-    for candidate in (REPO / "engines" / "families" / "tiny", Path("/tmp/tinytest")):
-        if (candidate / "family.yaml").is_file() and (candidate / "tiny-s" / "tokenizer.json").is_file():
-            return candidate
-    return None
+def family_dir() -> Path:
+    """The shipped tiny family (committed with the repo): tests never skip for lack of it."""
+    return REPO / "engines" / "families" / "tiny"
 
 
 @dataclass(slots=True)

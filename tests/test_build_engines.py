@@ -12,7 +12,6 @@ from orchestrator.family import load_family
 from tests.triton_helpers import family_dir
 
 FAMILY = family_dir()
-pytestmark = pytest.mark.skipif(FAMILY is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)")
 MEMBERS = ("tiny-s", "tiny-m", "tiny-l")
 
 

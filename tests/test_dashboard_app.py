@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-AppTest = pytest.importorskip("streamlit.testing.v1").AppTest
+from streamlit.testing.v1 import AppTest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "dashboard" / "app.py"

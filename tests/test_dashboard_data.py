@@ -164,7 +164,7 @@ def test_routes_frame_newest_first_and_tolerant():
 
 
 def test_real_server_exposition_feeds_the_dashboard():
-    metrics = pytest.importorskip("orchestrator.metrics")
+    import orchestrator.metrics as metrics
     stats = {"members": ["tiny-s", "tiny-m"], "queue_depth": 3,
              "pages": {"total": 64, "by_state": {"free": 40}, "by_member": {"tiny-s": {"used": 4, "cached": 2}}},
              "counters": {"requests": {"tiny-s": {"finished": 5}}, "prefix_query_tokens": {"tiny-s": 200},
@@ -235,7 +235,7 @@ def test_results_validation_errors(tmp_path, text, error, message):
 
 
 def test_results_shaped_by_the_real_bench_summary_load():
-    metrics_calc = pytest.importorskip("eval.metrics_calc")
+    import eval.metrics_calc as metrics_calc
     records = [metrics_calc.RequestRecord("s0", 0, 0.0, 0.05, 0.4, 100, 0, 8, ["tiny-s"]),
                metrics_calc.RequestRecord("s0", 1, 1.0, 1.03, 1.3, 140, 96, 8, ["tiny-s", "tiny-m"]),
                metrics_calc.RequestRecord("s1", 0, 1.5, None, None, 90, 0, 0, [], error="timeout")]

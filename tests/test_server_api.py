@@ -14,7 +14,6 @@ from orchestrator.tokenizer import FamilyTokenizer
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
 FAMILY_DIR = family_dir()
-pytestmark = pytest.mark.skipif(FAMILY_DIR is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)")
 SPEC_METRICS = {
     "mfs_requests", "mfs_prefix_cache_queries", "mfs_prefix_cache_hits", "mfs_kv_pages", "mfs_escalations",
     "mfs_queue_depth", "mfs_running_requests", "mfs_preemptions", "mfs_evictions", "mfs_generated_tokens",

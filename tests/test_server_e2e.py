@@ -11,13 +11,9 @@ from orchestrator.config import load_config
 from orchestrator.server import ServerSettings, create_app
 from tests.fakes_serving import family_dir, serve_in_thread
 
-try:
-    from orchestrator.serving import build_serving_engine
-except ImportError as exc:  # the engine is optional only while it is being written
-    pytest.skip(f"orchestrator.serving is not importable: {exc}", allow_module_level=True)
+from orchestrator.serving import build_serving_engine  # noqa: E402
 
 FAMILY_DIR = family_dir()
-pytestmark = pytest.mark.skipif(FAMILY_DIR is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)")
 QUESTION = ("I am planning a long walk along the river this weekend with two friends and a dog. "
             "What should we pack, how far can we go in a day, and where should we stop for lunch?")
 

@@ -13,7 +13,6 @@ from orchestrator.tokenizer import FamilyTokenizer
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
 FAMILY_DIR = family_dir()
-pytestmark = pytest.mark.skipif(FAMILY_DIR is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)")
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hello"}]

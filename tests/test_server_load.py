@@ -21,14 +21,10 @@ import pytest
 
 from tests.fakes_serving import REPO, family_dir, free_port
 
-try:
-    import orchestrator.serving  # noqa: F401  (the real engine; this test is meaningless without it)
-except ImportError as exc:
-    pytest.skip(f"orchestrator.serving is not importable: {exc}", allow_module_level=True)
+import orchestrator.serving  # noqa: F401,E402  the real engine: this test is meaningless without it
 
 FAMILY_DIR = family_dir()
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(FAMILY_DIR is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)")]
+pytestmark = [pytest.mark.slow]
 CLIENTS = 32
 DURATION_S = 60.0
 WARMUP_S = 15.0

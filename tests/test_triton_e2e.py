@@ -18,14 +18,11 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.errors import EngineUnavailableError
 from orchestrator.types import FinishReason
-from tests.triton_helpers import (REPO_ROOT, build_python_repo, collect, family_dir, free_ports, make_request,
-                                  triton_available)
+from tests.triton_helpers import (REPO_ROOT, build_python_repo, collect, family_dir, free_ports, make_request)
 
 FAMILY = family_dir()
 pytestmark = [
     pytest.mark.triton,
-    pytest.mark.skipif(FAMILY is None, reason="no tiny family (engines/families/tiny or /tmp/tinytest)"),
-    pytest.mark.skipif(not triton_available(), reason="nvidia-pytriton's tritonserver is not installed"),
 ]
 PROMPTS = {
     "walk": "I am planning a long walk along the river this weekend with two friends and a dog. "

@@ -12,21 +12,8 @@ from orchestrator.types import MemberName, Request, RequestId, SamplingParams
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def family_dir() -> Path | None:
-    """The shipped tiny family once trained, else the identical-shape copy in /tmp/tinytest."""
-    for candidate in (REPO_ROOT / "engines" / "families" / "tiny", Path("/tmp/tinytest")):
-        if (candidate / "family.yaml").is_file() and (candidate / "tiny-s" / "tokenizer.json").is_file():
-            return candidate
-    return None
+from tests.fakes_serving import family_dir  # noqa: E402  one definition of the shipped family
 
-
-def triton_available() -> bool:
-    try:
-        from engines.triton.server_process import TritonInstall
-        TritonInstall.find()
-    except Exception:
-        return False
-    return importlib.util.find_spec("tritonclient") is not None
 
 
 def free_ports(count: int) -> list[int]:

@@ -20,12 +20,23 @@ def score_tokens(executor_or_model: LocalExecutor | PagedCausalLM, member_name: 
     """
     if not 1 <= start <= len(token_ids):
         raise ValueError(f"start must be in [1, {len(token_ids)}], got {start}")
+    if start == len(token_ids):
+        return []
+    logits = sequence_logits(executor_or_model, member_name, token_ids)    # [len - 1, vocab]
+    logprobs = torch.log_softmax(logits[start - 1:], dim=-1)
+    targets = torch.tensor(token_ids[start:], device=logprobs.device)
+    return logprobs.gather(1, targets[:, None])[:, 0].tolist()
+
+
+def sequence_logits(executor_or_model: LocalExecutor | PagedCausalLM, member_name: str,
+                    token_ids: list[int]) -> torch.Tensor:
+    """float32 logits [len(token_ids) - 1, vocab]: row i predicts token_ids[i + 1]."""
     model = executor_or_model.model(member_name) if isinstance(executor_or_model, LocalExecutor) \
         else executor_or_model
     if model.member.name != member_name:
         raise ValueError(f"model is member {model.member.name!r}, asked to score with {member_name!r}")
-    if start == len(token_ids):
-        return []
+    if len(token_ids) < 2:
+        raise ValueError("need at least two tokens")
     member, dtype_bytes = model.member, model.torch_dtype.itemsize
     page_bytes = (executor_or_model.page_bytes if isinstance(executor_or_model, LocalExecutor)
                   else _DEFAULT_BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(dtype_bytes))
@@ -36,7 +47,4 @@ def score_tokens(executor_or_model: LocalExecutor | PagedCausalLM, member_name: 
     tables = [[PageId(layer * num_blocks + b) for b in range(num_blocks)] for layer in range(member.num_layers)]
     chunk = SeqChunk(request_id=RequestId("score"), token_ids=list(token_ids[:-1]), start_pos=0,
                      block_tables=tables, sample=False, sampling=SamplingParams())
-    logits = model.forward(arena, [chunk], all_logits=True)         # [num_positions, vocab]
-    logprobs = torch.log_softmax(logits[start - 1:], dim=-1)
-    targets = torch.tensor(token_ids[start:], device=logprobs.device)
-    return logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    return model.forward(arena, [chunk], all_logits=True)
