@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.block_hash import chain_block_hashes, hash_seed
-from orchestrator.family import FamilySpec, MemberSpec
+from orchestrator.family import FamilySpec
 from orchestrator.page_pool import PagePool
 from orchestrator.tiers import TieredStore
 from orchestrator.types import PageId, PageKey, Tier

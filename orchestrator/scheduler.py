@@ -21,7 +21,7 @@ from orchestrator.page_pool import PagePool, split_pages
 from orchestrator.router import MemberLoad, Router
 from orchestrator.tiers import TieredStore
 from orchestrator.types import (FinishReason, MemberBatch, MemberName, MemberSpan, PageId, Request, RequestId,
-                                RequestOutput, RequestState, RouteDecision, SampledToken, SeqChunk, StepPlan, Tier)
+                                RequestOutput, RequestState, RouteDecision, SampledToken, SeqChunk, StepPlan)
 
 WARMUP_PRIORITY = 100          # warm-up prefills run only when nothing else waits
 _MAX_SESSIONS = 10000          # session -> last member map is bounded (LRU)

@@ -25,7 +25,7 @@ from orchestrator.page_pool import PagePool, split_pages
 from orchestrator.scheduler import Scheduler
 from orchestrator.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.tokenizer import FamilyTokenizer
-from orchestrator.types import FinishReason, Request, RequestId, RequestOutput, StepPlan
+from orchestrator.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
 
 log = logging.getLogger("mfs.serving")
 _IDLE_WAIT_S = 0.05
@@ -211,19 +211,11 @@ class LocalServing:
         if self.tiers is None:
             return plan
         now = self.clock()
-        for page, key in plan.page_saves:
-            tier = self.tiers.put(key, self._executor.read_page(page))
-            if tier is not None:
-                self.stats_counters.on_offload(tier.value, 1)
+        stored, failed = copy_tier_pages(plan, self.tiers, self._executor)
+        for tier in stored:
+            self.stats_counters.on_offload(tier.value, 1)
         if plan.page_saves:
             self.events.emit(EventKind.OFFLOAD, now, None, None, num_pages=len(plan.page_saves))
-        failed = []
-        for page, key, _tier in plan.page_loads:
-            found = self.tiers.get(key)
-            if found is None:
-                failed.append(page)
-            else:
-                self._executor.write_page(page, found[0])
         if plan.page_loads:
             self.events.emit(EventKind.LOAD, now, None, None, num_pages=len(plan.page_loads) - len(failed))
         if failed:
@@ -241,8 +233,6 @@ class LocalServing:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            if output.finish_reason is FinishReason.CANCELLED and output.error and "shutting down" not in output.error:
-                pass  # cancellation with a reason (timeout) still reaches the stream as a final output
             self._push(output.request_id, output)
 
     def _push(self, request_id: RequestId, item: RequestOutput | BaseException) -> None:
@@ -254,6 +244,22 @@ class LocalServing:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:
             self._streams.pop(request_id, None)   # the caller's loop is gone
+
+
+def copy_tier_pages(plan: StepPlan, tiers: TieredStore, executor: StepExecutor) -> tuple[list, list[PageId]]:
+    """Copies evicted pages out to the tiers, then tier hits into their fresh pages (in that order: a
+    page can be evicted and reloaded in one step). Returns the tiers that stored each saved page and
+    the pages whose load failed (missing, or a disk block that failed its checksum)."""
+    stored = [tier for page, key in plan.page_saves
+              if (tier := tiers.put(key, executor.read_page(page))) is not None]
+    failed = []
+    for page, key, _tier in plan.page_loads:
+        found = tiers.get(key)
+        if found is None:
+            failed.append(page)
+        else:
+            executor.write_page(page, found[0])
+    return stored, failed
 
 
 def _device(name: str) -> str:

@@ -8,6 +8,7 @@ from orchestrator.errors import InvalidRequestError, QueueFullError
 from orchestrator.kv_cache import KVCacheManager
 from orchestrator.page_pool import PagePool, split_pages
 from orchestrator.scheduler import Scheduler
+from orchestrator.serving import copy_tier_pages
 from orchestrator.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.types import FinishReason, MemberName, Request, RequestId, SamplingParams
 from tests.fakes import FakeExecutor, fake_config, fake_vocab, independent_family, nested_family
@@ -38,15 +39,7 @@ class Harness:
         self.now += 0.01
         plan, outs = self.scheduler.schedule(self.now)
         self.executor.release(plan.released_requests)
-        for page, key in plan.page_saves:
-            self.tiers.put(key, self.executor.read_page(page))
-        failed = []
-        for page, key, _ in plan.page_loads:
-            found = self.tiers.get(key)
-            if found is None:
-                failed.append(page)
-            else:
-                self.executor.write_page(page, found[0])
+        failed = copy_tier_pages(plan, self.tiers, self.executor)[1] if self.tiers is not None else []
         if failed:
             plan = self.scheduler.drop_failed_loads(plan, failed, self.now)
         sampled = self.executor.execute(plan)
