@@ -33,12 +33,13 @@ class LocalExecutor:
         self.models: dict[str, PagedCausalLM] = {}
         # same lineage = same weights for that layer (and all below): load once, share the tensors
         by_lineage: dict[str, LayerWeights] = {}
+        shared: dict[int, torch.Tensor] = {}          # a tied head's [in, out] copy, once per embedding
         for member in family.members:
             reuse = {l: by_lineage[lin] for l, lin in enumerate(member.layer_lineages) if lin in by_lineage}
             weights = load_checkpoint(member.checkpoint_dir, dtype=dtype, device=self.device, reuse_layers=reuse)
             for lineage, layer in zip(member.layer_lineages, weights.layers):
                 by_lineage.setdefault(lineage, layer)
-            self.models[member.name] = PagedCausalLM(member, weights, dtype)
+            self.models[member.name] = PagedCausalLM(member, weights, dtype, shared=shared)
 
     def model(self, member_name: str) -> PagedCausalLM:
         return self.models[member_name]
@@ -71,3 +72,5 @@ class LocalExecutor:
 
     def release(self, request_ids: Sequence[RequestId]) -> None:
         self.sampler.release(request_ids)
+        for model in self.models.values():
+            model.forget(request_ids)

@@ -52,12 +52,18 @@ class Sampler:
                 if banned:
                     processed = processed.clone() if processed is logits else processed
                     processed[row, banned] = float("-inf")
-        chosen = processed.argmax(dim=-1)                          # [rows]; greedy rows are final
-        for row, chunk in enumerate(chunks):
-            if chunk.sampling.temperature > 0:
-                chosen[row] = self._draw(processed[row], chunk)
-        chosen_logprobs = (logits.gather(1, chosen[:, None]) - log_norm)[:, 0]
-        top1_probs = (logits.max(dim=-1, keepdim=True).values - log_norm)[:, 0].exp()
+        best, chosen = logits.max(dim=-1)                          # one pass: the raw top-1 and its id
+        top1_logprobs = best - log_norm[:, 0]
+        top1_probs = top1_logprobs.exp()
+        drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature > 0]
+        if processed is not logits:
+            chosen = processed.argmax(dim=-1)                      # a banned token may be the raw top-1
+        for row in drawn:
+            chosen[row] = self._draw(processed[row], chunks[row])
+        if processed is logits and not drawn:                      # all greedy, nothing banned: chosen = top-1
+            chosen_logprobs = top1_logprobs
+        else:
+            chosen_logprobs = (logits.gather(1, chosen[:, None]) - log_norm)[:, 0]
         num_top = max(c.sampling.num_top_logprobs for c in chunks)
         top_values = top_ids = None
         if num_top > 0:
