@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from eval.metrics_calc import RequestRecord, counter_delta, mean, pages_timeline, reduction, summarize
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
 from eval.workloads import WORKLOADS, Trace, WorkloadSpec, build_trace
@@ -331,6 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
     parser.add_argument("--no-quality", action="store_true", help="skip scoring responses under the largest member")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every system, YAML value (e.g. escalation.threshold=0.15)")
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -341,8 +345,14 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
     chosen = {k: v for k, v in (("sessions", args.sessions), ("rate", args.rate), ("kv_pages", args.kv_pages))
               if v is not None}
+    extra = dict(base.extra_overrides)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"mfs bench: --set expects KEY=VALUE, got {item!r}")
+        extra[key.strip()] = yaml.safe_load(value)
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
-                   score_quality=not args.no_quality, progress=not args.no_progress, **chosen)
+                   score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra, **chosen)
 
 
 def main(args: argparse.Namespace) -> int:
