@@ -195,7 +195,8 @@ class Scheduler:
             return
         target = escalation_target(self.family, seq.member, pinned=False)
         load = self.loads()[target]
-        if load.num_running or load.num_waiting:
+        # Members share the device: a warm-up is only free while the whole engine is lightly loaded.
+        if load.num_running or load.num_waiting or len(self._running) > cfg.warmup_max_running:
             return
         warm = Request(request_id=RequestId(f"{seq.request_id}#warmup"), prompt_token_ids=seq.request.prompt_token_ids,
                        sampling=seq.request.sampling, arrival_s=now_s, cache_salt=seq.request.cache_salt,
