@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
-from orchestrator.family import FamilySpec
+from orchestrator.family import FamilySpec, MemberSpec
 from orchestrator.types import PageId, RequestId, SampledToken, StepPlan
 
 from engines.local.arena import KVArena
@@ -14,11 +14,38 @@ from engines.local.model import PagedCausalLM
 from engines.local.sampler import Sampler
 
 
+def nests_in(small: PagedCausalLM, large: PagedCausalLM) -> bool:
+    """small is large's lower layers: same lineages for its layers (lineage covers embedding, rope and every
+    layer below) and equal final norm and head, which the lineage does not cover."""
+    a, b = small.config, large.config
+    n = small.member.num_layers
+    return (small.member.layer_lineages == large.member.layer_lineages[:n]
+            and (a.arch, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size, a.rms_norm_eps)
+            == (b.arch, b.hidden_size, b.num_heads, b.num_kv_heads, b.head_dim, b.vocab_size, b.rms_norm_eps)
+            and small.torch_dtype == large.torch_dtype
+            and all(torch.equal(x, y) for x, y in ((small.weights.embed, large.weights.embed),
+                                                  (small.weights.norm, large.weights.norm),
+                                                  (small.head, large.head),
+                                                  (small.weights.inv_freq, large.weights.inv_freq))))
+
+
+def merge_groups(members: list[MemberSpec], nested_pairs: set[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    """(host member, batch indices in plan order) per forward, forwards in plan order of their first batch:
+    each batch joins the largest host it nests in (nothing nests: one forward per batch, as listed)."""
+    order = sorted(range(len(members)), key=lambda i: -members[i].num_layers)   # stable: plan order on ties
+    groups: dict[str, list[int]] = {}
+    for i in order:
+        name = members[i].name
+        host = next((h for h in groups if h == name or (name, h) in nested_pairs), name)
+        groups.setdefault(host, []).append(i)
+    return sorted(((host, sorted(indices)) for host, indices in groups.items()), key=lambda g: g[1][0])
+
+
 class LocalExecutor:
     """Implements orchestrator.engine_api.StepExecutor. All decisions come in the plan; this owns tensors only."""
 
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
-                 device: str = "cpu", num_threads: int | None = None) -> None:
+                 device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True) -> None:
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
         if num_threads is not None:
@@ -40,6 +67,11 @@ class LocalExecutor:
             for lineage, layer in zip(member.layer_lineages, weights.layers):
                 by_lineage.setdefault(lineage, layer)
             self.models[member.name] = PagedCausalLM(member, weights, dtype, shared=shared)
+        # (smaller, larger) pairs whose batches may run as one forward on the larger model; checked once here
+        self.nested_pairs: set[tuple[str, str]] = set()
+        if merge_nested:
+            self.nested_pairs = {(a.name, b.name) for a in family.members for b in family.members
+                                 if a.num_layers < b.num_layers and nests_in(self.models[a.name], self.models[b.name])}
 
     def model(self, member_name: str) -> PagedCausalLM:
         return self.models[member_name]
@@ -51,17 +83,25 @@ class LocalExecutor:
         return self.models[member_name].block_tokens(self.arena)
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
-        """Page loads were already written by the caller; runs each member batch once, samples, returns tokens
-        in chunk order across batches."""
+        """Page loads were already written by the caller; runs one forward per group of nested member batches
+        (one per batch when nothing nests), samples per batch, returns tokens in chunk order across batches."""
         self.release(plan.released_requests)
+        batches = [b for b in plan.batches if b.chunks]
+        logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_chunks, vocab]
+        for host, indices in merge_groups([self.models[b.member].member for b in batches], self.nested_pairs):
+            chunks = [c for i in indices for c in batches[i].chunks]
+            exits = [self.models[batches[i].member].member.num_layers for i in indices for _ in batches[i].chunks]
+            merged = self.models[host].forward(self.arena, chunks, exits=exits)
+            row = 0
+            for i in indices:                                     # split the rows back per batch
+                count = sum(c.sample for c in batches[i].chunks)
+                logits[i] = merged[row:row + count]
+                row += count
         sampled: list[SampledToken] = []
-        for batch in plan.batches:
-            if not batch.chunks:
-                continue
-            model = self.models[batch.member]
-            logits = model.forward(self.arena, batch.chunks)          # [num_sampling_chunks, vocab]
+        for i, batch in enumerate(batches):
             sampling_chunks = [c for c in batch.chunks if c.sample]
-            sampled.extend(self.sampler.sample(logits, sampling_chunks, model.member.eos_token_ids))
+            eos = self.models[batch.member].member.eos_token_ids
+            sampled.extend(self.sampler.sample(logits[i], sampling_chunks, eos))
         return sampled
 
     def read_page(self, page: PageId) -> bytes:

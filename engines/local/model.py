@@ -1,6 +1,8 @@
-"""PagedCausalLM: one member's Llama/Qwen2 forward over the shared arena, all chunks of a step in one varlen pass."""
+"""PagedCausalLM: one member's Llama/Qwen2 forward over the shared arena, all chunks of a step in one varlen pass
+(chunks of nested smaller members too: each leaves at its own exit depth)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,7 @@ from orchestrator.family import MemberSpec
 from orchestrator.types import SeqChunk
 
 from engines.local.arena import KVArena
+from engines.local.attention import AttnGroup, attend, decode_group, prefill_group
 from engines.local.checkpoint import CheckpointWeights, LayerWeights
 
 
@@ -18,20 +21,9 @@ _TABLE_CACHE_LIMIT = 4096     # requests whose table tensors are kept; release()
 
 
 @dataclass(slots=True)
-class _AttnGroup:
-    """Queries attended together: all single-token decodes, or one multi-token (prefill) chunk."""
-
-    rows: torch.Tensor | slice      # the group's rows among the segment's tokens
-    num_seqs: int
-    q_tokens: int                   # new tokens per sequence (1 for the decode group)
-    pages: list[torch.Tensor]       # per layer: [num_seqs * num_blocks] page ids (padding -> page 0, masked)
-    num_keys: int                   # keys attended per sequence (a prefix of the gathered blocks)
-    mask: torch.Tensor | None       # additive [seqs, 1, groups * q_tokens | 1, num_keys]; None = attend to all
-
-
-@dataclass(slots=True)
 class _Segment:
-    """Layers [first_layer, end_layer) run over the same set of chunks (chunks join at their start_layer)."""
+    """Layers [first_layer, end_layer) run over the same set of chunks (chunks join at their start_layer and
+    leave at their exit depth). Per-layer lists are indexed by layer - first_layer."""
 
     first_layer: int
     end_layer: int
@@ -39,7 +31,7 @@ class _Segment:
     writes: list[tuple[torch.Tensor, ...]]  # per layer: (page, K-or-V, slot) index of the K rows then the V rows
     cos: torch.Tensor               # [t, 1, head_dim]
     sin: torch.Tensor               # [t, 1, head_dim], first half negated (see _rope)
-    groups: list[_AttnGroup]
+    groups: list[AttnGroup]
 
 
 @dataclass(slots=True)
@@ -119,11 +111,19 @@ class PagedCausalLM:
         return self.member.tokens_per_block(arena.page_bytes, self.torch_dtype.itemsize)
 
     @torch.inference_mode()
-    def forward(self, arena: KVArena, chunks: list[SeqChunk], all_logits: bool = False) -> torch.Tensor:
+    def forward(self, arena: KVArena, chunks: list[SeqChunk], all_logits: bool = False,
+                exits: Sequence[int] | None = None) -> torch.Tensor:
         """Runs every chunk; returns float32 logits [num_sampling_chunks, vocab] (last position of each chunk
-        with sample=True, in chunk order) or, with all_logits, [total_new_tokens, vocab] in chunk order."""
+        with sample=True, in chunk order) or, with all_logits, [total_new_tokens, vocab] in chunk order.
+        exits: per chunk, the depth it leaves at (default: all layers); a chunk with exit e belongs to a member
+        nested in this one (layers 0..e-1 and the embedding, norm and head identical: the caller checks) and has
+        e block tables; its logits and residual_table_out are taken at depth e."""
         if not chunks:
             return torch.empty(0, self.config.vocab_size, device=self.device)
+        exits = [self.config.num_layers] * len(chunks) if exits is None else list(exits)
+        if len(exits) != len(chunks) or not all(0 < e <= self.config.num_layers for e in exits):
+            raise ValueError(f"exits {exits} must give each of {len(chunks)} chunks a depth in "
+                             f"[1, {self.config.num_layers}]")
         kv_view = arena.kv_view(self.member, self.dtype)
         block = kv_view.shape[2]
         kv_rows = (kv_view[:, 0].flatten(1), kv_view[:, 1].flatten(1))   # K, V: [pages, B * kv_heads * dim] views
@@ -134,10 +134,10 @@ class PagedCausalLM:
         for n in lengths:
             offsets.append(offsets[-1] + n)
         hidden = self._input_hidden(arena, chunks, offsets, block)     # [T, hidden]
-        for segment in self._segments(chunks, offsets, block):
+        for segment in self._segments(chunks, exits, offsets, block):
             x = hidden if segment.rows is None else hidden[segment.rows]
             for layer in range(segment.first_layer, segment.end_layer):
-                x = self._layer(self.layers[layer], layer, x, segment, kv_view, kv_rows)
+                x = self._layer(self.layers[layer], layer - segment.first_layer, x, segment, kv_view, kv_rows)
             if segment.rows is None:
                 hidden = x
             else:
@@ -181,28 +181,31 @@ class PagedCausalLM:
         pages = torch.tensor([table[p // block] for p in positions], device=self.device)
         return pages, torch.tensor([p % block for p in positions], device=self.device)
 
-    def _segments(self, chunks: list[SeqChunk], offsets: list[int], block: int) -> list[_Segment]:
-        num_layers = self.config.num_layers
-        starts = sorted({c.start_layer for c in chunks if c.start_layer < num_layers})
+    def _segments(self, chunks: list[SeqChunk], exits: list[int], offsets: list[int], block: int) -> list[_Segment]:
+        """A new segment wherever a chunk joins (start_layer) or leaves (exit): rows that left keep their
+        hidden state at their exit depth."""
+        for chunk, exit_depth in zip(chunks, exits):
+            if len(chunk.block_tables) != exit_depth:
+                raise ValueError(f"chunk {chunk.request_id}: {len(chunk.block_tables)} block tables for "
+                                 f"{exit_depth} layers")
+        bounds = sorted({c.start_layer for c in chunks} | set(exits))
         segments = []
-        for first, end in zip(starts, starts[1:] + [num_layers]):
-            active = [i for i, c in enumerate(chunks) if c.start_layer <= first]
-            segments.append(self._segment(chunks, offsets, active, first, end, block))
+        for first, end in zip(bounds, bounds[1:]):
+            active = [i for i, (c, e) in enumerate(zip(chunks, exits)) if c.start_layer <= first and end <= e]
+            if active:
+                segments.append(self._segment(chunks, offsets, active, first, end, block))
         return segments
 
     def _segment(self, chunks: list[SeqChunk], offsets: list[int], active: list[int], first: int, end: int,
                  block: int) -> _Segment:
         """Every index tensor the segment's layers need, built once (per-layer work is then only indexing)."""
-        num_layers, device = self.config.num_layers, self.device
+        device = self.device
         counts, starts, num_blocks = [], [], []
         for i in active:
             chunk = chunks[i]
             total = chunk.start_pos + len(chunk.token_ids)
             blocks = -(-total // block)
-            if len(chunk.block_tables) != num_layers:
-                raise ValueError(f"chunk {chunk.request_id}: {len(chunk.block_tables)} block tables for "
-                                 f"{num_layers} layers")
-            for layer in range(first, num_layers):
+            for layer in range(first, end):
                 if len(chunk.block_tables[layer]) < blocks:
                     raise ValueError(f"chunk {chunk.request_id}: layer {layer} has {len(chunk.block_tables[layer])} "
                                      f"pages, positions up to {total} need {blocks}")
@@ -210,7 +213,7 @@ class PagedCausalLM:
             starts.append(chunk.start_pos)
             num_blocks.append(blocks)
         widest = max(num_blocks)
-        tables = self._tables([chunks[i] for i in active], widest)          # [chunks, layers, widest]
+        tables = self._tables([chunks[i] for i in active], widest, first, end)   # [chunks, end - first, widest]
         positions = [p for s, n in zip(starts, counts) for p in range(s, s + n)]
         position_tensor = torch.tensor(positions, device=device)
         t = len(positions)
@@ -226,11 +229,12 @@ class PagedCausalLM:
                 decode.append(c)
                 decode_rows.append(row0)
             else:
-                groups.append(self._prefill_group(row0, n, start, tables[c, :, :num_blocks[c]]))
+                groups.append(prefill_group(row0, n, start, tables[c, :, :num_blocks[c]], self.num_groups,
+                                            self.torch_dtype))
             row0 += n
         if decode:
-            groups.append(self._decode_group(decode, decode_rows, tables, [starts[c] + 1 for c in decode],
-                                             max(num_blocks[c] for c in decode), t))
+            groups.append(decode_group(decode, decode_rows, tables, [starts[c] + 1 for c in decode],
+                                       max(num_blocks[c] for c in decode), t, self.torch_dtype))
         every_row = len(active) == len(chunks)
         rows = None if every_row else torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in active]).to(device)
         freqs = position_tensor[:, None].float() * self.weights.inv_freq[None, :]   # [t, head_dim // 2]
@@ -239,9 +243,9 @@ class PagedCausalLM:
         return _Segment(first_layer=first, end_layer=end, rows=rows, writes=writes,
                         cos=angles.cos().to(self.torch_dtype), sin=signed_sin.to(self.torch_dtype), groups=groups)
 
-    def _tables(self, chunks: list[SeqChunk], widest: int) -> torch.Tensor:
-        """[chunks, layers, widest] page ids (0-padded). A request's table tensor is kept between steps and
-        rebuilt only when its block tables changed (a decode step changes them once per block)."""
+    def _tables(self, chunks: list[SeqChunk], widest: int, first: int, end: int) -> torch.Tensor:
+        """[chunks, end - first, widest] page ids of layers [first, end) (0-padded). A request's table tensor is
+        kept between steps and rebuilt only when its block tables changed (a decode changes them once per block)."""
         if len(self._table_cache) > _TABLE_CACHE_LIMIT:
             self._table_cache.clear()
         columns = []
@@ -252,43 +256,16 @@ class PagedCausalLM:
                 tensor = torch.tensor([_padded(t, width) for t in chunk.block_tables], device=self.device).t()
                 cached = ([list(t) for t in chunk.block_tables], tensor)        # a copy: the core appends in place
                 self._table_cache[chunk.request_id] = cached
-            columns.append(cached[1])                                           # [width, layers]
+            columns.append(cached[1][:, first:end])                             # [width, end - first]
         return pad_sequence(columns, batch_first=True)[:, :widest].transpose(1, 2)
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self._table_cache.pop(request_id, None)
 
-    def _prefill_group(self, row0: int, n: int, start: int, table: torch.Tensor) -> _AttnGroup:
-        """table [layers, blocks]: one chunk's pages; its n queries attend causally to positions [0, start + n)."""
-        total = start + n
-        query_pos = torch.arange(start, total, device=self.device)
-        key_pos = torch.arange(total, device=self.device)
-        mask = torch.zeros(n, total, dtype=self.torch_dtype, device=self.device)
-        mask.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
-        mask = mask.repeat(self.num_groups, 1)[None, None]                   # [1, 1, groups * n, keys]
-        return _AttnGroup(rows=slice(row0, row0 + n), num_seqs=1, q_tokens=n, pages=list(table.unbind(0)),
-                          num_keys=total, mask=mask)
-
-    def _decode_group(self, members: list[int], rows: list[int], tables: torch.Tensor, lengths: list[int],
-                      num_blocks: int, num_tokens: int) -> _AttnGroup:
-        """members: indices into tables; rows: their token rows; lengths: keys per sequence."""
-        pages = tables[torch.tensor(members, device=self.device), :, :num_blocks]           # [seqs, layers, blocks]
-        pages = pages.transpose(0, 1).reshape(tables.shape[1], -1)                       # [layers, seqs * blocks]
-        longest = max(lengths)
-        mask = None
-        if min(lengths) != longest:                  # equal lengths: slicing the keys is the whole mask
-            key_pos = torch.arange(longest, device=self.device)
-            length_tensor = torch.tensor(lengths, device=self.device)
-            mask = torch.zeros(len(members), 1, 1, longest, dtype=self.torch_dtype, device=self.device)
-            mask.masked_fill_((key_pos[None, :] >= length_tensor[:, None])[:, None, None, :], float("-inf"))
-        all_rows = rows == list(range(num_tokens))
-        row_index = slice(0, num_tokens) if all_rows else torch.tensor(rows, device=self.device)
-        return _AttnGroup(rows=row_index, num_seqs=len(members), q_tokens=1,
-                          pages=list(pages.unbind(0)), num_keys=longest, mask=mask)
-
     def _layer(self, w: _KMajor, layer: int, x: torch.Tensor, segment: _Segment, kv_view: torch.Tensor,
                kv_rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """layer: index within the segment (its writes and pages)."""
         config = self.config
         t, heads, kv_heads, dim = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
         normed = _rms_norm(x, w.input_norm, config.rms_norm_eps)
@@ -301,37 +278,13 @@ class PagedCausalLM:
         kv_view.index_put_(segment.writes[layer], torch.cat((k, v)))
         only = segment.groups[0] if len(segment.groups) == 1 else None
         if only is not None and isinstance(only.rows, slice) and only.rows == slice(0, t):   # no scatter needed
-            out = self._attend(q, kv_rows, only, layer)
+            out = attend(q, kv_rows, only, layer, kv_heads, dim)
         else:
             out = q.new_empty(t, heads, dim)
             for group in segment.groups:
-                out[group.rows] = self._attend(q[group.rows], kv_rows, group, layer)
+                out[group.rows] = attend(q[group.rows], kv_rows, group, layer, kv_heads, dim)
         attended = out.reshape(t, heads * dim)
         # residual adds fused into the matmuls
         x = torch.addmm(x, attended, w.o) if w.o_bias is None else torch.addmm(x + w.o_bias, attended, w.o)
         gate, up = torch.mm(_rms_norm(x, w.post_norm, config.rms_norm_eps), w.gate_up).chunk(2, dim=-1)
         return torch.addmm(x, F.silu(gate).mul_(up), w.down)
-
-    def _attend(self, q: torch.Tensor, kv_rows: tuple[torch.Tensor, torch.Tensor], group: _AttnGroup,
-                layer: int) -> torch.Tensor:
-        """q [seqs * q_tokens, heads, dim] -> [seqs * q_tokens, heads, dim]."""
-        seqs, n, kv_heads, dim, groups = group.num_seqs, group.q_tokens, self.config.num_kv_heads, \
-            self.config.head_dim, self.num_groups
-        k_rows, v_rows = kv_rows
-        page_index = group.pages[layer]                                       # [seqs * blocks]
-        # one row per page (K or V half): index_select copies whole contiguous rows, and the result's
-        # blocks and slots merge into one key axis without another copy; padding past num_keys is sliced off
-        k = k_rows.index_select(0, page_index)
-        v = v_rows.index_select(0, page_index)
-        k = k.view(seqs, -1, kv_heads, dim)[:, :group.num_keys].transpose(1, 2)
-        v = v.view(seqs, -1, kv_heads, dim)[:, :group.num_keys].transpose(1, 2)
-        # GQA without repeating K/V: a kv head's query heads become extra query rows
-        if n == 1:
-            q = q.view(seqs, kv_heads, groups, dim)
-        else:
-            q = q.view(seqs, n, kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(seqs, kv_heads, groups * n, dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)  # [seqs, kv_heads, g * n, dim]
-        if n == 1:
-            return out.view(seqs, kv_heads * groups, dim)
-        return out.view(seqs, kv_heads, groups, n, dim).permute(0, 3, 1, 2, 4).reshape(seqs * n, -1, dim)
-

@@ -1,0 +1,176 @@
+"""Merged forward for nested members: one pass on the largest model, each chunk leaving at its member's depth,
+gives the same tokens, logits and pages as one forward per member; members that do not nest are never merged."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest_engine import PageCounter, build_model, llama_config, qwen2_config, write_family
+from engines.local.executor import LocalExecutor
+from engines.local.model import PagedCausalLM
+from orchestrator.family import load_family
+from orchestrator.types import MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
+
+PAGE_BYTES = 1500          # 4 tokens per block (fp32, 2 kv heads x 16 dims) and a residual block fits a page
+NUM_PAGES = 512
+DEPTHS = {"s": 2, "m": 3, "l": 5}
+
+
+def _prompt(length: int, offset: int = 0) -> list[int]:
+    return [(5 * i + 11 + offset) % 250 + 3 for i in range(length)]
+
+
+def _nested_family(root, config_factory, other_norm: bool = False):
+    """s, m, l: s and m are l's lower layers (same embeddings, norm, head); other_norm gives s its own final
+    norm, which the lineages do not see."""
+    large = build_model(config_factory(num_layers=DEPTHS["l"]), seed=0)
+    members = []
+    for name, depth in DEPTHS.items():
+        if name == "l":
+            members.append((name, large))
+            continue
+        model = build_model(config_factory(num_layers=depth), seed=depth)
+        state = {k: v for k, v in large.state_dict().items()
+                 if not k.startswith("model.layers.") or int(k.split(".")[2]) < depth}
+        model.load_state_dict(state, strict=False)
+        if other_norm and name == "s":
+            with torch.no_grad():
+                model.model.norm.weight.mul_(1.5)
+        members.append((name, model))
+    return write_family(root, members)
+
+
+@pytest.fixture(scope="module", params=[llama_config, qwen2_config], ids=["llama", "qwen2"])
+def family_root(request, tmp_path_factory):
+    return _nested_family(tmp_path_factory.mktemp("merged"), request.param)
+
+
+def _executors(root, per_member_lineage: bool = False):
+    family = load_family(root, per_member_lineage=per_member_lineage)
+    return (LocalExecutor(family, NUM_PAGES, PAGE_BYTES),
+            LocalExecutor(family, NUM_PAGES, PAGE_BYTES, merge_nested=False))
+
+
+class _Plans:
+    """Builds the same plans for both executors (fresh chunk objects, the same page ids)."""
+
+    def __init__(self) -> None:
+        self.pages = PageCounter(NUM_PAGES)
+        self.block = 4
+
+    def tables(self, num_layers: int, tokens: int) -> list[list[int]]:
+        return [self.pages.take(-(-tokens // self.block)) for _ in range(num_layers)]
+
+    @staticmethod
+    def chunk(rid: str, tokens: list[int], tables, start_pos: int = 0, sample: bool = True, **extra) -> SeqChunk:
+        sampling = extra.pop("sampling", SamplingParams(num_top_logprobs=3))
+        return SeqChunk(request_id=RequestId(rid), token_ids=tokens, start_pos=start_pos,
+                        block_tables=[list(t) for t in tables], sample=sample, sampling=sampling, **extra)
+
+
+def _run_both(merged: LocalExecutor, separate: LocalExecutor, plan_factory):
+    return merged.execute(plan_factory()), separate.execute(plan_factory())
+
+
+def _assert_same(ours, theirs, merged: LocalExecutor, separate: LocalExecutor) -> None:
+    assert [(s.request_id, s.token_id) for s in ours] == [(s.request_id, s.token_id) for s in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        torch.testing.assert_close(torch.tensor([v for _, v in a.top_logprobs]),
+                                   torch.tensor([v for _, v in b.top_logprobs]), atol=1e-5, rtol=0)
+    # every page of the arena: K/V of every layer, residual pages, untouched pages
+    torch.testing.assert_close(merged.arena.storage.view(torch.float32), separate.arena.storage.view(torch.float32),
+                               atol=1e-5, rtol=0)
+
+
+def test_nested_members_are_grouped_once(family_root):
+    merged, separate = _executors(family_root)
+    assert merged.nested_pairs == {("s", "m"), ("s", "l"), ("m", "l")}
+    assert separate.nested_pairs == set()
+
+
+def test_merged_plan_matches_separate_forwards(family_root, monkeypatch):
+    merged, separate = _executors(family_root)
+    calls = []
+    original = PagedCausalLM.forward
+    monkeypatch.setattr(PagedCausalLM, "forward",
+                        lambda self, *a, **k: calls.append(self.member.name) or original(self, *a, **k))
+    plans = _Plans()
+    # step 0: s prefills two prompts and writes their residuals, to be handed over to m and l
+    to_m, to_l = _prompt(9, 1), _prompt(6, 2)
+    s_tables = {"hm": plans.tables(2, 9 + 4), "hl": plans.tables(2, 6 + 4)}
+    residual = {"hm": plans.pages.take(4), "hl": plans.pages.take(3)}
+    step0 = lambda: StepPlan(batches=[MemberBatch("s", [
+        _Plans.chunk("hm", to_m, s_tables["hm"], residual_table_out=residual["hm"]),
+        _Plans.chunk("hl", to_l, s_tables["hl"], residual_table_out=residual["hl"])])])
+    _assert_same(*_run_both(merged, separate, step0), merged, separate)
+    # step 1: prefills on every member, two handovers (start_layer 2), residual out on s, m and l, seeded sampling
+    t = {name: plans.tables(DEPTHS[name[0]], 16) for name in ("s1", "s2", "m1", "m2", "l1", "l2")}
+    t["hm"] = s_tables["hm"] + plans.tables(1, 13)
+    t["hl"] = s_tables["hl"] + plans.tables(3, 10)
+    outs = {name: plans.pages.take(3) for name in ("s2", "m2", "l2")}
+    hot = SamplingParams(temperature=0.8, top_k=20, seed=7, num_top_logprobs=3)
+    step1 = lambda: StepPlan(batches=[
+        MemberBatch("l", [_Plans.chunk("l1", _prompt(7, 3), t["l1"]),
+                          _Plans.chunk("hl", to_l, t["hl"], start_layer=2, residual_table=residual["hl"]),
+                          _Plans.chunk("l2", _prompt(10, 4), t["l2"], residual_table_out=outs["l2"], sampling=hot)]),
+        MemberBatch("s", [_Plans.chunk("s1", _prompt(5, 5), t["s1"], sample=False),
+                          _Plans.chunk("s2", _prompt(11, 6), t["s2"], residual_table_out=outs["s2"])]),
+        MemberBatch("m", [_Plans.chunk("hm", to_m, t["hm"], start_layer=2, residual_table=residual["hm"]),
+                          _Plans.chunk("m1", _prompt(3, 7), t["m1"], sampling=hot),
+                          _Plans.chunk("m2", _prompt(8, 8), t["m2"], residual_table_out=outs["m2"])])],
+        released_requests=[RequestId("nobody")])
+    calls.clear()
+    first = _run_both(merged, separate, step1)
+    assert calls == ["l"] + ["l", "s", "m"]          # merged: one forward; separate: one per batch, plan order
+    assert [s.request_id for s in first[0]] == ["l1", "hl", "l2", "s2", "hm", "m1", "m2"]
+    _assert_same(*first, merged, separate)
+    # step 2: decodes on every member (different lengths), the rest of s1's prefill, and an s decode in m's way
+    tokens = {s.request_id: s.token_id for s in first[0]}
+    length = {"l1": 7, "hl": 6, "l2": 10, "s2": 11, "hm": 9, "m1": 3, "m2": 8}
+    decode = lambda rid, **extra: _Plans.chunk(rid, [tokens[rid]], t[rid], start_pos=length[rid], **extra)
+    step2 = lambda: StepPlan(batches=[
+        MemberBatch("m", [decode("hm"), decode("m1", sampling=hot), decode("m2")]),
+        MemberBatch("s", [decode("s2"), _Plans.chunk("s1", _prompt(4, 9), t["s1"], start_pos=5)]),
+        MemberBatch("l", [decode("l1"), decode("hl"), decode("l2", sampling=hot)])])
+    calls.clear()
+    second = _run_both(merged, separate, step2)
+    assert calls == ["l", "m", "s", "l"]
+    _assert_same(*second, merged, separate)
+
+
+def test_merged_forward_logits_match_each_member(family_root):
+    merged, separate = _executors(family_root)
+    plans = _Plans()
+    prompts = {"s": _prompt(6), "m": _prompt(9, 1), "l": _prompt(5, 2)}
+    tables = {name: plans.tables(depth, 9) for name, depth in DEPTHS.items()}
+    chunks = lambda: [_Plans.chunk(name, prompts[name], tables[name]) for name in DEPTHS]
+    ours = merged.model("l").forward(merged.arena, chunks(), all_logits=True, exits=list(DEPTHS.values()))
+    theirs = [separate.model(name).forward(separate.arena, [chunk], all_logits=True)
+              for name, chunk in zip(DEPTHS, chunks())]
+    torch.testing.assert_close(ours, torch.cat(theirs), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="block tables"):
+        merged.model("l").forward(merged.arena, chunks(), exits=[2, 2, 5])
+
+
+@pytest.mark.parametrize("kind", ["per_member_lineage", "other_norm", "independent"])
+def test_members_that_do_not_nest_run_separately(kind, tmp_path, monkeypatch):
+    if kind == "independent":
+        members = [(name, build_model(llama_config(num_layers=depth), seed=depth)) for name, depth in DEPTHS.items()]
+        root = write_family(tmp_path, members)
+    else:
+        root = _nested_family(tmp_path, llama_config, other_norm=kind == "other_norm")
+    executor = LocalExecutor(load_family(root, per_member_lineage=kind == "per_member_lineage"), NUM_PAGES, PAGE_BYTES)
+    expected = {"per_member_lineage": set(), "other_norm": {("m", "l")}, "independent": set()}[kind]
+    assert executor.nested_pairs == expected
+    calls = []
+    original = PagedCausalLM.forward
+    monkeypatch.setattr(PagedCausalLM, "forward",
+                        lambda self, *a, **k: calls.append(self.member.name) or original(self, *a, **k))
+    plans = _Plans()
+    plan = StepPlan(batches=[MemberBatch(name, [_Plans.chunk(name, _prompt(3), plans.tables(depth, 3))])
+                             for name, depth in DEPTHS.items()])
+    sampled = executor.execute(plan)
+    assert [s.request_id for s in sampled] == ["s", "m", "l"]
+    assert sorted(calls) == (["l", "s"] if kind == "other_norm" else ["l", "m", "s"])
