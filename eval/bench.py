@@ -301,8 +301,8 @@ def _progress(settings: BenchSettings, trace: Trace):
 TABLE_COLUMNS = (("mean_token_latency_s", "tok-lat ms", 1e3), ("ttft_p50_s", "ttft50 ms", 1e3),
                  ("ttft_p99_s", "ttft99 ms", 1e3), ("tpot_p50_s", "tpot50 ms", 1e3), ("tpot_p99_s", "tpot99 ms", 1e3),
                  ("e2e_p50_s", "e2e50 s", 1), ("throughput_tok_s", "tok/s", 1), ("prefix_hit_rate", "hit", 1),
-                 ("escalation_rate", "esc", 1), ("preemptions", "preempt", 1), ("num_requests", "reqs", 1),
-                 ("quality_mean_logprob", "quality", 1))
+                 ("escalation_rate", "esc", 1), ("preemptions", "preempt", 1), ("num_requests", "reqs ok", 1),
+                 ("num_failed", "failed", 1), ("quality_mean_logprob", "quality", 1))
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -318,6 +318,9 @@ def format_table(result: dict[str, Any]) -> str:
     red = result.get("reduction_mean_token_latency")
     if red is not None:
         lines.append(f"mean token latency reduction, mfs vs baseline: {red * 100:.1f}%")
+    failed = {name: m.get("num_failed") for name, m in result["systems"].items() if m.get("num_failed")}
+    if failed:
+        lines.append(f"requests refused or failed (left out of the latency figures): {failed}")
     return "\n".join(lines)
 
 

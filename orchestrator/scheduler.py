@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 
 from orchestrator.complexity import ComplexityEstimator
 from orchestrator.config import MFSConfig
@@ -16,56 +15,16 @@ from orchestrator.errors import InvalidRequestError, QueueFullError
 from orchestrator.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
 from orchestrator.events import EventKind, EventLog, Stats
 from orchestrator.family import FamilySpec
-from orchestrator.kv_cache import KVCacheManager, SeqKV
+from orchestrator.kv_cache import KVCacheManager
 from orchestrator.page_pool import PagePool, split_pages
 from orchestrator.router import MemberLoad, Router
+from orchestrator.sequence import Sequence
 from orchestrator.tiers import TieredStore
 from orchestrator.types import (FinishReason, MemberBatch, MemberName, MemberSpan, PageId, Request, RequestId,
                                 RequestOutput, RequestState, RouteDecision, SampledToken, SeqChunk, StepPlan)
 
 WARMUP_PRIORITY = 100          # warm-up prefills run only when nothing else waits
 _MAX_SESSIONS = 10000          # session -> last member map is bounded (LRU)
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """The core's state for one request (or one warm-up prefill)."""
-
-    request: Request
-    member: MemberName
-    token_ids: list[int]                       # prompt + generated
-    num_prompt_tokens: int
-    route: RouteDecision | None = None
-    complexity: float = 0.0
-    state: RequestState = RequestState.WAITING
-    kv: SeqKV | None = None
-    hashes: list[bytes] = field(default_factory=list)   # full-block hashes for the current member
-    num_computed_tokens: int = 0               # positions whose KV exists at every layer
-    shared_until_tokens: int = 0               # positions below this start at shared_depth (handover)
-    shared_depth: int = 0
-    monitor: ConfidenceMonitor | None = None
-    spans: list[MemberSpan] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[tuple] = field(default_factory=list)
-    num_emitted_tokens: int = 0
-    num_cached_prompt_tokens: int | None = None
-    admit_order: int = 0
-    is_warmup: bool = False
-    had_warmup: bool = False
-    count_query: bool = True                   # next admission reports a prefix query (not after preemption)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-
-    @property
-    def request_id(self) -> RequestId:
-        return self.request.request_id
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    def is_decoding(self) -> bool:
-        return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_generated > 0
 
 
 class Scheduler:

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # The pure core: policy and bookkeeping only.
 CORE = ["types", "config", "family", "block_hash", "page_pool", "kv_cache", "complexity", "router",
-        "escalation", "scheduler", "tiers", "events", "errors", "engine_api"]
+        "escalation", "scheduler", "sequence", "tiers", "events", "errors", "engine_api"]
 FORBIDDEN_IN_CORE = ("torch", "engines", "orchestrator.server", "orchestrator.serving", "fastapi", "uvicorn",
                      "httpx", "tritonclient", "socket", "requests")
 
