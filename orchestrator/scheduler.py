@@ -162,7 +162,7 @@ class Scheduler:
                        priority=WARMUP_PRIORITY)
         warm_seq = Sequence(request=warm, member=target, token_ids=list(warm.prompt_token_ids),
                             num_prompt_tokens=len(warm.prompt_token_ids), is_warmup=True, count_query=False)
-        seq.had_warmup = True
+        seq.warmup_member = target
         self._by_id[warm.request_id] = warm_seq
         self._enqueue(warm_seq)
         self.stats.on_warmup(issued=True, hit=False)
@@ -311,8 +311,10 @@ class Scheduler:
             tiers = {t.value: n * match.tokens_per_block for t, n in match.tier_blocks.items()}
             self.stats.on_prefix_query(seq.member, len(seq.token_ids), tiers)
             seq.count_query = False
-            if seq.had_warmup and match.num_full_blocks:
-                self.stats.on_warmup(issued=False, hit=True)
+            if seq.warmup_member == seq.member:
+                # The first admission on the warmed member: a prefix hit there is the warm-up paying off.
+                self.stats.on_warmup(issued=False, hit=match.num_full_blocks > 0)
+                seq.warmup_member = None
         self.events.emit(EventKind.ADMIT, now_s, seq.request_id, seq.member, cached_tokens=match.num_full_tokens,
                          shared_tokens=match.num_shared_tokens, loads=len(loads))
         return True

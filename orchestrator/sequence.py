@@ -33,7 +33,7 @@ class Sequence:
     num_cached_prompt_tokens: int | None = None
     admit_order: int = 0
     is_warmup: bool = False
-    had_warmup: bool = False
+    warmup_member: MemberName | None = None    # where a warm-up prefilled this prompt (until it pays off)
     count_query: bool = True                   # next admission reports a prefix query (not after preemption)
     finish_reason: FinishReason | None = None
     error: str | None = None
