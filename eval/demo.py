@@ -33,8 +33,10 @@ def format_demo(result: dict[str, Any]) -> str:
         lines.append(f"  TPOT p50              : {_ms(m['tpot_p50_s'])}")
         escalations = ", ".join(f"{k}: {v}" for k, v in m["escalations"].items() if v) or "none"
         lines.append(f"  escalations           : {sum(r['escalated'] for r in m['per_request'])} ({escalations})")
-    if result.get("reduction_mean_token_latency") is not None:
-        lines.append(f"\nmean token latency, mfs vs baseline: {_pct(result['reduction_mean_token_latency'])} lower")
+    reduction = result.get("reduction_mean_token_latency")
+    if reduction is not None:
+        direction = "lower" if reduction >= 0 else "higher"
+        lines.append(f"\nmean token latency, mfs vs baseline: {_pct(abs(reduction))} {direction}")
     return "\n".join(lines)
 
 
