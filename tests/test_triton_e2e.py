@@ -18,7 +18,8 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.errors import EngineUnavailableError
 from orchestrator.types import FinishReason
-from tests.triton_helpers import (REPO_ROOT, build_python_repo, collect, family_dir, free_ports, make_request)
+from tests.triton_helpers import (REPO_ROOT, build_python_repo, collect, family_dir, free_ports, make_request,
+                                  wait_until)
 
 FAMILY = family_dir()
 pytestmark = [
@@ -165,3 +166,75 @@ async def _scenario(serving, server, prompts, members, local, repo, ports, tmp_p
         return triton_up
     finally:
         await serving.stop(1.0)
+
+
+def _serve(port: int, config_path, log_path, *extra: str) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config_path),
+                             "--port", str(port), "--grace-s", "2", "--log-level", "warning", *extra],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_mfs_serve_over_triton_answers_like_mfs_serve_local(tmp_path):
+    """The issue's CI check: `mfs serve --engine triton` in front of a real tritonserver and
+    `mfs serve --engine local` give the same greedy tokens to the official openai client."""
+    import httpx
+    import yaml
+    from openai import OpenAI
+
+    from engines.triton.server_process import TritonProcess
+
+    repo = build_python_repo(FAMILY, tmp_path / "build")
+    grpc_port, http_port, metrics_port, triton_api, local_api = free_ports(5)
+    config = {"family": str(FAMILY), "pool": {"num_pages": 2048, "host_tier_mb": 0.0},
+              "escalation": {"enabled": False},
+              "engine": {"device": "cpu", "num_threads": 1, "triton_url": f"127.0.0.1:{grpc_port}",
+                         "triton_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}}
+    config_path = tmp_path / "mfs.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    triton = TritonProcess(repo=repo, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
+                           exit_timeout_s=2, log_path=tmp_path / "triton.log")
+    servers: list[subprocess.Popen] = []
+    try:
+        triton.start()
+        servers.append(_serve(local_api, config_path, tmp_path / "serve-local.log", "--engine", "local"))
+        triton.wait_ready(timeout_s=300)
+        servers.append(_serve(triton_api, config_path, tmp_path / "serve-triton.log", "--engine", "triton"))
+        for port in (local_api, triton_api):
+            ok = wait_until(lambda: _healthy(httpx, port), timeout_s=180)
+            assert ok, (tmp_path / "serve-triton.log").read_text()[-2000:]
+        answers = {}
+        for port in (local_api, triton_api):
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60)
+            texts = []
+            for member, text in zip(("tiny-s", "tiny-m", "tiny-l"), list(PROMPTS.values()) * 2):
+                reply = client.completions.create(model=member, prompt=text, max_tokens=MAX_TOKENS, temperature=0)
+                assert reply.model == member and reply.usage.completion_tokens >= 1
+                texts.append(reply.choices[0].text)
+            chat = client.chat.completions.create(model="tiny-m", max_tokens=MAX_TOKENS, temperature=0,
+                                                  messages=[{"role": "user", "content": PROMPTS["walk"]}])
+            texts.append(chat.choices[0].message.content)
+            answers[port] = texts
+        assert answers[triton_api] == answers[local_api]
+        assert any(answers[local_api])
+    finally:
+        for process in servers:
+            _stop(process)
+        triton.stop()
+
+
+def _healthy(httpx, port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
