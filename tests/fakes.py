@@ -25,6 +25,13 @@ def fake_member(name: str, index: int, num_layers: int, lineages: tuple[str, ...
                       tokenizer_hash="tok", eos_token_ids=(EOS,))
 
 
+def named_nested_family(names=("tiny-s", "tiny-m", "tiny-l"), depths=(2, 4, 6), context: int = 2048) -> FamilySpec:
+    """A nested family with the shipped family's member names (router and escalation tests)."""
+    lineage = tuple(f"lin{l}" for l in range(max(depths)))
+    return FamilySpec(name="fake", members=tuple(fake_member(n, i, d, lineage[:d], context)
+                                                 for i, (n, d) in enumerate(zip(names, depths))))
+
+
 def nested_family() -> FamilySpec:
     """s = layers 0-1, m = layers 0-3, l = layers 0-5 of one network (shared lineages)."""
     lineage = tuple(f"L{i}" for i in range(6))

@@ -2,25 +2,15 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
 from orchestrator.config import EscalationConfig
 from orchestrator.escalation import ConfidenceMonitor, escalation_target, in_warmup_band, top_logprobs_entropy
-from orchestrator.family import FamilySpec, MemberSpec
-from orchestrator.types import MemberName
+from tests.fakes import named_nested_family
 
 
-def _member(name: str, index: int, num_layers: int) -> MemberSpec:
-    return MemberSpec(
-        name=MemberName(name), index=index, checkpoint_dir=Path("/nonexistent") / name, architecture="llama",
-        num_layers=num_layers, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=1000,
-        context_tokens=2048, layer_lineages=tuple(f"lin{l}" for l in range(num_layers)), tokenizer_hash="tok",
-        eos_token_ids=(0,))
-
-
-FAMILY = FamilySpec(name="fake", members=(_member("tiny-s", 0, 2), _member("tiny-m", 1, 4), _member("tiny-l", 2, 6)))
+FAMILY = named_nested_family()
 
 
 def test_no_escalation_before_min_tokens():

@@ -1,26 +1,16 @@
 """Router decisions on a fake 3-member family: pinning, complexity, affinity, session, load, downgrade."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from orchestrator.config import RouterConfig
-from orchestrator.family import FamilySpec, MemberSpec
 from orchestrator.router import FitPenalties, MemberLoad, Router
+from tests.fakes import named_nested_family
 from orchestrator.types import MemberName, Profile, Request, RequestId, SamplingParams
 
 
-def _member(name: str, index: int, num_layers: int) -> MemberSpec:
-    # Nested lineages: layer l has the same lineage in every member that has it.
-    return MemberSpec(
-        name=MemberName(name), index=index, checkpoint_dir=Path("/nonexistent") / name, architecture="llama",
-        num_layers=num_layers, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=1000,
-        context_tokens=2048, layer_lineages=tuple(f"lin{l}" for l in range(num_layers)), tokenizer_hash="tok",
-        eos_token_ids=(0,))
-
-
-FAMILY = FamilySpec(name="fake", members=(_member("tiny-s", 0, 2), _member("tiny-m", 1, 4), _member("tiny-l", 2, 6)))
+FAMILY = named_nested_family()
 IDLE = MemberLoad(num_running=0, num_waiting=0, running_tokens=0, queued_tokens=0)
 IDLE_LOADS = {name: IDLE for name in FAMILY.member_names}
 
