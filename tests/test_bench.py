@@ -178,8 +178,6 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
 
 # ----------------------------------------------------------------------------- end to end (real local engine)
 def test_tiny_end_to_end_bench(tmp_path):
-    import orchestrator.serving  # noqa: F401
-    import torch  # noqa: F401
     from eval.bench import BenchSettings, format_table, run_bench
     from tests.test_workloads import family_dir
 

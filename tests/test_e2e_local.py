@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from orchestrator.config import load_config
 from orchestrator.serving import LocalServing
 from orchestrator.types import MemberName, Request, RequestId, SamplingParams

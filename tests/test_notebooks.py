@@ -17,7 +17,6 @@ REPO = NOTEBOOKS.parent.parent
 
 @pytest.fixture(scope="session")
 def bench_files(tmp_path_factory):
-    import orchestrator.serving  # noqa: F401
     from eval.bench import BenchSettings, run_bench
     from eval.sweep import rows_of
     from tests.test_workloads import family_dir

