@@ -7,30 +7,24 @@ import json
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.api_schema import (
-    AuthenticationError, ParsedRequest, chat_logprobs, chunk, completion_logprobs, error_body,
-    finish_reason_text, full_response, logprob_entry, mfs_extension, models_list, parse_request, usage,
-    usage_chunk,
-)
+from orchestrator.api_schema import AuthenticationError, error_body, models_list, parse_request
+from orchestrator.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.engine_api import ServingEngine
 from orchestrator.errors import EngineUnavailableError, InvalidRequestError, MFSError, QueueFullError
 from orchestrator.family import FamilySpec
 from orchestrator.metrics import CONTENT_TYPE, ServerMetrics
 from orchestrator.tokenizer import FamilyTokenizer, IncrementalDecoder
-from orchestrator.types import FinishReason, MemberSpan, RequestOutput, RouteDecision
 
 log = logging.getLogger("mfs.server")
 _KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
@@ -50,18 +44,8 @@ class PayloadTooLargeError(MFSError):
     code = "request_too_large"
 
 
-class RequestTimeoutError(MFSError):
-    status_code = 504
-    error_type = "timeout"
-    code = "request_timeout"
-
-
-class _ClientGone(Exception):
-    """The client disconnected before the answer was complete."""
-
-
 @dataclass(slots=True)
-class _Edge:
+class Edge:
     engine: ServingEngine
     tokenizer: FamilyTokenizer
     family: FamilySpec
@@ -81,205 +65,9 @@ class _Edge:
             self.loop.call_soon_threadsafe(stop)
 
 
-# ----------------------------------------------------------------------------- one generation
-@dataclass(slots=True)
-class _Generation:
-    """Drives one engine.generate stream: decodes text, applies stop strings, accumulates the answer."""
-
-    edge: _Edge
-    parsed: ParsedRequest
-    decoder: IncrementalDecoder
-    iterator: AsyncIterator[RequestOutput] | None = None
-    text: list[str] = field(default_factory=list)
-    text_chars: int = 0
-    logprobs: list[dict] = field(default_factory=list)
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    member: str = ""
-    spans: tuple[MemberSpan, ...] = ()
-    route: RouteDecision | None = None
-    finish_reason: str | None = None
-    engine_finished: bool = False              # the engine ended the request itself (no abort needed)
-    first_token_s: float | None = None
-    closed: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    async def next_delta(self) -> tuple[str, list[dict]]:
-        """Waits for the next engine output; returns (text delta, logprob entries). Raises MFSError."""
-        if self.iterator is None:
-            try:
-                self.iterator = aiter(self.edge.engine.generate(self.parsed.request))
-            except MFSError:
-                self.engine_finished = True        # refused before it existed: nothing to abort
-                raise
-        timeout_s = self.edge.settings.request_timeout_s
-        remaining_s = None if timeout_s is None else self.parsed.request.arrival_s + timeout_s - time.monotonic()
-        try:
-            if remaining_s is not None and remaining_s <= 0:
-                raise TimeoutError
-            out = await asyncio.wait_for(anext(self.iterator), remaining_s)
-        except StopAsyncIteration:
-            self.engine_finished = True
-            self.finish_reason = self.finish_reason or FinishReason.CANCELLED.value
-            tail = self.decoder.flush()
-            self._record(tail, [])
-            return tail, []
-        except TimeoutError:
-            raise RequestTimeoutError(f"request exceeded the server timeout of {timeout_s} s") from None
-        except MFSError:
-            if not self.completion_tokens:
-                self.engine_finished = True        # QueueFullError / unavailable at admission
-            raise
-        return self._absorb(out)
-
-    def _absorb(self, out: RequestOutput) -> tuple[str, list[dict]]:
-        now_s = time.monotonic()
-        self.member = out.member or self.member
-        self.spans = out.spans or self.spans
-        self.route = out.route or self.route
-        self.cached_tokens = max(self.cached_tokens, out.num_cached_prompt_tokens)
-        if out.new_token_ids and self.first_token_s is None:
-            self.first_token_s = now_s
-        self.completion_tokens += len(out.new_token_ids)
-        entries = []
-        if self.parsed.logprobs:
-            tops = out.new_top_logprobs or [()] * len(out.new_token_ids)
-            entries = [logprob_entry(self.edge.tokenizer, t, lp, top)
-                       for t, lp, top in zip(out.new_token_ids, out.new_logprobs, tops)]
-        delta = self.decoder.push(out.new_token_ids)
-        if out.finished:
-            self.engine_finished = True
-            if out.finish_reason is FinishReason.ERROR or (out.error and out.finish_reason is None):
-                raise MFSError(f"engine error: {out.error or 'unknown'}")
-            self.finish_reason = "stop" if self.decoder.stopped else finish_reason_text(out.finish_reason)
-            delta += self.decoder.flush()
-        elif self.decoder.stopped:
-            # A stop string ended the answer: the engine stops at its next step and returns the pages.
-            self.edge.engine.abort(self.parsed.request.request_id, FinishReason.STOP)
-            self.finish_reason = "stop"
-        self._record(delta, entries)
-        return delta, entries
-
-    def _record(self, delta: str, entries: list[dict]) -> None:
-        self.text.append(delta)
-        self.text_chars += len(delta)
-        self.logprobs.extend(entries)
-
-    def model(self) -> str:
-        return self.spans[-1].member if self.spans else (self.member or self.edge.family.name)
-
-    def usage(self) -> dict:
-        return usage(len(self.parsed.request.prompt_token_ids), self.completion_tokens, self.cached_tokens)
-
-    def mfs(self) -> dict:
-        spans = self.spans or ((MemberSpan(self.member, self.completion_tokens),) if self.member else ())
-        return mfs_extension(spans, self.route)
-
-    def logprobs_object(self, entries: list[dict], offset: int) -> dict | None:
-        if not self.parsed.logprobs:
-            return None
-        if self.parsed.kind == "chat":
-            return chat_logprobs(entries)
-        return completion_logprobs(entries, offset)
-
-    def response(self) -> dict:
-        return full_response(self.parsed, self.model(), "".join(self.text), self.finish_reason,
-                             self.logprobs_object(self.logprobs, 0), self.usage(), self.mfs())
-
-    async def close(self) -> None:
-        """Always runs: aborts an unfinished request, closes the stream, records edge latencies."""
-        if self.closed:
-            return
-        self.closed = True
-        if not self.engine_finished:
-            self.edge.engine.abort(self.parsed.request.request_id)
-        closer = getattr(self.iterator, "aclose", None)
-        if closer is not None:
-            with anyio.CancelScope(shield=True):   # may run inside a cancelled (disconnected) stream
-                try:
-                    await asyncio.wait_for(closer(), 1.0)
-                except (Exception, asyncio.CancelledError):
-                    log.debug("closing the engine stream of %s failed", self.parsed.request.request_id)
-        now_s = time.monotonic()
-        first = None if self.first_token_s is None else self.first_token_s - self.parsed.request.arrival_s
-        self.edge.metrics.observe_request(self.model(), first, now_s - self.parsed.request.arrival_s,
-                                          self.completion_tokens)
-
-
-async def _until_disconnected(request: HTTPRequest) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: HTTPRequest, work) -> Any:
-    """Runs `work` (a coroutine); raises _ClientGone if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise _ClientGone
-    return task.result()
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def _stream(gen: _Generation, first: tuple[str, list[dict]]) -> AsyncIterator[str]:
-    """SSE body; a client disconnect cancels this generator and `close` aborts the request."""
-    parsed = gen.parsed
-    try:
-        if parsed.kind == "chat":
-            yield _sse(chunk(parsed, gen.model(), role=True))
-        delta, entries = first
-        while True:
-            if delta or entries:
-                yield _sse(chunk(parsed, gen.model(), text=delta,
-                                 logprobs=gen.logprobs_object(entries, gen.text_chars - len(delta))))
-            if gen.done:
-                break
-            try:
-                delta, entries = await gen.next_delta()
-            except MFSError as exc:
-                yield _sse(error_body(exc))
-                yield "data: [DONE]\n\n"
-                return
-        yield _sse(chunk(parsed, gen.model(), text="" if parsed.kind == "completion" else None,
-                         finish_reason=gen.finish_reason, mfs=gen.mfs()))
-        if parsed.include_usage:
-            yield _sse(usage_chunk(parsed, gen.model(), gen.usage()))
-        yield "data: [DONE]\n\n"
-    finally:
-        await gen.close()
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes the generation even when the client leaves before the body iterator ever started."""
-
-    def __init__(self, gen: _Generation, first: tuple[str, list[dict]]):
-        super().__init__(_stream(gen, first), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._gen = gen
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._gen.close()
-
-
-# ----------------------------------------------------------------------------- app
 def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: FamilySpec,
                settings: ServerSettings) -> FastAPI:
-    edge = _Edge(engine, tokenizer, family, settings, ServerMetrics(engine.stats))
+    edge = Edge(engine, tokenizer, family, settings, ServerMetrics(engine.stats))
     created_s = int(time.time())
 
     @asynccontextmanager
@@ -311,18 +99,18 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
         body = await _read_json(request, settings.max_body_bytes)
         session_id = request.headers.get("x-session-id") or None
         parsed = parse_request(kind, body, tokenizer=tokenizer, family=family, session_id=session_id)
-        gen = _Generation(edge, parsed, IncrementalDecoder(tokenizer, parsed.stop_strings))
+        gen = Generation(edge, parsed, IncrementalDecoder(tokenizer, parsed.stop_strings))
         try:
             if parsed.stream:
-                first = await _unless_disconnected(request, gen.next_delta())
-                return _SSEResponse(gen, first)
+                first = await unless_disconnected(request, gen.next_delta())
+                return SSEResponse(gen, first)
 
             async def run_to_end() -> None:
                 while not gen.done:
                     await gen.next_delta()
-            await _unless_disconnected(request, run_to_end())
+            await unless_disconnected(request, run_to_end())
             return JSONResponse(gen.response())
-        except _ClientGone:
+        except ClientGone:
             await gen.close()
             return Response(status_code=499)      # nobody reads it; nginx's "client closed request"
         except BaseException:
