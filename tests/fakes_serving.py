@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -193,3 +196,20 @@ def serve_in_thread(app, timeout_s: float = 15.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout_s)
+
+
+def start_process(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """A server process for an end-to-end test, in its own process group (children go with it)."""
+    log = open(log_path, "wb")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM to the whole group (the graceful path under test), SIGKILL if it hangs."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)

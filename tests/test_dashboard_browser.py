@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -43,24 +42,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-from tests.fakes_serving import family_dir  # noqa: E402  one definition of the shipped family
+from tests.fakes_serving import family_dir, start_process, stop_process  # noqa: E402
 
-
-
-def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    # own process group: `mfs dashboard` has a streamlit child, and both must go at teardown
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
 
 
 def wait_http(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
@@ -92,14 +75,14 @@ def mfs_server() -> Iterator[dict]:
             stand_in.close()
         return
     port, log_path = free_port(), ARTIFACTS / "dashboard_browser_serve.log"
-    proc = start([sys.executable, "-m", "orchestrator.cli", "serve", "--family", str(family), "--port", str(port),
+    proc = start_process([sys.executable, "-m", "orchestrator.cli", "serve", "--family", str(family), "--port", str(port),
                   "--log-level", "warning"], log_path)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/metrics", proc, log_path, timeout_s=180)
         yield {"url": url, "kind": f"real `mfs serve --family {family}`", "model": "tiny"}
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def send_requests(server: dict, n: int) -> None:
@@ -119,7 +102,7 @@ def dashboard():
 
     def launch(*args: str, name: str) -> str:
         port, log_path = free_port(), ARTIFACTS / f"dashboard_browser_{name}.log"
-        proc = start([sys.executable, "-m", "orchestrator.cli", "dashboard", "--port", str(port), *args], log_path)
+        proc = start_process([sys.executable, "-m", "orchestrator.cli", "dashboard", "--port", str(port), *args], log_path)
         procs.append(proc)
         wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log_path, timeout_s=90)
         return f"http://127.0.0.1:{port}"
@@ -128,7 +111,7 @@ def dashboard():
         yield launch
     finally:
         for proc in procs:
-            stop(proc)
+            stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.errors import EngineUnavailableError
 from orchestrator.types import FinishReason
+from tests.fakes_serving import start_process, stop_process
 from tests.triton_helpers import (REPO_ROOT, build_python_repo, collect, family_dir, free_ports, make_request,
                                   wait_until)
 
@@ -169,20 +170,8 @@ async def _scenario(serving, server, prompts, members, local, repo, ports, tmp_p
 
 
 def _serve(port: int, config_path, log_path, *extra: str) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config_path),
-                             "--port", str(port), "--grace-s", "2", "--log-level", "warning", *extra],
-                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    return start_process([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config_path), "--port",
+                          str(port), "--grace-s", "2", "--log-level", "warning", *extra], log_path)
 
 
 def test_mfs_serve_over_triton_answers_like_mfs_serve_local(tmp_path):
@@ -229,7 +218,7 @@ def test_mfs_serve_over_triton_answers_like_mfs_serve_local(tmp_path):
         assert any(answers[local_api])
     finally:
         for process in servers:
-            _stop(process)
+            stop_process(process)
         triton.stop()
 
 
