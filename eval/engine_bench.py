@@ -31,11 +31,6 @@ class BenchRow:
     engine_gflop_per_s: float
 
 
-def _default_family() -> Path:
-    shipped = SHIPPED_FAMILIES_DIR / "tiny"
-    return shipped if (shipped / "family.yaml").is_file() else Path("/tmp/tinytest")
-
-
 def _prompts(batch: int, prompt_tokens: int, vocab: int) -> list[list[int]]:
     return [[(31 * i + 17 * b + 5) % (vocab - 3) + 3 for i in range(prompt_tokens)] for b in range(batch)]
 
@@ -107,7 +102,7 @@ def flop_per_token(member: MemberSpec, intermediate: int, context_tokens: float)
 
 def main(argv: list[str] | None = None) -> list[BenchRow]:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--family", type=Path, default=None, help="family dir (default: shipped tiny or /tmp/tinytest)")
+    parser.add_argument("--family", type=Path, default=SHIPPED_FAMILIES_DIR / "tiny", help="family dir (default: shipped tiny)")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
@@ -117,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    family = load_family(args.family or _default_family())
+    family = load_family(args.family)
     member = family.members[-1]
     page_bytes = BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4)
     blocks = -(-(args.prompt_tokens + args.tokens) // BLOCK_TOKENS)
