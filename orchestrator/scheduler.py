@@ -292,9 +292,14 @@ class Scheduler:
         seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
         allow_shared = cfg.reuse_shared_layers and not cfg.cold_handover
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
+        # Headroom matters only when others share the pages: alone, a request always fits (add_request
+        # checked its whole length against the capacity), so it must never wait for a reserve.
+        partitioned = self.config.pool.static_split is not None
+        shared_with_others = any(not partitioned or s.member == seq.member for s in self._running.values())
+        reserve = self._reserve_pages[seq.member] if shared_with_others else 0
         # Warm-ups never evict: they use idle memory only.
         attached = self.kv.attach(seq.member, match, seq.hashes, len(seq.token_ids),
-                                  reserve_pages=self._reserve_pages[seq.member], evict=not seq.is_warmup)
+                                  reserve_pages=reserve, evict=not seq.is_warmup)
         if attached is None:
             return False
         seq.kv, loads = attached

@@ -283,3 +283,13 @@ def test_stop_string_abort_counts_as_finished_and_double_abort_is_harmless():
     counts = h.scheduler.snapshot(h.now)["counters"]["requests"]["m"]
     assert counts["finished"] == 1 and counts["cancelled"] == 0
     assert h.pool.counts()["used"] == 0
+
+
+def test_request_that_fills_its_slice_alone_is_admitted_without_a_reserve():
+    # m's slice is 30 pages; the prompt takes 25, the decode reserve would need 5 more: alone it must
+    # still run (its whole length fits the slice), never wait for headroom nobody else can free.
+    h = Harness(**{"pool.num_pages": 120, "pool.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
+                   "pool.decode_reserve_blocks": 2})
+    h.submit("fills", PROMPT, max_tokens=4, pinned_member=MemberName("m"))
+    h.run(50)
+    assert len(h.tokens("fills")) == 4
