@@ -20,12 +20,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16       # OpenAI's default for /v1/completions
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-class AuthenticationError(MFSError):
-    status_code = 401
-    error_type = "invalid_request_error"
-    code = "invalid_api_key"
-
-
 @dataclass(slots=True)
 class ParsedRequest:
     """A validated OpenAI request: the core Request plus what only the edge needs (stream shape, stops)."""

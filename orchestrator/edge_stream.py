@@ -17,7 +17,7 @@ from orchestrator.api_schema import (
     ParsedRequest, chat_logprobs, chunk, completion_logprobs, error_body, finish_reason_text, full_response,
     logprob_entry, mfs_extension, usage, usage_chunk,
 )
-from orchestrator.errors import MFSError
+from orchestrator.errors import MFSError, RequestTimeoutError
 from orchestrator.tokenizer import IncrementalDecoder
 from orchestrator.types import FinishReason, MemberSpan, RequestOutput, RouteDecision
 
@@ -25,12 +25,6 @@ if TYPE_CHECKING:
     from orchestrator.server import Edge
 
 log = logging.getLogger("mfs.server")
-
-
-class RequestTimeoutError(MFSError):
-    status_code = 504
-    error_type = "timeout"
-    code = "request_timeout"
 
 
 class ClientGone(Exception):

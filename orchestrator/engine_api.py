@@ -20,7 +20,8 @@ class StepExecutor(Protocol):
     page_bytes: int
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
-        """Apply plan.page_loads (data must already be written), run every batch, sample, return tokens."""
+        """Release plan.released_requests, run every batch (page loads are already written), sample,
+        return the sampled tokens in chunk order."""
         ...
 
     def read_page(self, page: PageId) -> bytes: ...

@@ -37,3 +37,23 @@ class EngineUnavailableError(MFSError):
     """The engine (for example Triton) is down or not ready."""
     status_code = 503
     error_type = "service_unavailable"
+
+
+class AuthenticationError(MFSError):
+    """--api-key is set and the request's bearer token is missing or wrong."""
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PayloadTooLargeError(MFSError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RequestTimeoutError(MFSError):
+    """The request outlived scheduler.request_timeout_s (non-streaming answer)."""
+    status_code = 504
+    error_type = "timeout"
+    code = "request_timeout"

@@ -18,10 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.api_schema import AuthenticationError, error_body, models_list, parse_request
+from orchestrator.api_schema import error_body, models_list, parse_request
 from orchestrator.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.engine_api import ServingEngine
-from orchestrator.errors import EngineUnavailableError, InvalidRequestError, MFSError, QueueFullError
+from orchestrator.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
+                                 PayloadTooLargeError, QueueFullError)
 from orchestrator.family import FamilySpec
 from orchestrator.metrics import CONTENT_TYPE, ServerMetrics
 from orchestrator.tokenizer import FamilyTokenizer, IncrementalDecoder
@@ -36,12 +37,6 @@ class ServerSettings:
     request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
     max_body_bytes: int = 4 * 2**20
     grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
-
-
-class PayloadTooLargeError(MFSError):
-    status_code = 413
-    error_type = "invalid_request_error"
-    code = "request_too_large"
 
 
 @dataclass(slots=True)

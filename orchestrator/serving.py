@@ -193,9 +193,9 @@ class LocalServing:
             plan, outputs = self.scheduler.schedule(self.clock())
         self._deliver(outputs)
         plan = self._copy_tiers(plan)
-        if plan.released_requests:
-            self._executor.release(plan.released_requests)
         if not plan.batches:
+            if plan.released_requests:   # execute() releases them itself when it runs
+                self._executor.release(plan.released_requests)
             if not outputs:
                 self._wake.wait(0.01)   # nothing runnable yet (e.g. waiting for pages): do not spin
                 self._wake.clear()

@@ -8,9 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.family import load_family
 from orchestrator.server import ServerSettings, create_app
-from orchestrator.tokenizer import FamilyTokenizer
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
 FAMILY_DIR = family_dir()
@@ -19,16 +17,6 @@ SPEC_METRICS = {
     "mfs_queue_depth", "mfs_running_requests", "mfs_preemptions", "mfs_evictions", "mfs_generated_tokens",
     "mfs_ttft_seconds", "mfs_tpot_seconds", "mfs_e2e_seconds",
 }
-
-
-@pytest.fixture(scope="module")
-def family():
-    return load_family(FAMILY_DIR)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return FamilyTokenizer(FAMILY_DIR / "tiny-s")
 
 
 def make_engine(family, tokenizer) -> FakeServingEngine:

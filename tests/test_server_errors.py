@@ -7,25 +7,13 @@ import httpx
 import pytest
 
 from orchestrator.errors import EngineUnavailableError, QueueFullError
-from orchestrator.family import load_family
 from orchestrator.server import ServerSettings, create_app
-from orchestrator.tokenizer import FamilyTokenizer
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
 FAMILY_DIR = family_dir()
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def family():
-    return load_family(FAMILY_DIR)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return FamilyTokenizer(FAMILY_DIR / "tiny-s")
 
 
 @pytest.fixture(scope="module")
