@@ -38,8 +38,8 @@ class Scheduler:
         self.tiers = tiers
         self.router = Router(family, config.router)
         self.estimator = estimator
-        self.events = events or EventLog()
-        self.stats = stats or Stats()
+        self.events = events if events is not None else EventLog()   # an empty log is falsy (__len__)
+        self.stats = stats if stats is not None else Stats()
         self._waiting: dict[int, deque[Sequence]] = {}          # priority -> FCFS queue
         self._running: OrderedDict[RequestId, Sequence] = OrderedDict()  # admission order
         self._by_id: dict[RequestId, Sequence] = {}

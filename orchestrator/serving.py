@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -102,7 +103,7 @@ class LocalServing:
         cfg = self.config
         return LocalExecutor(self.family, num_pages=self.pool.num_pages, page_bytes=cfg.pool.page_bytes,
                              dtype=cfg.engine.dtype, device=_device(cfg.engine.device),
-                             num_threads=cfg.engine.num_threads)
+                             num_threads=engine_threads(cfg.engine.num_threads))
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops accepting; lets in-flight requests finish for up to grace_s, then cancels the rest."""
@@ -260,6 +261,20 @@ def copy_tier_pages(plan: StepPlan, tiers: TieredStore, executor: StepExecutor) 
         else:
             executor.write_page(page, found[0])
     return stored, failed
+
+
+def engine_threads(configured: int | None) -> int:
+    """Intra-op threads for the engine: the configured count, else every available core but one. The server's
+    event loop (HTTP, streaming, the bench client) runs in this process too: when the engine's parallel regions
+    take every core, each step waits for a worker the event loop has pre-empted. On the 2-core VM that made the
+    default bench's decode steps 2.2x slower (11.3 vs 5.0 ms, docs/BENCHMARKS.md 5.0)."""
+    if configured is not None:
+        return configured
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:          # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def _device(name: str) -> str:

@@ -38,3 +38,16 @@ def test_errors_name_the_key(tmp_path, text, message):
 def test_missing_file():
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent/mfs.yaml")
+
+
+def test_engine_threads_leave_a_core_for_the_event_loop(monkeypatch):
+    import os
+
+    from orchestrator.serving import engine_threads
+    assert engine_threads(3) == 3                       # an explicit setting wins
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    assert engine_threads(None) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    assert engine_threads(None) == 1                    # never zero
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert engine_threads(None) == 15

@@ -293,3 +293,18 @@ def test_request_that_fills_its_slice_alone_is_admitted_without_a_reserve():
     h.submit("fills", PROMPT, max_tokens=4, pinned_member=MemberName("m"))
     h.run(50)
     assert len(h.tokens("fills")) == 4
+
+
+def test_scheduler_emits_into_the_log_and_counters_it_is_given():
+    # An empty EventLog is falsy (it has __len__): the scheduler once replaced it with its own, so the
+    # serving layer's log (what /v1/stats and the dashboard read beside its own offload events) missed
+    # every route/admit/finish event.
+    from orchestrator.events import EventKind, EventLog, Stats
+    h = Harness()
+    log, stats = EventLog(), Stats()
+    h.scheduler = Scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()), None, log, stats)
+    h.submit("a", PROMPT, max_tokens=3)
+    h.run()
+    assert h.scheduler.events is log and h.scheduler.stats is stats
+    kinds = {e.kind for e in log.recent()}
+    assert {EventKind.ROUTE, EventKind.ADMIT, EventKind.FINISH} <= kinds
