@@ -154,6 +154,17 @@ def per_request_row(r: RequestRecord) -> dict[str, Any]:
             "send_s": r.send_s, "error": r.error}
 
 
+def paired_token_latency(system: Sequence[RequestRecord], baseline: Sequence[RequestRecord]) -> tuple[float | None, float | None, int]:
+    """(system's, baseline's mean token latency, count) over the requests BOTH served: a system that
+    refuses the longest requests otherwise averages over an easier set than one that serves them all."""
+    def served(records):
+        return {(r.session_id, r.turn_index): r.e2e_s / r.output_tokens for r in records if r.ok}
+
+    ours, theirs = served(system), served(baseline)
+    common = sorted(ours.keys() & theirs.keys())
+    return mean([ours[k] for k in common]), mean([theirs[k] for k in common]), len(common)
+
+
 def reduction(system: float | None, baseline: float | None) -> float | None:
     """1 - system/baseline (positive = system is faster)."""
     if system is None or not baseline:

@@ -122,6 +122,20 @@ def test_summarize_exact_numbers():
     json.dumps(m)
 
 
+def test_paired_token_latency_compares_only_requests_both_served():
+    from eval.metrics_calc import RequestRecord, paired_token_latency
+
+    def rec(session, turn, e2e, tokens, error=None):
+        return RequestRecord(session, turn, send_s=0.0, first_token_s=0.01, finish_s=e2e, prompt_tokens=4,
+                             cached_tokens=0, output_tokens=tokens, error=error)
+
+    ours = [rec("a", 0, 1.0, 10), rec("a", 1, 3.0, 10), rec("b", 0, 8.0, 10)]
+    theirs = [rec("a", 0, 2.0, 10), rec("a", 1, 4.0, 10), rec("b", 0, 0.0, 0, error="too long")]
+    mine, base, count = paired_token_latency(ours, theirs)
+    assert count == 2                       # ("b", 0) was refused by the other side: left out of both means
+    assert mine == pytest.approx(0.2) and base == pytest.approx(0.3)
+
+
 def test_counter_delta_and_timeline_and_empty_rates():
     after = {"a": {"x": 5, "y": 2}, "n": 7, "s": "keep"}
     assert counter_delta(after, {"a": {"x": 1}, "n": 2}) == {"a": {"x": 4, "y": 2}, "n": 5, "s": "keep"}
@@ -194,5 +208,8 @@ def test_tiny_end_to_end_bench(tmp_path):
     a, b = outputs.values()
     assert a == b   # greedy + ignore_eos: every system generates exactly the same number of tokens
     assert isinstance(result["reduction_mean_token_latency"], float)
+    paired = result["paired_vs_baseline"]["mfs"]
+    assert paired["num_requests"] == result["workload"]["num_requests"]   # nothing refused: the same requests
+    assert paired["mean_token_latency_s"] == pytest.approx(result["systems"]["mfs"]["mean_token_latency_s"])
     json.dumps(result)
     assert "mfs" in format_table(result)
