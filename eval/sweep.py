@@ -1,4 +1,5 @@
-"""Bench sweeps: request rate x KV budget, `single` with ample memory, escalation.threshold (quality vs latency)."""
+"""Bench sweeps: request rate x KV budget, `single` with ample memory, escalation.threshold (quality vs latency),
+and the base setting repeated over trace seeds (the spread of the headline)."""
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,34 @@ def rows_of(result: dict[str, Any], **point: Any) -> list[dict[str, Any]]:
     for name, m in result["systems"].items():
         row = {**point, "system": name, **{k: m.get(k) for k in ROW_METRICS}}
         row["reduction_vs_baseline"] = result.get("reductions_vs_baseline", {}).get(name)
+        paired = result.get("paired_vs_baseline", {}).get(name) or {}
+        row["paired_reduction_vs_baseline"] = paired.get("reduction_mean_token_latency")
         rows.append(row)
     return rows
 
 
+def seed_spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per system: n, mean, min and max over seeds of the reduction and the paired reduction vs the baseline.
+    One run is not a result here: the same seed run twice differs by several points."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["system"] for r in rows if r["system"] != "baseline"):
+        entry: dict[str, Any] = {}
+        for key in ("reduction_vs_baseline", "paired_reduction_vs_baseline"):
+            values = [r[key] for r in rows if r["system"] == name and r.get(key) is not None]
+            entry[key] = ({"n": len(values), "mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+                          if values else None)
+        out[name] = entry
+    return out
+
+
 def run_sweep(base: BenchSettings, rates: list[float], kv_pages: list[int], ample_pages: int | None,
-              thresholds: list[float], log=print) -> dict[str, Any]:
-    out: dict[str, Any] = {"grid": [], "single_ample": [], "escalation": [], "notes": [],
+              thresholds: list[float], seeds: list[int] = (), log=print) -> dict[str, Any]:
+    out: dict[str, Any] = {"grid": [], "single_ample": [], "escalation": [], "seeds": [], "seed_spread": {},
+                           "notes": [],
                            "settings": {"base": {k: getattr(base, k) for k in ("workload", "sessions", "seed", "family",
                                                                                "quick", "max_turns", "max_output_tokens")},
                                         "rates": rates, "kv_pages": kv_pages, "ample_pages": ample_pages,
-                                        "escalation_thresholds": thresholds}}
+                                        "escalation_thresholds": thresholds, "seeds": list(seeds)}}
     for rate in rates:
         for pages in kv_pages:
             log(f"sweep: workload={base.workload} rate={rate} kv_pages={pages}")
@@ -49,6 +67,12 @@ def run_sweep(base: BenchSettings, rates: list[float], kv_pages: list[int], ampl
         result = run_bench(replace(base, systems=("mfs",), score_quality=True,
                                    extra_overrides={**base.extra_overrides, "escalation.threshold": threshold}))
         out["escalation"] += rows_of(result, threshold=threshold, rate=base.rate, kv_pages=base.kv_pages)
+    for seed in seeds:
+        log(f"sweep: seed={seed} rate={base.rate} kv_pages={base.kv_pages}")
+        result = run_bench(replace(base, seed=seed))
+        out["seeds"] += rows_of(result, seed=seed, workload=base.workload, rate=base.rate, kv_pages=base.kv_pages)
+    if seeds:
+        out["seed_spread"] = seed_spread(out["seeds"])
     return out
 
 
@@ -61,27 +85,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workload", default="multiturn")
     parser.add_argument("--sessions", type=int, default=None)
-    parser.add_argument("--rates", default="0.5,1.0,2.0", help="session arrivals per second")
+    parser.add_argument("--rates", default="0.5,1.0,2.0", help="session arrivals per second (empty: no grid)")
     parser.add_argument("--kv-pages", default="384,768,2048")
     parser.add_argument("--ample-pages", type=int, default=8192, help="0 skips the `single` ample-memory point")
     parser.add_argument("--thresholds", default="", help="escalation.threshold values, e.g. 0.1,0.3,0.5 (mfs only)")
     parser.add_argument("--systems", default="mfs,baseline")
     parser.add_argument("--family", default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="trace seed of the grid, single and threshold points")
+    parser.add_argument("--seeds", default="", help="also run the base setting (mfs bench's defaults, or --quick's) "
+                                                  "once per seed, e.g. 0,1,2,3, and report the spread")
+    parser.add_argument("--rate", type=float, default=None, help="base setting's rate (thresholds and seeds)")
+    parser.add_argument("--pages", type=int, default=None, help="base setting's KV pages (thresholds and seeds)")
     parser.add_argument("--out", default="sweep.json")
     args = parser.parse_args(argv)
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
     base = replace(base, workload=args.workload, family=args.family, seed=args.seed, progress=False,
                    systems=tuple(s for s in args.systems.split(",") if s), score_quality=False,
-                   **({"sessions": args.sessions} if args.sessions else {}))
+                   **({"sessions": args.sessions} if args.sessions else {}),
+                   **({"rate": args.rate} if args.rate else {}), **({"kv_pages": args.pages} if args.pages else {}))
     started = time.monotonic()
     result = run_sweep(base, _floats(args.rates), [int(x) for x in _floats(args.kv_pages)], args.ample_pages or None,
-                       _floats(args.thresholds), log=lambda m: print(m, file=sys.stderr))
+                       _floats(args.thresholds), [int(x) for x in _floats(args.seeds)],
+                       log=lambda m: print(m, file=sys.stderr))
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
     result["settings"]["command"] = "python -m eval.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(args.out).write_text(json.dumps(result, indent=1))
-    for row in result["grid"] + result["single_ample"] + result["escalation"]:
+    for row in result["grid"] + result["single_ample"] + result["escalation"] + result["seeds"]:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    for name, spread in result["seed_spread"].items():
+        for key, s in spread.items():
+            if s:
+                print(f"{name} {key} over {s['n']} seeds: mean {s['mean'] * 100:.1f}%, "
+                      f"min {s['min'] * 100:.1f}%, max {s['max'] * 100:.1f}%")
     print(f"wrote {args.out}")
     return 0
 
