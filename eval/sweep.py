@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def seed_spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def run_sweep(base: BenchSettings, rates: list[float], kv_pages: list[int], ample_pages: int | None,
-              thresholds: list[float], seeds: list[int] = (), log=print) -> dict[str, Any]:
+              thresholds: list[float], seeds: Sequence[int] = (), log=print) -> dict[str, Any]:
     out: dict[str, Any] = {"grid": [], "single_ample": [], "escalation": [], "seeds": [], "seed_spread": {},
                            "notes": [],
                            "settings": {"base": {k: getattr(base, k) for k in ("workload", "sessions", "seed", "family",
@@ -80,6 +81,13 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.sweep", description=__doc__ + " Writes JSON (--out).")
     parser.add_argument("--quick", action="store_true")
@@ -92,20 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="mfs,baseline")
     parser.add_argument("--family", default="tiny")
     parser.add_argument("--seed", type=int, default=0, help="trace seed of the grid, single and threshold points")
-    parser.add_argument("--seeds", default="", help="also run the base setting (mfs bench's defaults, or --quick's) "
+    parser.add_argument("--seeds", type=_ints, default=[], help="also run the base setting (mfs bench's defaults, or --quick's) "
                                                   "once per seed, e.g. 0,1,2,3, and report the spread")
-    parser.add_argument("--rate", type=float, default=None, help="base setting's rate (thresholds and seeds)")
-    parser.add_argument("--pages", type=int, default=None, help="base setting's KV pages (thresholds and seeds)")
+    parser.add_argument("--base-rate", type=float, default=None, help="base setting's rate (thresholds and seeds)")
+    parser.add_argument("--base-kv-pages", type=int, default=None, help="base setting's KV pages (thresholds and seeds)")
     parser.add_argument("--out", default="sweep.json")
     args = parser.parse_args(argv)
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
     base = replace(base, workload=args.workload, family=args.family, seed=args.seed, progress=False,
                    systems=tuple(s for s in args.systems.split(",") if s), score_quality=False,
                    **({"sessions": args.sessions} if args.sessions else {}),
-                   **({"rate": args.rate} if args.rate else {}), **({"kv_pages": args.pages} if args.pages else {}))
+                   **({"rate": args.base_rate} if args.base_rate else {}),
+                   **({"kv_pages": args.base_kv_pages} if args.base_kv_pages else {}))
     started = time.monotonic()
     result = run_sweep(base, _floats(args.rates), [int(x) for x in _floats(args.kv_pages)], args.ample_pages or None,
-                       _floats(args.thresholds), [int(x) for x in _floats(args.seeds)],
+                       _floats(args.thresholds), args.seeds,
                        log=lambda m: print(m, file=sys.stderr))
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
     result["settings"]["command"] = "python -m eval.sweep " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -52,7 +52,14 @@ def test_cli_parses_seeds_and_base_setting(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(sweep, "run_sweep", run_sweep)
     out = tmp_path / "s.json"
-    assert sweep.main(["--rates=", "--kv-pages=", "--ample-pages", "0", "--seeds", "0,1,2", "--rate", "2",
-                       "--pages", "512", "--out", str(out)]) == 0
+    assert sweep.main(["--rates=", "--kv-pages=", "--ample-pages", "0", "--seeds", "0,1,2", "--base-rate", "2",
+                       "--base-kv-pages", "512", "--out", str(out)]) == 0
     assert calls == [(2.0, 512, [], [], None, [0, 1, 2])]
     assert out.is_file()
+
+
+def test_cli_rejects_seeds_that_are_not_integers(capsys):
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--seeds", "0,1.5"])
+    assert exc.value.code == 2
+    assert "comma-separated integers" in capsys.readouterr().err
