@@ -171,13 +171,17 @@ async def warm_up(engine: Any, members: list[str], tag: str) -> None:
             pass
 
 
-async def run_system(name: str, config: Any, trace: Trace, on_done=None) -> tuple[list[RequestRecord], dict]:
+async def run_system(name: str, config: Any, trace: Trace, on_done=None,
+                     instrument=None) -> tuple[list[RequestRecord], dict]:
+    """instrument(engine), when given, is called after the warm-up, right before the replay (profilers)."""
     from orchestrator.serving import LocalServing
 
     engine = LocalServing(config)
     await engine.start()
     try:
         await warm_up(engine, list(engine.family.member_names), name)
+        if instrument is not None:
+            instrument(engine)
         records, samples, counters, duration = await replay(engine, trace, name, on_done)
     finally:
         await engine.stop()
@@ -213,7 +217,8 @@ def score_quality(family: FamilySpec, records_by_system: dict[str, list[RequestR
 
 
 # ----------------------------------------------------------------------------- orchestration
-def run_bench(settings: BenchSettings) -> dict[str, Any]:
+def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | None, list[str]]:
+    """The family, the trace, the baseline's static split (when a system needs it) and their notes."""
     family = load_family(settings.family)
     tokenizer = family_tokenizer(family)
     trace = make_trace(settings, tokenizer, family)
@@ -221,14 +226,23 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     split = static_split_for(trace, family, tokenizer, settings) if needs_split(settings.systems) else None
     if split is not None:
         notes += split.notes
+    return family, trace, split, notes
+
+
+def config_for(name: str, settings: BenchSettings, split: StaticSplit | None):
+    return system_config(name, settings.family, settings.kv_pages, split.fractions if split else None,
+                         settings.extra_overrides)
+
+
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
+    family, trace, split, notes = prepare(settings)
     records_by_system: dict[str, list[RequestRecord]] = {}
     systems: dict[str, Any] = {}
     configs: dict[str, Any] = {}
     progress = _progress(settings, trace)
     try:
         for name in settings.systems:
-            config = system_config(name, settings.family, settings.kv_pages, split.fractions if split else None,
-                                   settings.extra_overrides)
+            config = config_for(name, settings, split)
             configs[name] = config_to_dict(config)
             if progress is not None:
                 progress.set_postfix_str(name)
@@ -338,12 +352,20 @@ def format_table(result: dict[str, Any]) -> str:
     failed = {name: m.get("num_failed") for name, m in result["systems"].items() if m.get("num_failed")}
     if failed:
         lines.append(f"requests refused or failed (left out of the latency figures): {failed}")
-        paired = result.get("paired_vs_baseline", {}).get("mfs")
-        if paired and paired["reduction_mean_token_latency"] is not None:
-            lines.append(f"over the {paired['num_requests']} requests both served: "
-                         f"{paired['mean_token_latency_s'] * 1e3:.2f} vs {paired['baseline_mean_token_latency_s'] * 1e3:.2f} "
-                         f"ms/token, reduction {paired['reduction_mean_token_latency'] * 100:.1f}%")
+        paired = paired_line(result)
+        if paired:
+            lines.append(paired)
     return "\n".join(lines)
+
+
+def paired_line(result: dict[str, Any], name: str = "mfs") -> str | None:
+    """`name` against the baseline over the requests both served, in words; None when there is no figure."""
+    paired = (result.get("paired_vs_baseline") or {}).get(name)
+    if not paired or paired.get("reduction_mean_token_latency") is None:
+        return None
+    return (f"over the {paired['num_requests']} requests both served: {paired['mean_token_latency_s'] * 1e3:.2f} vs "
+            f"{paired['baseline_mean_token_latency_s'] * 1e3:.2f} ms/token, "
+            f"reduction {paired['reduction_mean_token_latency'] * 100:.1f}%")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,11 @@ class RequestRecord:
         return None if self.finish_s is None else self.finish_s - self.send_s
 
     @property
+    def token_latency_s(self) -> float | None:
+        """The headline's per-request term: e2e / output tokens."""
+        return None if self.finish_s is None or not self.output_tokens else self.e2e_s / self.output_tokens
+
+    @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first; None for one-token replies."""
         if self.finish_s is None or self.first_token_s is None or self.output_tokens < 2:
@@ -115,7 +120,7 @@ def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], dur
         requests_by_member[r.member] = requests_by_member.get(r.member, 0) + 1
     result: dict[str, Any] = {
         # Headline: mean over requests of e2e latency / output tokens (normalised latency).
-        "mean_token_latency_s": mean([r.e2e_s / r.output_tokens for r in ok]),
+        "mean_token_latency_s": mean([r.token_latency_s for r in ok]),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
@@ -158,7 +163,7 @@ def paired_token_latency(system: Sequence[RequestRecord], baseline: Sequence[Req
     """(system's, baseline's mean token latency, count) over the requests BOTH served: a system that
     refuses the longest requests otherwise averages over an easier set than one that serves them all."""
     def served(records):
-        return {(r.session_id, r.turn_index): r.e2e_s / r.output_tokens for r in records if r.ok}
+        return {(r.session_id, r.turn_index): r.token_latency_s for r in records if r.ok}
 
     ours, theirs = served(system), served(baseline)
     common = sorted(ours.keys() & theirs.keys())

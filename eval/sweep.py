@@ -6,12 +6,13 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from eval.bench import BenchSettings, run_bench
+from eval.metrics_calc import mean
 
 ROW_METRICS = ("mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "throughput_tok_s",
                "prefix_hit_rate", "escalation_rate", "preemptions", "num_requests", "num_failed",
@@ -38,7 +39,7 @@ def seed_spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         entry: dict[str, Any] = {}
         for key in ("reduction_vs_baseline", "paired_reduction_vs_baseline"):
             values = [r[key] for r in rows if r["system"] == name and r.get(key) is not None]
-            entry[key] = ({"n": len(values), "mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+            entry[key] = ({"n": len(values), "mean": mean(values), "min": min(values), "max": max(values)}
                           if values else None)
         out[name] = entry
     return out
