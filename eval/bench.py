@@ -14,16 +14,17 @@ from typing import Any
 
 import yaml
 
-from eval.metrics_calc import (RequestRecord, counter_delta, mean, pages_timeline, paired_token_latency, reduction,
-                               summarize)
+from eval.metrics_calc import (RequestRecord, counter_delta, decode_floor_token_latency, mean, pages_timeline,
+                               paired_token_latency, percentile, reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
-from eval.workloads import WORKLOADS, Trace, WorkloadSpec, build_trace
-from orchestrator.config import config_to_dict, load_config
+from eval.workloads import WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace
+from orchestrator.config import ConfigError, config_to_dict, load_config
 from orchestrator.family import FamilySpec, load_family
 from orchestrator.tokenizer import FamilyTokenizer
 from orchestrator.types import FinishReason, Request, RequestId, SamplingParams
 
 STATS_INTERVAL_S = 0.5
+PROBE_TOKENS = 48          # decode steps timed per member before the replay (the decode floor's step costs)
 # Defaults: the case MFS targets - multi-turn chat under a KV budget that is tight for separate
 # deployments. 768 pages x 16 KiB = 12 MiB of fp32 KV: one 1024-token conversation on tiny-l alone
 # needs 8 layers x 64 blocks = 512 pages, so a static split cannot hold many live sessions.
@@ -50,6 +51,8 @@ class BenchSettings:
     score_quality: bool = True
     progress: bool = True
     extra_overrides: dict[str, Any] = field(default_factory=dict)   # applied to every system (sweeps)
+    trace_file: str | None = None          # replay this saved trace instead of building one from ShareGPT
+    save_trace: str | None = None          # write the trace used (built or loaded) here
 
     @classmethod
     def quick_defaults(cls, **kwargs: Any) -> "BenchSettings":
@@ -148,6 +151,10 @@ async def run_request(engine: Any, request: Request, record: RequestRecord, cloc
                 record.prompt_tokens = out.num_prompt_tokens
             if out.spans:
                 record.members = [span.member for span in out.spans if span.num_tokens > 0] or [out.member]
+                record.tokens_by_member = {}
+                for span in out.spans:
+                    if span.num_tokens > 0:
+                        record.tokens_by_member[span.member] = record.tokens_by_member.get(span.member, 0) + span.num_tokens
             elif out.member and (not record.members or record.members[-1] != out.member):
                 record.members.append(out.member)
             if out.error:
@@ -171,6 +178,27 @@ async def warm_up(engine: Any, members: list[str], tag: str) -> None:
             pass
 
 
+async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens: int = PROBE_TOKENS) -> dict[str, float]:
+    """Per member: the median time between streamed tokens of one pinned request running alone (a decode
+    step at batch one and short context, through the whole serving stack). The decode floor builds on it."""
+    out: dict[str, float] = {}
+    for member in members:
+        request = Request(request_id=RequestId(f"{tag}-probe-{member}"), prompt_token_ids=[1, 7, 8, 9],
+                          sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+                          arrival_s=time.monotonic(), pinned_member=member)
+        gaps: list[float] = []
+        last = None
+        async for result in engine.generate(request):
+            now = time.monotonic()
+            if result.new_token_ids:
+                if last is not None:       # the first token comes from the prefill step: not a decode step
+                    gaps.append((now - last) / len(result.new_token_ids))
+                last = now
+        if gaps:
+            out[member] = percentile(gaps, 50)
+    return out
+
+
 async def run_system(name: str, config: Any, trace: Trace, on_done=None,
                      instrument=None) -> tuple[list[RequestRecord], dict]:
     """instrument(engine), when given, is called after the warm-up, right before the replay (profilers)."""
@@ -180,12 +208,15 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
     await engine.start()
     try:
         await warm_up(engine, list(engine.family.member_names), name)
+        step_s = await probe_decode_step_s(engine, list(engine.family.member_names), name)
         if instrument is not None:
             instrument(engine)
         records, samples, counters, duration = await replay(engine, trace, name, on_done)
     finally:
         await engine.stop()
     metrics = summarize(records, counters, duration, pages_timeline(samples))
+    metrics["solo_decode_step_s"] = step_s
+    metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(records, step_s)
     metrics["counters"] = counters
     return records, metrics
 
@@ -221,8 +252,17 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
     """The family, the trace, the baseline's static split (when a system needs it) and their notes."""
     family = load_family(settings.family)
     tokenizer = family_tokenizer(family)
-    trace = make_trace(settings, tokenizer, family)
+    tokenizer_hash = family.members[0].tokenizer_hash
+    if settings.trace_file:
+        trace = load_trace(settings.trace_file, tokenizer_hash)
+    else:
+        trace = make_trace(settings, tokenizer, family)
+    if settings.save_trace:
+        save_trace(trace, settings.save_trace, tokenizer_hash)
     notes: list[str] = list(trace.notes)
+    if settings.trace_file:
+        notes.append(f"trace replayed from {settings.trace_file}: the workload block describes it, "
+                     "the trace settings (workload, sessions, rate, seed, turns, lengths) were not used")
     split = static_split_for(trace, family, tokenizer, settings) if needs_split(settings.systems) else None
     if split is not None:
         notes += split.notes
@@ -264,6 +304,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "reduction_mean_token_latency": _reduction(systems, "mfs"),
         "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
         "paired_vs_baseline": _paired(records_by_system),
+        "reduction_ceiling": _ceilings(systems),
         "notes": notes,
     }
     return result
@@ -289,6 +330,15 @@ def _reduction(systems: dict[str, Any], name: str) -> float | None:
     if name not in systems or "baseline" not in systems:
         return None
     return reduction(systems[name]["mean_token_latency_s"], systems["baseline"]["mean_token_latency_s"])
+
+
+def _ceilings(systems: dict[str, Any]) -> dict[str, float | None]:
+    """Per system: the largest reduction against the baseline's measured latency that its token placement
+    allows (1 - its decode floor / the baseline's mean token latency)."""
+    if "baseline" not in systems:
+        return {}
+    base = systems["baseline"]["mean_token_latency_s"]
+    return {n: reduction(m.get("decode_floor_token_latency_s"), base) for n, m in systems.items() if n != "baseline"}
 
 
 def _paired(records_by_system: dict[str, list[RequestRecord]]) -> dict[str, Any]:
@@ -349,6 +399,9 @@ def format_table(result: dict[str, Any]) -> str:
     red = result.get("reduction_mean_token_latency")
     if red is not None:
         lines.append(f"mean token latency reduction, mfs vs baseline: {red * 100:.1f}%")
+    floor_line = decode_floor_line(result)
+    if floor_line:
+        lines.append(floor_line)
     failed = {name: m.get("num_failed") for name, m in result["systems"].items() if m.get("num_failed")}
     if failed:
         lines.append(f"requests refused or failed (left out of the latency figures): {failed}")
@@ -356,6 +409,18 @@ def format_table(result: dict[str, Any]) -> str:
         if paired:
             lines.append(paired)
     return "\n".join(lines)
+
+
+def decode_floor_line(result: dict[str, Any], name: str = "mfs") -> str | None:
+    """The decode floors and what they leave for `name`, in words; None when a figure is missing."""
+    systems = result["systems"]
+    ceiling = (result.get("reduction_ceiling") or {}).get(name)
+    floors = {n: systems[n].get("decode_floor_token_latency_s") for n in (name, "baseline") if n in systems}
+    if ceiling is None or None in floors.values():
+        return None
+    return (f"decode floor (each token one solo decode step of its member, no waiting): "
+            + ", ".join(f"{n} {v * 1e3:.2f}" for n, v in floors.items())
+            + f" ms/token; the most {name}'s token placement allows: a {ceiling * 100:.1f}% reduction")
 
 
 def paired_line(result: dict[str, Any], name: str = "mfs") -> str | None:
@@ -380,6 +445,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
     parser.add_argument("--no-quality", action="store_true", help="skip scoring responses under the largest member")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="replay a trace saved with --save-trace (no ShareGPT package needed; its workload, "
+                             "sessions, rate and seed come from the file)")
+    parser.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace this run replays")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every system, YAML value (e.g. escalation.threshold=0.15)")
 
@@ -389,6 +458,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"mfs bench: unknown system(s) {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
+    trace_file = getattr(args, "trace", None)
+    if trace_file and (args.rate is not None or args.sessions is not None):
+        raise SystemExit("mfs bench: --trace replays the file's sessions and arrivals; drop --rate/--sessions")
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
     chosen = {k: v for k, v in (("sessions", args.sessions), ("rate", args.rate), ("kv_pages", args.kv_pages))
               if v is not None}
@@ -399,13 +471,17 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
             raise SystemExit(f"mfs bench: --set expects KEY=VALUE, got {item!r}")
         extra[key.strip()] = yaml.safe_load(value)
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
-                   score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra, **chosen)
+                   score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
+                   trace_file=trace_file, save_trace=getattr(args, "save_trace", None), **chosen)
 
 
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     started = time.monotonic()
-    result = run_bench(settings)
+    try:
+        result = run_bench(settings)
+    except (TraceFileError, ConfigError) as exc:      # a bad trace file or --set override: say what, no traceback
+        raise SystemExit(f"mfs bench: {exc}") from None
     result["settings"]["command"] = "mfs bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -22,6 +22,7 @@ class RequestRecord:
     cached_tokens: int
     output_tokens: int
     members: list[str] = field(default_factory=list)   # span members in order (>1 distinct = escalated)
+    tokens_by_member: dict[str, int] = field(default_factory=dict)   # kept output tokens per member (spans)
     error: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -116,8 +117,11 @@ def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], dur
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     requests_by_member: dict[str, int] = {}
+    tokens_by_member: dict[str, int] = {}
     for r in ok:
         requests_by_member[r.member] = requests_by_member.get(r.member, 0) + 1
+        for member, n in member_tokens(r).items():
+            tokens_by_member[member] = tokens_by_member.get(member, 0) + n
     result: dict[str, Any] = {
         # Headline: mean over requests of e2e latency / output tokens (normalised latency).
         "mean_token_latency_s": mean([r.token_latency_s for r in ok]),
@@ -134,6 +138,7 @@ def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], dur
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "requests_by_member": requests_by_member,
+        "output_tokens_by_member": tokens_by_member,
         "escalations": dict(counters.get("escalations", {}) or {}),
         "warmups": dict(counters.get("warmups", {}) or {}),
         "offloads": dict(counters.get("offloads", {}) or {}),
@@ -145,6 +150,30 @@ def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], dur
     return result
 
 
+def member_tokens(r: RequestRecord) -> dict[str, int]:
+    """Output tokens per member; a record without span counts gives them all to its last member."""
+    if r.tokens_by_member:
+        return dict(r.tokens_by_member)
+    return {r.member: r.output_tokens} if r.member is not None and r.output_tokens else {}
+
+
+def decode_floor_token_latency(records: Sequence[RequestRecord], step_s: Mapping[str, float]) -> float | None:
+    """A lower bound on mean_token_latency_s for the same token placement: every output token costs one
+    decode step of the member that produced it, run alone (batch of one, short context), and nothing
+    queues or prefills. A real step holds at least that member's work, so no scheduler gets below this
+    without moving tokens to smaller members or producing several tokens per step. None when a member's
+    step cost is unknown."""
+    terms = []
+    for r in records:
+        if not r.ok:
+            continue
+        tokens = member_tokens(r)
+        if any(m not in step_s for m in tokens):
+            return None
+        terms.append(sum(n * step_s[m] for m, n in tokens.items()) / r.output_tokens)
+    return mean(terms)
+
+
 def prefix_tokens_rate(records: Sequence[RequestRecord]) -> float | None:
     """Cached prompt tokens / prompt tokens, as the engine reported per request."""
     prompt = sum(r.prompt_tokens for r in records)
@@ -153,7 +182,7 @@ def prefix_tokens_rate(records: Sequence[RequestRecord]) -> float | None:
 
 def per_request_row(r: RequestRecord) -> dict[str, Any]:
     return {"session_id": r.session_id, "turn_index": r.turn_index, "member": r.member,
-            "members": list(dict.fromkeys(r.members)), "escalated": r.escalated,
+            "members": list(dict.fromkeys(r.members)), "tokens_by_member": member_tokens(r), "escalated": r.escalated,
             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
             "output_tokens": r.output_tokens, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s,
             "send_s": r.send_s, "error": r.error}

@@ -26,6 +26,7 @@ class StepTiming:
     seconds: float
     seqs_by_member: dict[str, int]     # member -> chunks (requests) in the step
     tokens: int                        # tokens computed in the step (prefill chunks count every token)
+    start_s: float = 0.0               # perf_counter at the start of execute()
 
     @property
     def is_decode_only(self) -> bool:
@@ -39,9 +40,14 @@ def timed(execute, timings: list[StepTiming]):
         sampled = execute(plan)
         batches = [b for b in plan.batches if b.chunks]
         timings.append(StepTiming(time.perf_counter() - started, {b.member: len(b.chunks) for b in batches},
-                                  sum(len(c.token_ids) for b in batches for c in b.chunks)))
+                                  sum(len(c.token_ids) for b in batches for c in b.chunks), started))
         return sampled
     return run
+
+
+# Two steps closer than this ran back to back (the engine had work): the gap between them is what the
+# serving loop costs per step outside execute() (scheduling, tier copies, streaming, the GIL).
+BACK_TO_BACK_S = 0.02
 
 
 def summarize_steps(timings: list[StepTiming], duration_s: float) -> dict[str, Any]:
@@ -53,7 +59,10 @@ def summarize_steps(timings: list[StepTiming], duration_s: float) -> dict[str, A
     by_members = {key: {"steps": len(g), "mean_ms": mean([t.seconds for t in g]) * 1e3,
                         "mean_seqs": mean([sum(t.seqs_by_member.values()) for t in g])}
                   for key, g in sorted(groups.items(), key=lambda kv: -len(kv[1]))}
+    gaps = [b.start_s - (a.start_s + a.seconds) for a, b in zip(timings, timings[1:])]
+    between = [g for g in gaps if 0 <= g < BACK_TO_BACK_S]
     return {"duration_s": duration_s, "busy_s": sum(t.seconds for t in timings), "steps": len(timings),
+            "between_steps_mean_ms": mean([g * 1e3 for g in between]), "back_to_back_steps": len(between),
             "decode_steps": len(decode),
             "decode_mean_ms": mean([t.seconds * 1e3 for t in decode]),
             "decode_mean_seqs": mean([sum(t.seqs_by_member.values()) for t in decode]),
@@ -79,6 +88,8 @@ def format_profile(name: str, p: dict[str, Any]) -> str:
 
     lines = [f"{name}: token latency {ms((p['mean_token_latency_s'] or 0) * 1e3)}, engine busy {p['busy_s']:.1f} s "
              f"of {p['duration_s']:.1f} s, {p['steps']} steps",
+             f"  between back-to-back steps (serving loop outside execute): {ms(p['between_steps_mean_ms'])} "
+             f"over {p['back_to_back_steps']} gaps",
              f"  decode steps {p['decode_steps']}: {ms(p['decode_mean_ms'])}, {p['decode_mean_seqs'] or 0:.2f} requests "
              f"per step; prefill steps {p['prefill_steps']}: {ms(p['prefill_mean_ms'])}"]
     for key, g in p["decode_by_members"].items():

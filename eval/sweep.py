@@ -16,7 +16,7 @@ from eval.metrics_calc import mean
 
 ROW_METRICS = ("mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "throughput_tok_s",
                "prefix_hit_rate", "escalation_rate", "preemptions", "num_requests", "num_failed",
-               "quality_mean_logprob")
+               "quality_mean_logprob", "decode_floor_token_latency_s")
 
 
 def rows_of(result: dict[str, Any], **point: Any) -> list[dict[str, Any]]:
@@ -27,17 +27,19 @@ def rows_of(result: dict[str, Any], **point: Any) -> list[dict[str, Any]]:
         row["reduction_vs_baseline"] = result.get("reductions_vs_baseline", {}).get(name)
         paired = result.get("paired_vs_baseline", {}).get(name) or {}
         row["paired_reduction_vs_baseline"] = paired.get("reduction_mean_token_latency")
+        row["reduction_ceiling"] = result.get("reduction_ceiling", {}).get(name)
         rows.append(row)
     return rows
 
 
 def seed_spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per system: n, mean, min and max over seeds of the reduction and the paired reduction vs the baseline.
+    """Per system: n, mean, min and max over seeds of the reduction, the paired reduction and the ceiling
+    (the most its token placement allows, see bench's decode floor) vs the baseline.
     One run is not a result here: the same seed run twice differs by several points."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["system"] for r in rows if r["system"] != "baseline"):
         entry: dict[str, Any] = {}
-        for key in ("reduction_vs_baseline", "paired_reduction_vs_baseline"):
+        for key in ("reduction_vs_baseline", "paired_reduction_vs_baseline", "reduction_ceiling"):
             values = [r[key] for r in rows if r["system"] == name and r.get(key) is not None]
             entry[key] = ({"n": len(values), "mean": mean(values), "min": min(values), "max": max(values)}
                           if values else None)

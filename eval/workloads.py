@@ -1,9 +1,12 @@
 """Seeded, tokenised ShareGPT workloads: multi-turn sessions, Poisson session arrivals, think times."""
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 from eval.sharegpt import Conversation, iter_conversations
 from orchestrator.tokenizer import FamilyTokenizer
@@ -75,6 +78,50 @@ class Trace:
                 "output_tokens_total": sum(outputs),
                 "duration_arrivals_s": self.arrival_times_s[-1] if self.arrival_times_s else 0.0,
                 "notes": list(self.notes)}
+
+
+# ----------------------------------------------------------------------------- trace files
+# A built trace saved as JSON replays anywhere the family is, without the ShareGPT package (a GPU box, a
+# colleague's machine) and exactly: token ids, lengths, think times and arrivals are all in the file.
+TRACE_FORMAT = "mfs-trace/1"
+
+
+class TraceFileError(ValueError):
+    """A trace file that cannot be replayed here (unreadable, another format, another tokenizer)."""
+
+
+def save_trace(trace: Trace, path: str | Path, tokenizer_hash: str) -> None:
+    data = {"format": TRACE_FORMAT, "tokenizer_hash": tokenizer_hash, "spec": asdict(trace.spec),
+            "arrival_times_s": trace.arrival_times_s, "notes": trace.notes,
+            "sessions": [asdict(s) for s in trace.sessions]}
+    Path(path).write_text(json.dumps(data))
+
+
+def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:
+    """The trace saved by save_trace; a file from another format or another tokenizer is refused (its token
+    ids would mean different text) with TraceFileError."""
+    try:
+        data: dict[str, Any] = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise TraceFileError(f"trace file {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
+        raise TraceFileError(f"trace file {path}: not an {TRACE_FORMAT} file (format {data.get('format') if isinstance(data, dict) else None!r})")
+    if data.get("tokenizer_hash") != tokenizer_hash:
+        raise TraceFileError(f"trace file {path}: tokenised with tokenizer {data.get('tokenizer_hash')!r}, "
+                         f"this family's is {tokenizer_hash!r}")
+    try:
+        sessions = [Session(s["session_id"], s["kind"], s["conversation_id"],
+                            [Turn(list(t["prompt_token_ids"]), int(t["max_tokens"]), float(t["think_time_s"]))
+                             for t in s["turns"]])
+                    for s in data["sessions"]]
+        trace = Trace(spec=WorkloadSpec(**data["spec"]), sessions=sessions,
+                      arrival_times_s=[float(t) for t in data["arrival_times_s"]], notes=list(data.get("notes", [])))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TraceFileError(f"trace file {path}: malformed ({type(exc).__name__}: {exc})") from None
+    if len(trace.arrival_times_s) != len(trace.sessions):
+        raise TraceFileError(f"trace file {path}: {len(trace.sessions)} sessions but "
+                         f"{len(trace.arrival_times_s)} arrival times")
+    return trace
 
 
 def kind_counts(name: str, num_sessions: int) -> dict[str, int]:

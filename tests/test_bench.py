@@ -136,6 +136,24 @@ def test_paired_token_latency_compares_only_requests_both_served():
     assert mine == pytest.approx(0.2) and base == pytest.approx(0.3)
 
 
+def test_decode_floor_charges_each_token_one_solo_step_of_its_member():
+    from eval.metrics_calc import decode_floor_token_latency, member_tokens
+
+    step = {"tiny-s": 0.001, "tiny-m": 0.002, "tiny-l": 0.004}
+    escalated = _record(0, 0.0, 0.1, 1.0, 50, 0, 10, ["tiny-s", "tiny-l"])
+    escalated.tokens_by_member = {"tiny-s": 6, "tiny-l": 4}
+    plain = _record(1, 0.0, 0.1, 1.0, 50, 0, 5, ["tiny-m"])              # no span counts: all on its member
+    refused = _record(2, 0.0, None, None, 50, 0, 0, [])
+    refused.error = "too long"
+    assert member_tokens(plain) == {"tiny-m": 5}
+    floor = decode_floor_token_latency([escalated, plain, refused], step)
+    assert floor == pytest.approx(((6 * 0.001 + 4 * 0.004) / 10 + 0.002) / 2)
+    assert decode_floor_token_latency([escalated], {"tiny-s": 0.001}) is None   # tiny-l's cost unknown
+    m = summarize([escalated, plain], {}, duration_s=1.0)
+    assert m["output_tokens_by_member"] == {"tiny-s": 6, "tiny-l": 4, "tiny-m": 5}
+    assert m["per_request"][0]["tokens_by_member"] == {"tiny-s": 6, "tiny-l": 4}
+
+
 def test_counter_delta_and_timeline_and_empty_rates():
     after = {"a": {"x": 5, "y": 2}, "n": 7, "s": "keep"}
     assert counter_delta(after, {"a": {"x": 1}, "n": 2}) == {"a": {"x": 4, "y": 2}, "n": 5, "s": "keep"}
@@ -188,6 +206,7 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     assert s1.send_s >= 0.02 - 1e-3                              # not before its arrival time
     assert counters["preemptions"] == 3 and samples and duration > 0
     assert all(r.cached_tokens == 2 and r.members == ["tiny-s"] for r in records)
+    assert [r.tokens_by_member for r in s0] == [{"tiny-s": 3}, {"tiny-s": 2}]    # from the streamed spans
 
 
 # ----------------------------------------------------------------------------- end to end (real local engine)
@@ -208,8 +227,42 @@ def test_tiny_end_to_end_bench(tmp_path):
     a, b = outputs.values()
     assert a == b   # greedy + ignore_eos: every system generates exactly the same number of tokens
     assert isinstance(result["reduction_mean_token_latency"], float)
+    for m in result["systems"].values():       # every member's decode step was probed, the floor is built on it
+        assert set(m["solo_decode_step_s"]) == {"tiny-s", "tiny-m", "tiny-l"}
+        assert m["decode_floor_token_latency_s"] > 0
+        assert sum(m["output_tokens_by_member"].values()) == sum(r["output_tokens"] for r in m["per_request"])
+    assert isinstance(result["reduction_ceiling"]["mfs"], float)
     paired = result["paired_vs_baseline"]["mfs"]
     assert paired["num_requests"] == result["workload"]["num_requests"]   # nothing refused: the same requests
     assert paired["mean_token_latency_s"] == pytest.approx(result["systems"]["mfs"]["mean_token_latency_s"])
     json.dumps(result)
     assert "mfs" in format_table(result)
+
+
+def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
+    """--save-trace then --trace replays the very same requests (no ShareGPT needed the second time)."""
+    from eval.bench import add_arguments, main
+    from tests.test_workloads import family_dir
+    import argparse
+
+    def run(*flags):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return main(parser.parse_args(["--family", str(family_dir()), "--systems", "mfs", "--no-quality",
+                                       "--no-progress", "--kv-pages", "512", *flags]))
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    trace = tmp_path / "trace.json"
+    assert run("--sessions", "2", "--rate", "4", "--quick", "--out", str(first), "--save-trace", str(trace)) == 0
+    assert run("--trace", str(trace), "--out", str(second)) == 0
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["workload"] == b["workload"]
+    rows = [sorted((r["session_id"], r["turn_index"], r["prompt_tokens"], r["output_tokens"])
+                   for r in x["systems"]["mfs"]["per_request"]) for x in (a, b)]
+    assert rows[0] == rows[1] and len(rows[0]) >= 2
+    assert any("trace replayed from" in n for n in b["notes"])
+    with pytest.raises(SystemExit, match="drop --rate/--sessions"):
+        run("--trace", str(trace), "--rate", "2")
+    trace.write_text("{}")
+    with pytest.raises(SystemExit, match="not an mfs-trace/1 file"):
+        run("--trace", str(trace), "--out", str(second))

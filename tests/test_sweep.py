@@ -6,15 +6,17 @@ import eval.sweep as sweep
 from eval.bench import BenchSettings
 
 
-def fake_result(mfs_s: float, base_s: float, paired: float | None) -> dict:
+def fake_result(mfs_s: float, base_s: float, paired: float | None, ceiling: float | None = None) -> dict:
     systems = {"mfs": {"mean_token_latency_s": mfs_s, "num_requests": 3}, "baseline": {"mean_token_latency_s": base_s}}
     return {"systems": systems, "reductions_vs_baseline": {"mfs": 1 - mfs_s / base_s},
-            "paired_vs_baseline": {"mfs": {"reduction_mean_token_latency": paired}}, "notes": []}
+            "paired_vs_baseline": {"mfs": {"reduction_mean_token_latency": paired}},
+            "reduction_ceiling": {"mfs": ceiling}, "notes": []}
 
 
 def test_seeds_run_the_base_setting_once_per_seed_and_report_the_spread(monkeypatch):
     seen = []
-    outcomes = {0: fake_result(0.9, 1.0, 0.2), 1: fake_result(1.1, 1.0, None), 5: fake_result(0.6, 1.0, 0.4)}
+    outcomes = {0: fake_result(0.9, 1.0, 0.2, 0.5), 1: fake_result(1.1, 1.0, None, 0.45),
+                5: fake_result(0.6, 1.0, 0.4, 0.6)}
 
     def run_bench(settings):
         seen.append((settings.seed, settings.rate, settings.kv_pages))
@@ -33,6 +35,8 @@ def test_seeds_run_the_base_setting_once_per_seed_and_report_the_spread(monkeypa
     # a seed with no paired figure is left out of the paired spread, not counted as zero
     assert spread["paired_reduction_vs_baseline"]["n"] == 2
     assert spread["paired_reduction_vs_baseline"]["mean"] == pytest.approx(0.3)
+    assert spread["reduction_ceiling"]["n"] == 3 and spread["reduction_ceiling"]["min"] == pytest.approx(0.45)
+    assert [r["reduction_ceiling"] for r in out["seeds"] if r["system"] == "mfs"] == [0.5, 0.45, 0.6]
     assert "baseline" not in out["seed_spread"]
 
 

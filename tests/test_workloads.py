@@ -119,3 +119,24 @@ def test_three_mixes_on_sharegpt(tokenizer, conversations):
     assert len({s.conversation_id for s in single.sessions}) == 10     # every request new
     multi = build_trace(_spec(num_sessions=10), tokenizer, conversations)
     assert all(s.kind == "multiturn" and len(s.turns) >= 2 for s in multi.sessions)
+
+
+def test_saved_trace_replays_exactly_and_refuses_other_tokenizers_and_formats(tokenizer, conversations, tmp_path):
+    from eval.workloads import TraceFileError, load_trace, save_trace
+
+    trace = build_trace(_spec(name="mixed"), tokenizer, conversations)
+    path = tmp_path / "trace.json"
+    save_trace(trace, path, tokenizer_hash="tok-a")
+    back = load_trace(path, tokenizer_hash="tok-a")
+    assert _flat(back) == _flat(trace) and back.arrival_times_s == trace.arrival_times_s
+    assert back.spec == trace.spec and back.summary() == trace.summary()
+    with pytest.raises(TraceFileError, match="tokeniser|tokenizer"):
+        load_trace(path, tokenizer_hash="tok-b")            # token ids of another vocabulary: refused
+    (tmp_path / "other.json").write_text('{"format": "something-else"}')
+    with pytest.raises(TraceFileError, match="not an mfs-trace/1 file"):
+        load_trace(tmp_path / "other.json", tokenizer_hash="tok-a")
+    (tmp_path / "broken.json").write_text('{"format": "mfs-trace/1", "tokenizer_hash": "tok-a", "spec": {}}')
+    with pytest.raises(TraceFileError, match="malformed"):
+        load_trace(tmp_path / "broken.json", tokenizer_hash="tok-a")
+    with pytest.raises(TraceFileError, match="cannot read"):
+        load_trace(tmp_path / "missing.json", tokenizer_hash="tok-a")

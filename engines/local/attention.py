@@ -71,6 +71,7 @@ def attend(q: torch.Tensor, kv_rows: tuple[torch.Tensor, torch.Tensor], group: A
     else:
         q = q.view(seqs, n, kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(seqs, kv_heads, groups * n, dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)  # [seqs, kv_heads, g * n, dim]
+    # reshape, not view: CUDA's fused kernels return this shape with heads and rows strided apart
     if n == 1:
-        return out.view(seqs, kv_heads * groups, dim)
-    return out.view(seqs, kv_heads, groups, n, dim).permute(0, 3, 1, 2, 4).reshape(seqs * n, -1, dim)
+        return out.reshape(seqs, kv_heads * groups, dim)
+    return out.reshape(seqs, kv_heads, groups, n, dim).permute(0, 3, 1, 2, 4).reshape(seqs * n, -1, dim)
