@@ -178,3 +178,22 @@ def test_half_precision_close_to_fp32(nested, dtype):
     expected = hf_logits(large, prompt)
     assert logits.dtype == torch.float32
     assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_attention_accepts_a_strided_sdpa_output(setup, monkeypatch):
+    """CUDA's fused attention kernels return [seqs, heads, rows, dim] laid out as [seqs, rows, heads, dim];
+    the engine must reshape it, not view it (a .view here failed the first step on a GPU, 2026-11-30)."""
+    import engines.local.attention as attention
+
+    real = attention.F.scaled_dot_product_attention
+
+    def strided(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)      # same values, CUDA's memory order
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", strided)
+    executor, model, member = setup
+    requests = [_request(f"g{i}", _prompt(n, offset=i)) for i, n in enumerate([1, 6, 13])]   # decode and prefill groups
+    run_to_completion(executor, member, requests, PageCounter(NUM_PAGES))
+    for request in requests:
+        assert request.generated == hf_generate(model, request.prompt, NEW_TOKENS), request.request_id
