@@ -201,21 +201,30 @@ async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens:
 
 async def run_system(name: str, config: Any, trace: Trace, on_done=None,
                      instrument=None) -> tuple[list[RequestRecord], dict]:
-    """instrument(engine), when given, is called after the warm-up, right before the replay (profilers)."""
+    """instrument(engine), when given, is called right before the replay (profilers); if it returns a
+    callable, that is called right after the replay, before anything else runs on the engine."""
     from orchestrator.serving import LocalServing
 
     engine = LocalServing(config)
     await engine.start()
     try:
-        await warm_up(engine, list(engine.family.member_names), name)
-        step_s = await probe_decode_step_s(engine, list(engine.family.member_names), name)
-        if instrument is not None:
-            instrument(engine)
+        members = list(engine.family.member_names)
+        await warm_up(engine, members, name)
+        before = await probe_decode_step_s(engine, members, f"{name}-before")
+        detach = instrument(engine) if instrument is not None else None
         records, samples, counters, duration = await replay(engine, trace, name, on_done)
+        if callable(detach):
+            detach()
+        # probed again after the replay, the faster of the two kept: one probe can catch a slow moment
+        # (clocks, a neighbour), and the floor must stay a lower bound
+        after = await probe_decode_step_s(engine, members, f"{name}-after")
     finally:
         await engine.stop()
+    step_s = {m: min(v for v in (before.get(m), after.get(m)) if v is not None)
+              for m in members if m in before or m in after}
     metrics = summarize(records, counters, duration, pages_timeline(samples))
     metrics["solo_decode_step_s"] = step_s
+    metrics["solo_decode_probes_s"] = {"before": before, "after": after}
     metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(records, step_s)
     metrics["counters"] = counters
     return records, metrics

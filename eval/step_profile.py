@@ -73,8 +73,13 @@ def summarize_steps(timings: list[StepTiming], duration_s: float) -> dict[str, A
 def profile_system(name: str, config: Any, trace) -> dict[str, Any]:
     timings: list[StepTiming] = []
 
-    def instrument(engine) -> None:
-        engine._executor.execute = timed(engine._executor.execute, timings)
+    def instrument(engine):
+        execute = engine._executor.execute
+        engine._executor.execute = timed(execute, timings)
+
+        def detach() -> None:            # the bench's after-replay probe is not part of the replay
+            engine._executor.execute = execute
+        return detach
 
     _, metrics = asyncio.run(run_system(name, config, trace, instrument=instrument))
     out = summarize_steps(timings, metrics["duration_s"])

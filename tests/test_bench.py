@@ -229,6 +229,8 @@ def test_tiny_end_to_end_bench(tmp_path):
     assert isinstance(result["reduction_mean_token_latency"], float)
     for m in result["systems"].values():       # every member's decode step was probed, the floor is built on it
         assert set(m["solo_decode_step_s"]) == {"tiny-s", "tiny-m", "tiny-l"}
+        probes = m["solo_decode_probes_s"]          # probed before and after the replay, the faster kept
+        assert m["solo_decode_step_s"] == {k: min(probes["before"][k], probes["after"][k]) for k in probes["before"]}
         assert m["decode_floor_token_latency_s"] > 0
         assert sum(m["output_tokens_by_member"].values()) == sum(r["output_tokens"] for r in m["per_request"])
     assert isinstance(result["reduction_ceiling"]["mfs"], float)
