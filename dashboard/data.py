@@ -403,7 +403,10 @@ def ordered_systems(systems: dict[str, Any]) -> list[str]:
 def headline(results: dict[str, Any]) -> dict[str, Any]:
     systems = results["systems"]
     mfs, baseline = system_roles(systems)
+    ceilings = results.get("reduction_ceiling")
+    ceiling = ceilings.get(mfs) if isinstance(ceilings, dict) and mfs else None
     return {"reduction": results.get("reduction_mean_token_latency"), "mfs": mfs, "baseline": baseline,
+            "ceiling": ceiling if _is_number(ceiling) else None,
             "mfs_mean_s": (systems.get(mfs) or {}).get("mean_token_latency_s"),
             "baseline_mean_s": (systems.get(baseline) or {}).get("mean_token_latency_s")}
 

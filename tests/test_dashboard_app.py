@@ -145,6 +145,7 @@ def test_results_mode_from_cli_args(monkeypatch):
     assert {"Summary", "Latency", "Prefix cache hit rate", "KV pool", "Sweep"} <= set(texts(at.header))
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Mean token latency reduction vs baseline"] == "37.5%"
+    assert metrics["Most its token placement allows"] == "52.0%"
     assert metrics["MFS mean token latency (mfs)"] == "11.80 ms"
     assert not at.error and not at.info
     summary = at.dataframe[0].value
@@ -156,7 +157,9 @@ def test_results_mode_missing_optional_keys_read_na(tmp_path, monkeypatch):
     path.write_text(json.dumps({"systems": {"mfs": {"mean_token_latency_s": 0.01}, "baseline": {}}}))
     monkeypatch.setenv("MFS_RESULTS_FILE", str(path))
     at = run_app()
-    assert {m.label: m.value for m in at.metric}["Mean token latency reduction vs baseline"] == "n/a"
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Mean token latency reduction vs baseline"] == "n/a"
+    assert metrics["Most its token placement allows"] == "n/a"     # older results files have no decode floor
     assert any("latency distributions are n/a" in t for t in texts(at.info))
     assert any("No sweep" in t for t in texts(at.info))
     assert not at.error

@@ -202,7 +202,7 @@ def test_load_fixture_results():
     assert set(data.hit_rates_frame(results, "prefix_hit_rate_by_tier")["name"]) == {"arena", "host", "disk"}
     assert set(data.pages_timeline_frame(results)["state"]) == {"used", "cached", "host", "disk"}
     assert len(data.sweep_frame(results)) == 3
-    assert data.headline(results)["reduction"] == 0.375
+    assert data.headline(results)["reduction"] == 0.375 and data.headline(results)["ceiling"] == 0.52
 
 
 def test_missing_optional_keys_read_na(tmp_path):
@@ -212,7 +212,7 @@ def test_missing_optional_keys_read_na(tmp_path):
     row = data.summary_frame(results).iloc[1]
     assert row["system"] == "baseline" and row["TTFT p99 (ms)"] == "n/a" and row["prefix hit rate"] == "n/a"
     assert data.per_request_frame(results).empty and data.sweep_frame(results) is None
-    assert data.headline(results)["reduction"] is None
+    assert data.headline(results)["reduction"] is None and data.headline(results)["ceiling"] is None
     assert data.fmt(float("nan")) == "n/a" and data.fmt(None) == "n/a" and data.fmt(True) == "n/a"
 
 
