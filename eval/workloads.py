@@ -108,7 +108,7 @@ def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:
         raise TraceFileError(f"trace file {path}: not an {TRACE_FORMAT} file (format {data.get('format') if isinstance(data, dict) else None!r})")
     if data.get("tokenizer_hash") != tokenizer_hash:
         raise TraceFileError(f"trace file {path}: tokenised with tokenizer {data.get('tokenizer_hash')!r}, "
-                         f"this family's is {tokenizer_hash!r}")
+                             f"this family's is {tokenizer_hash!r}")
     try:
         sessions = [Session(s["session_id"], s["kind"], s["conversation_id"],
                             [Turn(list(t["prompt_token_ids"]), int(t["max_tokens"]), float(t["think_time_s"]))
@@ -120,7 +120,7 @@ def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:
         raise TraceFileError(f"trace file {path}: malformed ({type(exc).__name__}: {exc})") from None
     if len(trace.arrival_times_s) != len(trace.sessions):
         raise TraceFileError(f"trace file {path}: {len(trace.sessions)} sessions but "
-                         f"{len(trace.arrival_times_s)} arrival times")
+                             f"{len(trace.arrival_times_s)} arrival times")
     return trace
 
 
