@@ -24,7 +24,7 @@ from orchestrator.tokenizer import FamilyTokenizer
 from orchestrator.types import FinishReason, Request, RequestId, SamplingParams
 
 STATS_INTERVAL_S = 0.5
-PROBE_TOKENS = 48          # decode steps timed per member before the replay (the decode floor's step costs)
+PROBE_TOKENS = 48          # decode steps timed per member before and after the replay (the decode floor's step costs)
 # Defaults: the case MFS targets - multi-turn chat under a KV budget that is tight for separate
 # deployments. 768 pages x 16 KiB = 12 MiB of fp32 KV: one 1024-token conversation on tiny-l alone
 # needs 8 layers x 64 blocks = 512 pages, so a static split cannot hold many live sessions.
@@ -168,13 +168,17 @@ async def run_request(engine: Any, request: Request, record: RequestRecord, cloc
     record.output_tokens = len(record.output_token_ids)
 
 
+def pinned_request(request_id: str, member: str, max_tokens: int) -> Request:
+    """A short greedy request that runs on `member` only (warm-up and decode probes)."""
+    return Request(request_id=RequestId(request_id), prompt_token_ids=[1, 7, 8, 9],
+                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                   arrival_s=time.monotonic(), pinned_member=member)
+
+
 async def warm_up(engine: Any, members: list[str], tag: str) -> None:
     """One short pinned request per member so first-call allocations stay out of the measurement."""
     for member in members:
-        request = Request(request_id=RequestId(f"{tag}-warmup-{member}"), prompt_token_ids=[1, 7, 8, 9],
-                          sampling=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                          arrival_s=time.monotonic(), pinned_member=member)
-        async for _ in engine.generate(request):
+        async for _ in engine.generate(pinned_request(f"{tag}-warmup-{member}", member, 2)):
             pass
 
 
@@ -183,12 +187,9 @@ async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens:
     step at batch one and short context, through the whole serving stack). The decode floor builds on it."""
     out: dict[str, float] = {}
     for member in members:
-        request = Request(request_id=RequestId(f"{tag}-probe-{member}"), prompt_token_ids=[1, 7, 8, 9],
-                          sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
-                          arrival_s=time.monotonic(), pinned_member=member)
         gaps: list[float] = []
         last = None
-        async for result in engine.generate(request):
+        async for result in engine.generate(pinned_request(f"{tag}-probe-{member}", member, tokens)):
             now = time.monotonic()
             if result.new_token_ids:
                 if last is not None:       # the first token comes from the prefill step: not a decode step
