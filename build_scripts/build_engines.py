@@ -10,8 +10,8 @@ from pathlib import Path
 
 from build_scripts import triton_repo
 from build_scripts.trtllm_commands import CONVERT_SCRIPT, BuildSettings, MemberBuild, member_build, shell_line
-from orchestrator.config import MFSConfig
-from orchestrator.family import FamilyError, FamilySpec, dtype_bytes, load_family
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.family import FamilyError, FamilySpec, dtype_bytes, load_family
 
 DEFAULT_BUDGET_GB = {"tensorrtllm": 16.0, "python": 0.0625}   # python: the local engine's default 64 MB arena
 GIB = 1 << 30

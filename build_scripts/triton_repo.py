@@ -14,7 +14,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from orchestrator.family import FamilySpec, MemberSpec, read_checkpoint_config
+from orchestrator.core.family import FamilySpec, MemberSpec, read_checkpoint_config
 
 PYTHON_MODEL_SOURCE = Path(__file__).resolve().parent.parent / "engines" / "triton" / "python_model" / "model.py"
 MANIFEST_NAME = "mfs_repo.json"      # read by humans and tests; Triton ignores plain files at the root

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.family import MemberSpec
+from orchestrator.core.family import MemberSpec
 
 CONVERT_SCRIPT = {"llama": "llama/convert_checkpoint.py", "qwen2": "qwen/convert_checkpoint.py"}
 

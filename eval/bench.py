@@ -18,10 +18,10 @@ from eval.metrics_calc import (RequestRecord, counter_delta, decode_floor_token_
                                paired_token_latency, percentile, reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
 from eval.workloads import WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace
-from orchestrator.config import ConfigError, config_to_dict, load_config
-from orchestrator.family import FamilySpec, load_family
-from orchestrator.tokenizer import FamilyTokenizer
-from orchestrator.types import FinishReason, Request, RequestId, SamplingParams
+from orchestrator.core.config import ConfigError, config_to_dict, load_config
+from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.core.types import FinishReason, Request, RequestId, SamplingParams
 
 STATS_INTERVAL_S = 0.5
 PROBE_TOKENS = 48          # decode steps timed per member before and after the replay (the decode floor's step costs)
@@ -79,7 +79,7 @@ def make_trace(settings: BenchSettings, tokenizer: FamilyTokenizer, family: Fami
 
 
 def complexity_estimator(tokenizer: FamilyTokenizer):
-    from orchestrator.serving import build_estimator   # the very estimator the scheduler routes with
+    from orchestrator.serve.serving import build_estimator   # the very estimator the scheduler routes with
 
     return build_estimator(tokenizer)
 
@@ -204,7 +204,7 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
                      instrument=None) -> tuple[list[RequestRecord], dict]:
     """instrument(engine), when given, is called right before the replay (profilers); if it returns a
     callable, that is called right after the replay, before anything else runs on the engine."""
-    from orchestrator.serving import LocalServing
+    from orchestrator.serve.serving import LocalServing
 
     engine = LocalServing(config)
     await engine.start()

@@ -11,8 +11,8 @@ import statistics
 import torch
 
 from eval.sharegpt import iter_conversations
-from orchestrator.family import load_family
-from orchestrator.tokenizer import FamilyTokenizer
+from orchestrator.core.family import load_family
+from orchestrator.serve.tokenizer import FamilyTokenizer
 
 
 def rolling_means(values: list[float], window: int) -> list[float]:

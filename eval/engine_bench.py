@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from engines.local.executor import LocalExecutor
-from orchestrator.family import SHIPPED_FAMILIES_DIR, MemberSpec, load_family
-from orchestrator.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
+from orchestrator.core.family import SHIPPED_FAMILIES_DIR, MemberSpec, load_family
+from orchestrator.core.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
 
 BATCH_SIZES = (1, 8, 32)
 BLOCK_TOKENS = 16

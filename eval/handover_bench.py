@@ -12,8 +12,8 @@ import argparse
 import itertools
 import time
 
-from orchestrator.family import load_family
-from orchestrator.types import MemberBatch, MemberName, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
+from orchestrator.core.family import load_family
+from orchestrator.core.types import MemberBatch, MemberName, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
 
 PAGE_BYTES = 16384
 

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from orchestrator.family import load_family
-from orchestrator.types import MemberBatch, MemberName, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
+from orchestrator.core.family import load_family
+from orchestrator.core.types import MemberBatch, MemberName, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
 
 PAGE_BYTES = 16384
 

@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.complexity import ComplexityEstimator
-from orchestrator.config import RouterConfig
-from orchestrator.family import FamilySpec, MemberSpec
-from orchestrator.router import MemberLoad, Router
-from orchestrator.types import MemberName, Request, RequestId, SamplingParams
+from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.config import RouterConfig
+from orchestrator.core.family import FamilySpec, MemberSpec
+from orchestrator.core.router import MemberLoad, Router
+from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_PROMPT_TOKENS = 1000
@@ -94,12 +94,12 @@ def run_full_path(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = 2000,
     """The whole per-request routing cost as the scheduler pays it: chained block hashes of the prompt,
     the cached-prefix estimate on every member against a pool holding `cached_blocks` cached blocks,
     the complexity score and the router's decision."""
-    from orchestrator.block_hash import chain_block_hashes, hash_seed
-    from orchestrator.config import load_config
-    from orchestrator.kv_cache import KVCacheManager
-    from orchestrator.page_pool import PagePool
-    from orchestrator.scheduler import Scheduler
-    from orchestrator.types import PageKey
+    from orchestrator.core.block_hash import chain_block_hashes, hash_seed
+    from orchestrator.core.config import load_config
+    from orchestrator.core.kv_cache import KVCacheManager
+    from orchestrator.core.page_pool import PagePool
+    from orchestrator.core.scheduler import Scheduler
+    from orchestrator.core.types import PageKey
 
     rng = random.Random(SEED)
     family = synthetic_family()

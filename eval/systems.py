@@ -6,8 +6,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.config import MFSConfig, load_config
-from orchestrator.family import FamilySpec, dtype_bytes
+from orchestrator.core.config import MFSConfig, load_config
+from orchestrator.core.family import FamilySpec, dtype_bytes
 
 SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing")
 DEFAULT_SYSTEMS = ("mfs", "baseline")
@@ -83,7 +83,7 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     Adjusted so that every member can hold the trace's longest request (else that member would reject
     it outright) and gets at least MIN_SPLIT_FRACTION (it still receives escalations).
     """
-    from orchestrator.router import Router
+    from orchestrator.core.router import Router
 
     router = Router(family, config.router)
     names = family.member_names

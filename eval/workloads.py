@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.sharegpt import Conversation, iter_conversations
-from orchestrator.tokenizer import FamilyTokenizer
+from orchestrator.serve.tokenizer import FamilyTokenizer
 
 WORKLOADS = ("multiturn", "mixed", "single")
 SESSION_KINDS = ("multiturn", "short", "long")

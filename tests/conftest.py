@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.family import load_family
-from orchestrator.tokenizer import FamilyTokenizer
+from orchestrator.core.family import load_family
+from orchestrator.serve.tokenizer import FamilyTokenizer
 from tests.fakes_serving import family_dir
 
 FAMILY_DIR = family_dir()

@@ -9,7 +9,7 @@ import yaml
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from orchestrator.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
+from orchestrator.core.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
 
 VOCAB = 256
 

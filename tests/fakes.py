@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator.config import MFSConfig, load_config
-from orchestrator.family import FamilySpec, MemberSpec
-from orchestrator.types import MemberName, PageId, SampledToken, StepPlan
+from orchestrator.core.config import MFSConfig, load_config
+from orchestrator.core.family import FamilySpec, MemberSpec
+from orchestrator.core.types import MemberName, PageId, SampledToken, StepPlan
 
 VOCAB_SIZE = 50
 EOS = 2

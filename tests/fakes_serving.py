@@ -16,8 +16,8 @@ from typing import Any
 
 import uvicorn
 
-from orchestrator.errors import MFSError
-from orchestrator.types import (
+from orchestrator.core.errors import MFSError
+from orchestrator.core.types import (
     FinishReason, MemberName, MemberSpan, Profile, Request, RequestId, RequestOutput, RouteDecision,
 )
 
@@ -33,7 +33,7 @@ def family_dir() -> Path:
 
 @dataclass(slots=True)
 class FakeServingEngine:
-    """Implements orchestrator.engine_api.ServingEngine without a model.
+    """Implements orchestrator.core.engine_api.ServingEngine without a model.
 
     Emits the tokens of FAKE_TEXT (cycled) one per `token_delay_s`; routes to the smallest member
     (quality profile: the largest), escalates to the next member after `escalate_after` tokens if set;

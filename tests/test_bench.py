@@ -10,9 +10,9 @@ import pytest
 from eval.metrics_calc import RequestRecord, counter_delta, pages_timeline, percentile, prefix_hit_rates, summarize
 from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config
 from eval.workloads import Session, Trace, Turn, WorkloadSpec
-from orchestrator.config import load_config
-from orchestrator.family import FamilySpec, MemberSpec
-from orchestrator.types import MemberName, MemberSpan, RequestOutput
+from orchestrator.core.config import load_config
+from orchestrator.core.family import FamilySpec, MemberSpec
+from orchestrator.core.types import MemberName, MemberSpan, RequestOutput
 
 SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
 

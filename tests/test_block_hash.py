@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from orchestrator.block_hash import HASH_BYTES, chain_block_hashes, hash_seed
+from orchestrator.core.block_hash import HASH_BYTES, chain_block_hashes, hash_seed
 
 
 def reference(token_ids: list[int], tokens_per_block: int, seed: bytes) -> list[bytes]:

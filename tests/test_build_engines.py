@@ -8,7 +8,7 @@ import pytest
 from build_scripts import triton_repo
 from build_scripts.build_engines import GIB, main as build_engines
 from build_scripts.trtllm_commands import BuildSettings
-from orchestrator.family import load_family
+from orchestrator.core.family import load_family
 from tests.triton_helpers import family_dir
 
 FAMILY = family_dir()

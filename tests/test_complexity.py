@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.complexity import ComplexityEstimator, ComplexityParams
+from orchestrator.core.complexity import ComplexityEstimator, ComplexityParams
 
 WORDS = ["<pad>", "<|user|>", "<|assistant|>", " hi", " hello", " how", " are", " you", " ok", " thanks", " the",
          " a", " is", " cat", " nice", " day", "!", "?", ".", ",",

@@ -75,7 +75,7 @@ def mfs_server() -> Iterator[dict]:
             stand_in.close()
         return
     port, log_path = free_port(), ARTIFACTS / "dashboard_browser_serve.log"
-    proc = start_process([sys.executable, "-m", "orchestrator.cli", "serve", "--family", str(family), "--port", str(port),
+    proc = start_process([sys.executable, "-m", "orchestrator.serve.cli", "serve", "--family", str(family), "--port", str(port),
                   "--log-level", "warning"], log_path)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -102,7 +102,7 @@ def dashboard():
 
     def launch(*args: str, name: str) -> str:
         port, log_path = free_port(), ARTIFACTS / f"dashboard_browser_{name}.log"
-        proc = start_process([sys.executable, "-m", "orchestrator.cli", "dashboard", "--port", str(port), *args], log_path)
+        proc = start_process([sys.executable, "-m", "orchestrator.serve.cli", "dashboard", "--port", str(port), *args], log_path)
         procs.append(proc)
         wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log_path, timeout_s=90)
         return f"http://127.0.0.1:{port}"

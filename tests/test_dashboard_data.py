@@ -164,7 +164,7 @@ def test_routes_frame_newest_first_and_tolerant():
 
 
 def test_real_server_exposition_feeds_the_dashboard():
-    import orchestrator.metrics as metrics
+    import orchestrator.serve.metrics as metrics
     stats = {"members": ["tiny-s", "tiny-m"], "queue_depth": 3,
              "pages": {"total": 64, "by_state": {"free": 40}, "by_member": {"tiny-s": {"used": 4, "cached": 2}}},
              "counters": {"requests": {"tiny-s": {"finished": 5}}, "prefix_query_tokens": {"tiny-s": 200},

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from orchestrator.config import load_config
-from orchestrator.serving import LocalServing
-from orchestrator.types import MemberName, Request, RequestId, SamplingParams
+from orchestrator.core.config import load_config
+from orchestrator.serve.serving import LocalServing
+from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 
 FAMILY = "tiny"
 QUESTION = [{"role": "user", "content": "I am building a small key-value store for a web service. Explain how a hash "

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engines.local.arena import KVArena
-from orchestrator.family import MemberSpec
-from orchestrator.types import MemberName, PageId
+from orchestrator.core.family import MemberSpec
+from orchestrator.core.types import MemberName, PageId
 
 
 def _member(name: str, kv_heads: int = 2, head_dim: int = 16, hidden: int = 64) -> MemberSpec:

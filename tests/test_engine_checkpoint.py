@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest_engine import build_model, llama_config, qwen2_config, save_checkpoint
 from engines.local.checkpoint import load_checkpoint, model_config, rope_inv_freq
-from orchestrator.family import FamilyError
+from orchestrator.core.family import FamilyError
 
 
 @pytest.fixture(scope="module")

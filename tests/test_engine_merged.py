@@ -8,8 +8,8 @@ import torch
 from conftest_engine import PageCounter, build_model, llama_config, qwen2_config, write_family
 from engines.local.executor import LocalExecutor
 from engines.local.model import PagedCausalLM
-from orchestrator.family import load_family
-from orchestrator.types import MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
+from orchestrator.core.family import load_family
+from orchestrator.core.types import MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
 
 PAGE_BYTES = 1500          # 4 tokens per block (fp32, 2 kv heads x 16 dims) and a residual block fits a page
 NUM_PAGES = 512

@@ -8,8 +8,8 @@ from conftest_engine import (EngineRequest, PageCounter, build_model, hf_generat
                              nested_pair, qwen2_config, run_to_completion, write_family)
 from engines.local.executor import LocalExecutor
 from engines.local.scoring import score_tokens
-from orchestrator.family import load_family
-from orchestrator.types import MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
+from orchestrator.core.family import load_family
+from orchestrator.core.types import MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
 
 PAGE_BYTES = 1024          # 2 kv heads * 16 dims * 2 (K, V) * 4 bytes = 256 B per token per layer -> 4 tokens
 NUM_PAGES = 1024

@@ -6,7 +6,7 @@ import math
 import torch
 
 from engines.local.sampler import Sampler
-from orchestrator.types import RequestId, SamplingParams, SeqChunk
+from orchestrator.core.types import RequestId, SamplingParams, SeqChunk
 
 
 def _chunk(request_id: str = "r", num_generated: int = 0, **sampling) -> SeqChunk:

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from orchestrator.config import EscalationConfig
-from orchestrator.escalation import ConfidenceMonitor, escalation_target, in_warmup_band, top_logprobs_entropy
+from orchestrator.core.config import EscalationConfig
+from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, in_warmup_band, top_logprobs_entropy
 from tests.fakes import named_nested_family
 
 

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from orchestrator.events import Event, EventKind, EventLog, Stats
-from orchestrator.types import MemberName, RequestId, RouteDecision, Tier
+from orchestrator.core.events import Event, EventKind, EventLog, Stats
+from orchestrator.core.types import MemberName, RequestId, RouteDecision, Tier
 
 MEMBERS = ["s", "m", "l"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.family import FamilyError, load_family, resolve_family_dir
+from orchestrator.core.family import FamilyError, load_family, resolve_family_dir
 
 TINY = resolve_family_dir("tiny")
 

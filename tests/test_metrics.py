@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.metrics import ServerMetrics
+from orchestrator.serve.metrics import ServerMetrics
 
 STATS = {
     "time_s": 1.0, "family": "tiny", "members": ["tiny-s", "tiny-m"],

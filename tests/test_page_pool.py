@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import MemberLimit
-from orchestrator.page_pool import PagePool, split_pages
-from orchestrator.types import PageId, PageKey
+from orchestrator.core.config import MemberLimit
+from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.types import PageId, PageKey
 
 
 def key(n: int, lineage: str = "L0") -> PageKey:

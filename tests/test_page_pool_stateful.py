@@ -5,9 +5,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from orchestrator.config import MemberLimit
-from orchestrator.page_pool import PagePool
-from orchestrator.types import PageId, PageKey
+from orchestrator.core.config import MemberLimit
+from orchestrator.core.page_pool import PagePool
+from orchestrator.core.types import PageId, PageKey
 
 MEMBERS = ("s", "m", "l")
 KEYS = [PageKey(lineage, bytes([n]) * 16) for lineage in ("A", "B") for n in range(6)]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import RouterConfig
-from orchestrator.router import FitPenalties, MemberLoad, Router
+from orchestrator.core.config import RouterConfig
+from orchestrator.core.router import FitPenalties, MemberLoad, Router
 from tests.fakes import named_nested_family
-from orchestrator.types import MemberName, Profile, Request, RequestId, SamplingParams
+from orchestrator.core.types import MemberName, Profile, Request, RequestId, SamplingParams
 
 
 FAMILY = named_nested_family()

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.complexity import ComplexityEstimator
-from orchestrator.errors import InvalidRequestError, QueueFullError
-from orchestrator.kv_cache import KVCacheManager
-from orchestrator.page_pool import PagePool, split_pages
-from orchestrator.scheduler import Scheduler
-from orchestrator.serving import copy_tier_pages
-from orchestrator.tiers import DiskTier, HostTier, TieredStore
-from orchestrator.types import FinishReason, MemberName, Request, RequestId, SamplingParams
+from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.errors import InvalidRequestError, QueueFullError
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.scheduler import Scheduler
+from orchestrator.serve.serving import copy_tier_pages
+from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, SamplingParams
 from tests.fakes import FakeExecutor, fake_config, fake_vocab, independent_family, nested_family
 
 
@@ -299,7 +299,7 @@ def test_scheduler_emits_into_the_log_and_counters_it_is_given():
     # An empty EventLog is falsy (it has __len__): the scheduler once replaced it with its own, so the
     # serving layer's log (what /v1/stats and the dashboard read beside its own offload events) missed
     # every route/admit/finish event.
-    from orchestrator.events import EventKind, EventLog, Stats
+    from orchestrator.core.events import EventKind, EventLog, Stats
     h = Harness()
     log, stats = EventLog(), Stats()
     h.scheduler = Scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()), None, log, stats)

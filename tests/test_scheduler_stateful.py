@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from orchestrator.types import MemberName, RequestId
+from orchestrator.core.types import MemberName, RequestId
 from tests.test_scheduler import Harness
 
 PREFIXES = [list(range(10, 26)), list(range(30, 38)), [7] * 12]

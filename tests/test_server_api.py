@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.server import ServerSettings, create_app
+from orchestrator.serve.server import ServerSettings, create_app
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
 FAMILY_DIR = family_dir()

@@ -6,8 +6,8 @@ import time
 import httpx
 import pytest
 
-from orchestrator.errors import EngineUnavailableError, QueueFullError
-from orchestrator.server import ServerSettings, create_app
+from orchestrator.core.errors import EngineUnavailableError, QueueFullError
+from orchestrator.serve.server import ServerSettings, create_app
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
 FAMILY_DIR = family_dir()

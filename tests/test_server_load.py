@@ -133,7 +133,7 @@ def start_server(tmp_path: Path, grace_s: float) -> tuple[subprocess.Popen, str]
         "scheduler": {"request_timeout_s": 120},
     }))
     with (tmp_path / "server.log").open("w") as log_file:
-        server = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config),
+        server = subprocess.Popen([sys.executable, "-m", "orchestrator.serve.cli", "serve", "--config", str(config),
                                    "--port", str(port), "--log-level", "warning", "--grace-s", str(grace_s)],
                                   cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.tiers import DiskTier, HostTier, TieredStore
-from orchestrator.types import PageKey, Tier
+from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.core.types import PageKey, Tier
 
 
 def key(n: int, lineage: str = "lin/0") -> PageKey:

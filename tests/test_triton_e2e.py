@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from orchestrator.config import load_config
-from orchestrator.errors import EngineUnavailableError
-from orchestrator.types import FinishReason
+from orchestrator.core.config import load_config
+from orchestrator.core.errors import EngineUnavailableError
+from orchestrator.core.types import FinishReason
 from tests.fakes_serving import start_process, stop_process
 from tests.triton_helpers import (REPO_ROOT, build_python_repo, collect, family_dir, free_ports, make_request,
                                   wait_until)
@@ -41,7 +41,7 @@ def _config(**overrides):
 
 
 async def _local_tokens(prompts: dict[str, list[int]], members: list[str]) -> dict[tuple[str, str], list[int]]:
-    from orchestrator.serving import LocalServing
+    from orchestrator.serve.serving import LocalServing
 
     local = LocalServing(_config(**{"escalation.enabled": False}))
     await local.start()
@@ -55,7 +55,7 @@ async def _local_tokens(prompts: dict[str, list[int]], members: list[str]) -> di
 def _start_triton_up(repo, ports, log_path) -> subprocess.Popen:
     grpc_port, http_port, metrics_port = ports
     return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "triton-up", "--repo", str(repo), "--grpc-port", str(grpc_port),
+        [sys.executable, "-m", "orchestrator.serve.cli", "triton-up", "--repo", str(repo), "--grpc-port", str(grpc_port),
          "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--exit-timeout-s", "2",
          "--log", str(log_path)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -72,7 +72,7 @@ async def _wait(predicate, timeout_s: float) -> bool:
 
 def test_triton_serves_like_local_fails_fast_and_reconnects(tmp_path):
     from engines.triton.server_process import TritonProcess
-    from engines.triton.serving import TritonServing
+    from orchestrator.serve.triton_serving import TritonServing
 
     started = time.monotonic()
     repo = build_python_repo(FAMILY, tmp_path / "build")
@@ -170,7 +170,7 @@ async def _scenario(serving, server, prompts, members, local, repo, ports, tmp_p
 
 
 def _serve(port: int, config_path, log_path, *extra: str) -> subprocess.Popen:
-    return start_process([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config_path), "--port",
+    return start_process([sys.executable, "-m", "orchestrator.serve.cli", "serve", "--config", str(config_path), "--port",
                           str(port), "--grace-s", "2", "--log-level", "warning", *extra], log_path)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from eval.sharegpt import Conversation
 from eval.workloads import MIXED_PROPORTIONS, WorkloadSpec, build_trace, kind_counts, poisson_arrivals
-from orchestrator.family import SHIPPED_FAMILIES_DIR
+from orchestrator.core.family import SHIPPED_FAMILIES_DIR
 
 
 def family_dir() -> Path:
@@ -18,7 +18,7 @@ def family_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from orchestrator.tokenizer import FamilyTokenizer
+    from orchestrator.serve.tokenizer import FamilyTokenizer
 
     return FamilyTokenizer(family_dir() / "tiny-s")
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.types import MemberName, Request, RequestId, SamplingParams
+from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.family import FamilyError, MemberSpec
-from orchestrator.types import PageId
+from orchestrator.core.family import FamilyError, MemberSpec
+from orchestrator.core.types import PageId
 
 from engines.local.checkpoint import TORCH_DTYPES
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from orchestrator.family import FamilyError, read_checkpoint_config
+from orchestrator.core.family import FamilyError, read_checkpoint_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ROPE_TYPES = ("default", "llama3", "linear")

@@ -5,8 +5,8 @@ from collections.abc import Sequence
 
 import torch
 
-from orchestrator.family import FamilySpec, MemberSpec
-from orchestrator.types import PageId, RequestId, SampledToken, StepPlan
+from orchestrator.core.family import FamilySpec, MemberSpec
+from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan
 
 from engines.local.arena import KVArena
 from engines.local.checkpoint import TORCH_DTYPES, LayerWeights, load_checkpoint
@@ -42,7 +42,7 @@ def merge_groups(members: list[MemberSpec], nested_pairs: set[tuple[str, str]]) 
 
 
 class LocalExecutor:
-    """Implements orchestrator.engine_api.StepExecutor. All decisions come in the plan; this owns tensors only."""
+    """Implements orchestrator.core.engine_api.StepExecutor. All decisions come in the plan; this owns tensors only."""
 
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
                  device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True) -> None:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from orchestrator.family import MemberSpec
-from orchestrator.types import SeqChunk
+from orchestrator.core.family import MemberSpec
+from orchestrator.core.types import SeqChunk
 
 from engines.local.arena import KVArena
 from engines.local.attention import AttnGroup, attend, decode_group, prefill_group

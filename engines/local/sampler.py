@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from orchestrator.types import RequestId, SampledToken, SeqChunk
+from orchestrator.core.types import RequestId, SampledToken, SeqChunk
 
 
 def _step_seed(seed: int, num_generated: int) -> int:

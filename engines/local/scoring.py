@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.types import PageId, RequestId, SamplingParams, SeqChunk
+from orchestrator.core.types import PageId, RequestId, SamplingParams, SeqChunk
 
 from engines.local.arena import KVArena
 from engines.local.executor import LocalExecutor

@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
-from orchestrator.errors import EngineUnavailableError, MFSError
-from orchestrator.types import SamplingParams
+from orchestrator.core.errors import EngineUnavailableError, MFSError
+from orchestrator.core.types import SamplingParams
 
 KV_METRIC_NAME = "nv_trt_llm_kv_cache_block_metrics"
 _METRIC_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')

@@ -114,8 +114,8 @@ class MemberWorker:
 
     def __init__(self, family_dir: str, member: str, num_pages: int, page_bytes: int, dtype: str,
                  serving_factory: Callable | str | None = None):
-        from orchestrator.config import load_config
-        from orchestrator.family import load_family
+        from orchestrator.core.config import load_config
+        from orchestrator.core.family import load_family
 
         self.member = member
         self.family = load_family(family_dir)
@@ -125,7 +125,7 @@ class MemberWorker:
             "engine.kind": "local", "engine.device": "cpu", "engine.dtype": dtype, "engine.num_threads": 1,
             "escalation.enabled": False, "escalation.warmup": False, "pool.host_tier_mb": 0.0,
         })
-        from orchestrator.family import dtype_bytes
+        from orchestrator.core.family import dtype_bytes
         self.kv = KVBlockStats(spec.tokens_per_block(page_bytes, dtype_bytes(dtype)), spec.num_layers)
         self._factory = serving_factory
         self._serving = None
@@ -135,7 +135,7 @@ class MemberWorker:
     def start(self) -> None:
         self._thread.start()
         if self._factory is None:
-            from orchestrator.serving import LocalServing
+            from orchestrator.serve.serving import LocalServing
             self._factory = LocalServing
         elif isinstance(self._factory, str):   # "module:Class" from the model parameters
             import importlib
@@ -162,7 +162,7 @@ class MemberWorker:
 
     async def _run(self, inputs: GenerationInputs, emit: Callable[[Chunk], None],
                    is_cancelled: Callable[[], bool]) -> None:
-        from orchestrator.types import MemberName, Request, RequestId, SamplingParams
+        from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 
         request = Request(
             request_id=RequestId(f"triton-{uuid.uuid4().hex[:12]}"), prompt_token_ids=inputs.token_ids,

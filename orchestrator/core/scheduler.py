@@ -9,18 +9,18 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 
-from orchestrator.complexity import ComplexityEstimator
-from orchestrator.config import MFSConfig
-from orchestrator.errors import InvalidRequestError, QueueFullError
-from orchestrator.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
-from orchestrator.events import EventKind, EventLog, Stats
-from orchestrator.family import FamilySpec
-from orchestrator.kv_cache import KVCacheManager
-from orchestrator.page_pool import PagePool, split_pages
-from orchestrator.router import MemberLoad, Router
-from orchestrator.sequence import Sequence
-from orchestrator.tiers import TieredStore
-from orchestrator.types import (FinishReason, MemberBatch, MemberName, MemberSpan, PageId, Request, RequestId,
+from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.errors import InvalidRequestError, QueueFullError
+from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
+from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.router import MemberLoad, Router
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.tiers import TieredStore
+from orchestrator.core.types import (FinishReason, MemberBatch, MemberName, MemberSpan, PageId, Request, RequestId,
                                 RequestOutput, RequestState, RouteDecision, SampledToken, SeqChunk, StepPlan)
 
 WARMUP_PRIORITY = 100          # warm-up prefills run only when nothing else waits

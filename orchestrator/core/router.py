@@ -4,9 +4,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from orchestrator.config import RouterConfig, RouterWeights
-from orchestrator.family import FamilySpec
-from orchestrator.types import MemberName, Request, RouteDecision
+from orchestrator.core.config import RouterConfig, RouterWeights
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.types import MemberName, Request, RouteDecision
 
 COMPONENTS = ("complexity", "affinity", "load", "session")
 

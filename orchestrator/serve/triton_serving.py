@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.triton.client import TritonClient
-from orchestrator.block_hash import chain_block_hashes, hash_seed
-from orchestrator.config import MFSConfig
-from orchestrator.errors import EngineUnavailableError, QueueFullError
-from orchestrator.events import Stats
-from orchestrator.family import FamilySpec, load_family
-from orchestrator.tokenizer import FamilyTokenizer
-from orchestrator.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
+from orchestrator.core.block_hash import chain_block_hashes, hash_seed
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.errors import EngineUnavailableError, QueueFullError
+from orchestrator.core.events import Stats
+from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
                                 RouteDecision)
 
 log = logging.getLogger("mfs.triton")
@@ -117,7 +117,7 @@ class TritonServing:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        from orchestrator.router import Router
+        from orchestrator.core.router import Router
 
         self._router = Router(self.family, self.config.router)
         self._accepting = True
@@ -225,10 +225,10 @@ class TritonServing:
     def _route(self, request: Request) -> RouteDecision | None:
         if request.pinned_member is not None:
             if request.pinned_member not in self.member_names:
-                from orchestrator.errors import ModelNotFoundError
+                from orchestrator.core.errors import ModelNotFoundError
                 raise ModelNotFoundError(f"no member {request.pinned_member!r} in family {self.family_name}")
             return None
-        from orchestrator.router import MemberLoad
+        from orchestrator.core.router import MemberLoad
 
         complexity = request.complexity_hint
         if complexity is None:
@@ -245,7 +245,7 @@ class TritonServing:
 
     def _complexity(self, token_ids: list[int]) -> float:
         if self._estimator is None:   # built on first use: decoding a large vocabulary takes a moment
-            from orchestrator.serving import build_estimator
+            from orchestrator.serve.serving import build_estimator
             self._estimator = build_estimator(self.tokenizer)
         return self._estimator.score(token_ids)
 
@@ -259,7 +259,7 @@ class TritonServing:
 
     async def _run(self, request: Request, member: str, route: RouteDecision | None,
                    state: _InFlight) -> AsyncIterator[RequestOutput]:
-        from orchestrator.escalation import ConfidenceMonitor, escalation_target
+        from orchestrator.core.escalation import ConfidenceMonitor, escalation_target
 
         sampling = request.sampling
         monitor = ConfidenceMonitor(self.config.escalation)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.types import RouteDecision, Tier
+from orchestrator.core.types import RouteDecision, Tier
 
 OUTCOMES = ("finished", "cancelled", "failed", "rejected")
 HIT_TIERS = ("arena", "host", "disk")

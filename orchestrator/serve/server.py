@@ -18,14 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.api_schema import error_body, models_list, parse_request
-from orchestrator.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
-from orchestrator.engine_api import ServingEngine
-from orchestrator.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
+from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
+from orchestrator.core.engine_api import ServingEngine
+from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
                                  PayloadTooLargeError, QueueFullError)
-from orchestrator.family import FamilySpec
-from orchestrator.metrics import CONTENT_TYPE, ServerMetrics
-from orchestrator.tokenizer import FamilyTokenizer, IncrementalDecoder
+from orchestrator.core.family import FamilySpec
+from orchestrator.serve.metrics import CONTENT_TYPE, ServerMetrics
+from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
 
 log = logging.getLogger("mfs.server")
 _KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
@@ -233,9 +233,9 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from orchestrator.config import ConfigError, load_config
-    from orchestrator.family import FamilyError
-    from orchestrator.serving import build_serving_engine
+    from orchestrator.core.config import ConfigError, load_config
+    from orchestrator.core.family import FamilyError
+    from orchestrator.serve.serving import build_serving_engine
 
     overrides = {key: value for key, value in (("family", args.family), ("engine.kind", args.engine),
                                                 ("engine.triton_url", args.triton_url)) if value is not None}

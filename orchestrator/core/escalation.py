@@ -5,8 +5,8 @@ import math
 from collections import deque
 from typing import Sequence
 
-from orchestrator.config import EscalationConfig
-from orchestrator.family import FamilySpec
+from orchestrator.core.config import EscalationConfig
+from orchestrator.core.family import FamilySpec
 
 SIGNAL_TOP1 = "top1_prob"
 SIGNAL_ENTROPY = "entropy"

@@ -5,8 +5,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from orchestrator.config import MemberLimit
-from orchestrator.types import PageId, PageKey
+from orchestrator.core.config import MemberLimit
+from orchestrator.core.types import PageId, PageKey
 
 # Page states (derived, never stored): FREE = refcount 0 and no key; CACHED = refcount 0 with a key
 # (reusable, evictable, LRU); USED = refcount > 0, with or without a key.

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.escalation import ConfidenceMonitor
-from orchestrator.kv_cache import SeqKV
-from orchestrator.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestState,
+from orchestrator.core.escalation import ConfidenceMonitor
+from orchestrator.core.kv_cache import SeqKV
+from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestState,
                                 RouteDecision)
 
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.types import PageKey, Tier
+from orchestrator.core.types import PageKey, Tier
 
 _MAGIC = b"MFSKV1"
 # magic | lineage length (u16) | block hash length (u16) | data length (u64) | blake2b-16 checksum

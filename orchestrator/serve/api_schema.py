@@ -6,10 +6,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.errors import InvalidRequestError, MFSError, ModelNotFoundError
-from orchestrator.family import FamilySpec
-from orchestrator.tokenizer import FamilyTokenizer, TokenizerError
-from orchestrator.types import (
+from orchestrator.core.errors import InvalidRequestError, MFSError, ModelNotFoundError
+from orchestrator.core.family import FamilySpec
+from orchestrator.serve.tokenizer import FamilyTokenizer, TokenizerError
+from orchestrator.core.types import (
     FinishReason, MemberName, MemberSpan, Profile, Request, RequestId, RouteDecision, SamplingParams,
 )
 

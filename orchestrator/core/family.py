@@ -13,9 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.types import MemberName
+from orchestrator.core.types import MemberName
 
-SHIPPED_FAMILIES_DIR = Path(__file__).resolve().parent.parent / "engines" / "families"
+SHIPPED_FAMILIES_DIR = Path(__file__).resolve().parents[2] / "engines" / "families"
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.block_hash import chain_block_hashes, hash_seed
-from orchestrator.family import FamilySpec
-from orchestrator.page_pool import PagePool
-from orchestrator.tiers import TieredStore
-from orchestrator.types import PageId, PageKey, Tier
+from orchestrator.core.block_hash import chain_block_hashes, hash_seed
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.page_pool import PagePool
+from orchestrator.core.tiers import TieredStore
+from orchestrator.core.types import PageId, PageKey, Tier
 
 
 @dataclass(slots=True)

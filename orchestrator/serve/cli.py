@@ -10,7 +10,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("orchestrator.server", "OpenAI-compatible server for a model family"),
+    "serve": ("orchestrator.serve.server", "OpenAI-compatible server for a model family"),
     "bench": ("eval.bench", "MFS against an independent-deployment baseline on ShareGPT traffic"),
     "demo": ("eval.demo", "replay a short ShareGPT multi-turn set through the tiny family and print a table"),
     "triton-up": ("engines.triton.server_process", "start a real Triton Inference Server on a model repository"),

@@ -13,16 +13,16 @@ import anyio
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from orchestrator.api_schema import (
+from orchestrator.serve.api_schema import (
     ParsedRequest, chat_logprobs, chunk, completion_logprobs, error_body, finish_reason_text, full_response,
     logprob_entry, mfs_extension, usage, usage_chunk,
 )
-from orchestrator.errors import MFSError, RequestTimeoutError
-from orchestrator.tokenizer import IncrementalDecoder
-from orchestrator.types import FinishReason, MemberSpan, RequestOutput, RouteDecision
+from orchestrator.core.errors import MFSError, RequestTimeoutError
+from orchestrator.serve.tokenizer import IncrementalDecoder
+from orchestrator.core.types import FinishReason, MemberSpan, RequestOutput, RouteDecision
 
 if TYPE_CHECKING:
-    from orchestrator.server import Edge
+    from orchestrator.serve.server import Edge
 
 log = logging.getLogger("mfs.server")
 

@@ -15,18 +15,18 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.complexity import ComplexityEstimator
-from orchestrator.config import MFSConfig
-from orchestrator.engine_api import StepExecutor
-from orchestrator.errors import EngineUnavailableError, MFSError
-from orchestrator.events import EventKind, EventLog, Stats
-from orchestrator.family import FamilySpec, dtype_bytes, load_family
-from orchestrator.kv_cache import KVCacheManager
-from orchestrator.page_pool import PagePool, split_pages
-from orchestrator.scheduler import Scheduler
-from orchestrator.tiers import DiskTier, HostTier, TieredStore
-from orchestrator.tokenizer import FamilyTokenizer
-from orchestrator.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
+from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.engine_api import StepExecutor
+from orchestrator.core.errors import EngineUnavailableError, MFSError
+from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.family import FamilySpec, dtype_bytes, load_family
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.scheduler import Scheduler
+from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
 
 log = logging.getLogger("mfs.serving")
 _IDLE_WAIT_S = 0.05
@@ -36,7 +36,7 @@ _ROLE_MARKERS = ("<|user|>", "<|assistant|>", "<|system|>", "<|im_start|>", "<|s
 def build_serving_engine(config: MFSConfig):
     """The ServingEngine the config asks for: the local engine, or Triton-backed orchestration."""
     if config.engine.kind == "triton":
-        from engines.triton.serving import TritonServing
+        from orchestrator.serve.triton_serving import TritonServing
 
         return TritonServing(config)
     return LocalServing(config)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from orchestrator.types import FinishReason, PageId, Request, RequestId, RequestOutput, SampledToken, StepPlan
+from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, SampledToken, StepPlan
 
 
 class StepExecutor(Protocol):
@@ -56,5 +56,5 @@ class ServingEngine(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """A JSON-able snapshot (see orchestrator.events.StatsSnapshot.to_dict)."""
+        """A JSON-able snapshot (see orchestrator.core.events.StatsSnapshot.to_dict)."""
         ...
