@@ -91,6 +91,13 @@ class KVCacheManager:
     def pages_per_block(self, member: str) -> int:
         return self.family.member(member).num_layers + (1 if self._records_residual[member] else 0)
 
+    def pages_for_tokens(self, member: str, num_tokens: int) -> int:
+        """THE rule for pages a sequence of num_tokens holds on member (every layer, plus the residual
+        page when the member records one); capped at the member's context. Scheduler, validation and
+        the baseline's split arithmetic all call this."""
+        num_tokens = min(num_tokens, self.family.member(member).context_tokens)
+        return -(-num_tokens // self.tokens_per_block(member)) * self.pages_per_block(member)
+
     def block_hashes(self, member: str, token_ids: list[int], cache_salt: str | None,
                      known: list[bytes] | None = None) -> list[bytes]:
         """Chained hashes of the full blocks of token_ids; extends `known` instead of recomputing."""

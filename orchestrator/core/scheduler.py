@@ -87,7 +87,7 @@ class Scheduler:
             if len(request.prompt_token_ids) >= member.context_tokens:
                 raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens; member {name} "
                                           f"holds {member.context_tokens}", param="prompt")
-            pages = -(-min(needed, member.context_tokens) // self.kv.tokens_per_block(name)) * self.kv.pages_per_block(name)
+            pages = self.kv.pages_for_tokens(name, needed)
             if pages > self._capacity_pages[name]:
                 raise InvalidRequestError(f"request needs {pages} KV pages on {name}; the pool can give it "
                                           f"at most {self._capacity_pages[name]}", param="max_tokens")
