@@ -8,7 +8,6 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -19,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve.edge import Edge, ServerSettings
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
 from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
@@ -29,35 +29,6 @@ from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
 
 log = logging.getLogger("mfs.server")
 _KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    api_key: str | None = None
-    request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
-    max_body_bytes: int = 4 * 2**20
-    grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
-
-
-@dataclass(slots=True)
-class Edge:
-    engine: ServingEngine
-    tokenizer: FamilyTokenizer
-    family: FamilySpec
-    settings: ServerSettings
-    metrics: ServerMetrics
-    draining: bool = False                     # set on SIGTERM: refuse new generations
-    loop: asyncio.AbstractEventLoop | None = None
-    stopping: asyncio.Future | None = None
-
-    def begin_drain(self) -> None:
-        """SIGTERM: refuse new work and let the engine finish or cancel in-flight requests within grace_s,
-        so open streams end with a final chunk before uvicorn's own shutdown timeout cuts them."""
-        self.draining = True
-        if self.loop is not None and self.stopping is None:
-            def stop() -> None:
-                self.stopping = asyncio.ensure_future(self.engine.stop(self.settings.grace_s))
-            self.loop.call_soon_threadsafe(stop)
 
 
 def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: FamilySpec,
@@ -235,7 +206,7 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     from orchestrator.core.config import ConfigError, load_config
     from orchestrator.core.family import FamilyError
-    from orchestrator.serve.serving import build_serving_engine
+    from orchestrator.serve.factory import build_serving_engine
 
     overrides = {key: value for key, value in (("family", args.family), ("engine.kind", args.engine),
                                                 ("engine.triton_url", args.triton_url)) if value is not None}

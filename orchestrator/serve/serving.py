@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import StepExecutor
 from orchestrator.core.errors import EngineUnavailableError, MFSError
@@ -30,22 +30,6 @@ from orchestrator.core.types import FinishReason, PageId, Request, RequestId, Re
 
 log = logging.getLogger("mfs.serving")
 _IDLE_WAIT_S = 0.05
-_ROLE_MARKERS = ("<|user|>", "<|assistant|>", "<|system|>", "<|im_start|>", "<|start_header_id|>")
-
-
-def build_serving_engine(config: MFSConfig):
-    """The ServingEngine the config asks for: the local engine, or Triton-backed orchestration."""
-    if config.engine.kind == "triton":
-        from orchestrator.serve.triton_serving import TritonServing
-
-        return TritonServing(config)
-    return LocalServing(config)
-
-
-def build_estimator(tokenizer: FamilyTokenizer) -> ComplexityEstimator:
-    vocab = [tokenizer.token_text(i) for i in range(tokenizer.vocab_size)]
-    roles = [i for i, text in enumerate(vocab) if text in _ROLE_MARKERS]
-    return ComplexityEstimator(vocab, role_token_ids=roles)
 
 
 def build_tiers(config: MFSConfig) -> TieredStore | None:
@@ -72,7 +56,7 @@ class LocalServing:
                                  self.tiers, record_residuals=esc.enabled and esc.reuse_shared_layers and not esc.cold_handover)
         self.events = EventLog()
         self.stats_counters = Stats()
-        self.scheduler = Scheduler(self.family, config, self.pool, self.kv, build_estimator(self.tokenizer),
+        self.scheduler = Scheduler(self.family, config, self.pool, self.kv, estimator_for_vocab(self.tokenizer.vocab_texts()),
                                    self.tiers, self.events, self.stats_counters)
         self._executor = executor
         self._lock = threading.Lock()

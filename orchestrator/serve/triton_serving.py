@@ -17,6 +17,7 @@ from typing import Any
 
 from engines.triton.client import TritonClient
 from orchestrator.core.block_hash import chain_block_hashes, hash_seed
+from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import EngineUnavailableError, QueueFullError
 from orchestrator.core.events import Stats
@@ -245,8 +246,7 @@ class TritonServing:
 
     def _complexity(self, token_ids: list[int]) -> float:
         if self._estimator is None:   # built on first use: decoding a large vocabulary takes a moment
-            from orchestrator.serve.serving import build_estimator
-            self._estimator = build_estimator(self.tokenizer)
+            self._estimator = estimator_for_vocab(self.tokenizer.vocab_texts())
         return self._estimator.score(token_ids)
 
     def _hashes(self, member: str, token_ids: list[int]) -> list[bytes]:
