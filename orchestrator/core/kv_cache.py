@@ -1,7 +1,7 @@
 """KV cache facade over the page pool: per-request per-layer block tables, prefix match across tiers, allocation.
 
 A member's logical block is one page per layer (plus one residual page when the member records its
-exit-depth hidden states for a nested handover). Prefix identity is PageKey(lineage, block_hash), so
+exit-depth hidden states for a nested handover): the geometry is KVLayout's (kv_layout.py). Prefix identity is PageKey(lineage, block_hash), so
 members of a nested family find each other's lower-layer pages; independent members never do.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.block_hash import chain_block_hashes, hash_seed
 from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_layout import KVLayout
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import PageId, PageKey, Tier
@@ -64,39 +65,22 @@ class KVCacheManager:
         self.family = family
         self.pool = pool
         self.tiers = tiers
-        self._blocks = {m.name: m.tokens_per_block(page_bytes, dtype_bytes) for m in family.members}
-        # A member records residuals when a larger member starts from its exit depth (nested family).
-        self._records_residual = {
-            m.name: record_residuals and m.residual_fits_page(page_bytes, dtype_bytes)
-            and any(family.shared_depth(m.name, big.name) == m.num_layers
-                    and self._blocks[big.name] == self._blocks[m.name]
-                    for big in family.members[m.index + 1:])
-            for m in family.members
-        }
-        # For each member, the smaller members whose exit residual can feed it (largest depth first).
-        self._residual_sources = {
-            m.name: [s for s in reversed(family.members[:m.index])
-                     if self._records_residual[s.name] and family.shared_depth(s.name, m.name) == s.num_layers
-                     and self._blocks[s.name] == self._blocks[m.name]]
-            for m in family.members
-        }
+        self.layout = KVLayout(family, page_bytes, dtype_bytes, record_residuals)
+        self._blocks = {m.name: self.layout.tokens_per_block(m.name) for m in family.members}
 
-    # ------------------------------------------------------------------ identity
+    # ------------------------------------------------------------------ identity (the layout's rules)
     def tokens_per_block(self, member: str) -> int:
         return self._blocks[member]
 
     def records_residual(self, member: str) -> bool:
-        return self._records_residual[member]
+        return self.layout.records_residual(member)
 
     def pages_per_block(self, member: str) -> int:
-        return self.family.member(member).num_layers + (1 if self._records_residual[member] else 0)
+        return self.layout.pages_per_block(member)
 
     def pages_for_tokens(self, member: str, num_tokens: int) -> int:
-        """THE rule for pages a sequence of num_tokens holds on member (every layer, plus the residual
-        page when the member records one); capped at the member's context. Scheduler, validation and
-        the baseline's split arithmetic all call this."""
-        num_tokens = min(num_tokens, self.family.member(member).context_tokens)
-        return -(-num_tokens // self.tokens_per_block(member)) * self.pages_per_block(member)
+        """Pages a sequence of num_tokens holds on member: KVLayout.pages_for_tokens, the one rule."""
+        return self.layout.pages_for_tokens(member, num_tokens)
 
     def block_hashes(self, member: str, token_ids: list[int], cache_salt: str | None,
                      known: list[bytes] | None = None) -> list[bytes]:
@@ -130,7 +114,7 @@ class KVCacheManager:
         result.num_full_blocks = block
         if not allow_shared:
             return result
-        for source in self._residual_sources[member]:
+        for source in self.layout.residual_sources(member):
             lineages = source.layer_lineages + (source.residual_lineage(),)
             shared = block
             while shared < limit and self._block_tier(lineages, hashes[shared]) is not None:
@@ -176,7 +160,7 @@ class KVCacheManager:
         evict=False admits only into never-used free pages (warm-ups use idle memory only)."""
         spec = self.family.member(member)
         size = self._blocks[member]
-        records = self._records_residual[member]
+        records = self.layout.records_residual(member)
         # Slots in table order: (kind, layer or None, block, key or None); key None = compute fresh.
         slots: list[tuple[str, int | None, int, PageKey | None]] = []
         for block in range(match.num_full_blocks):

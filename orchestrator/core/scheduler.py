@@ -16,7 +16,7 @@ from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, i
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
-from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.page_pool import PagePool
 from orchestrator.core.router import MemberLoad, Router
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import TieredStore
@@ -50,20 +50,11 @@ class Scheduler:
         self._session_pages: OrderedDict[str, tuple[float, list[tuple[PageId, object]]]] = OrderedDict()
         self._admit_counter = itertools.count()
         self._eos = {m.name: frozenset(m.eos_token_ids) for m in family.members}
-        self._capacity_pages = {m.name: self._member_capacity(m.name) for m in family.members}
+        # Most pages each member can ever hold (its slice, minus the other members' floors, under its ceiling):
+        # a request needing more is refused at once rather than left waiting for room that never comes.
+        self._capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
                                for m in family.members}
-
-    def _member_capacity(self, member: str) -> int:
-        """Most pages one member can ever hold: its static slice, or the pool under its ceiling."""
-        cfg = self.config.pool
-        capacity = self.pool.num_pages
-        if cfg.static_split is not None:
-            capacity = split_pages(self.pool.num_pages, cfg.static_split).get(member, 0)
-        limit = cfg.member_limits.get(member)
-        if limit is not None and limit.ceiling_pages is not None:
-            capacity = min(capacity, limit.ceiling_pages)
-        return capacity
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
