@@ -6,6 +6,7 @@ import pytest
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.engine_core import copy_tier_pages
@@ -23,9 +24,8 @@ class Harness:
         self.pool = PagePool(cfg.pool.num_pages, partitions, limits=cfg.pool.member_limits,
                              members=self.family.member_names)
         self.tiers = tiers
-        esc = cfg.escalation
         self.kv = KVCacheManager(self.family, self.pool, cfg.pool.page_bytes, 4, tiers,
-                                 record_residuals=esc.enabled and esc.reuse_shared_layers)
+                                 record_residuals=records_residuals(cfg))
         self.scheduler = Scheduler(self.family, cfg, self.pool, self.kv, ComplexityEstimator(fake_vocab()), tiers)
         self.executor = FakeExecutor(self.family, cfg.pool.num_pages, cfg.pool.page_bytes, low_confidence)
         self.now = 0.0

@@ -16,6 +16,10 @@ from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import PageId, PageKey, Tier
 
 
+# One page slot of a request's tables: (kind "kv" | "out" | "in", layer or None, block, key or None = fresh).
+_Slot = tuple[str, int | None, int, PageKey | None]
+
+
 @dataclass(slots=True)
 class PrefixMatch:
     """What a member already holds of a prompt, in full blocks (read-only result of a match)."""
@@ -158,11 +162,31 @@ class KVCacheManager:
         allocates pages for tier hits (returned as loads) and for the rest. None if pages are short
         (then nothing is held). reserve_pages must stay available afterwards (decode headroom);
         evict=False admits only into never-used free pages (warm-ups use idle memory only)."""
+        slots = self._table_slots(member, match, hashes)
+        pages = self._pin_arena_hits(member, slots)
+        num_blocks = -(-total_tokens // self._blocks[member])
+        num_grow = max(0, num_blocks - match.num_full_blocks - match.num_shared_blocks)
+        fresh = pages.count(None) + num_grow * self.pages_per_block(member)
+        enough = (self.pool.can_allocate(member, fresh + reserve_pages) if evict
+                  else self.pool.counts()["free"] >= fresh + reserve_pages)
+        if not enough:
+            for page in pages:
+                if page is not None:
+                    self.pool.release(page)
+            return None
+        seq, loads = self._fill_tables(member, slots, pages)
+        seq.num_registered_blocks = match.num_full_blocks
+        if not self.grow(seq, total_tokens):
+            raise RuntimeError("page pool short after can_allocate said yes")  # invariant
+        return seq, loads
+
+    def _table_slots(self, member: str, match: PrefixMatch, hashes: list[bytes]) -> list[_Slot]:
+        """The matched part of a request's tables, in table order: full blocks (every layer under its key, and
+        the residual this member records if some tier holds it), then shared blocks (lower layers under their
+        keys, upper layers fresh, the source's residual read in, this member's own residual fresh)."""
         spec = self.family.member(member)
-        size = self._blocks[member]
         records = self.layout.records_residual(member)
-        # Slots in table order: (kind, layer or None, block, key or None); key None = compute fresh.
-        slots: list[tuple[str, int | None, int, PageKey | None]] = []
+        slots: list[_Slot] = []
         for block in range(match.num_full_blocks):
             for layer, lineage in enumerate(spec.layer_lineages):
                 slots.append(("kv", layer, block, PageKey(lineage, hashes[block])))
@@ -178,27 +202,28 @@ class KVCacheManager:
                 slots.append(("in", None, block, PageKey(source.residual_lineage(), hashes[block])))
                 if records:
                     slots.append(("out", None, block, None))
-        # Pass 1: pin arena hits first, so allocating fresh pages below cannot evict them.
+        return slots
+
+    def _pin_arena_hits(self, member: str, slots: list[_Slot]) -> list[PageId | None]:
+        """Acquires every slot's page already in the arena (first, so allocating fresh pages cannot evict
+        them); None where the slot needs a fresh page."""
         pages: list[PageId | None] = []
         for _, _, _, key in slots:
             page = self.pool.lookup(key) if key is not None else None
             if page is not None:
                 self.pool.acquire(page, member)
             pages.append(page)
-        num_blocks = -(-total_tokens // size)
-        num_grow = max(0, num_blocks - match.num_full_blocks - match.num_shared_blocks)
-        fresh = pages.count(None) + num_grow * self.pages_per_block(member)
-        enough = (self.pool.can_allocate(member, fresh + reserve_pages) if evict
-                  else self.pool.counts()["free"] >= fresh + reserve_pages)
-        if not enough:
-            for page in pages:
-                if page is not None:
-                    self.pool.release(page)
-            return None
-        # Pass 2: fresh pages; tier hits get their key now and a load before the step runs.
+        return pages
+
+    def _fill_tables(self, member: str, slots: list[_Slot],
+                     pages: list[PageId | None]) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]]:
+        """Allocates the missing pages and lays every slot into the request's tables; a slot whose key a
+        tier holds gets its key now and a load to run before the step."""
+        spec = self.family.member(member)
         loads: list[tuple[PageId, PageKey, Tier]] = []
-        seq = SeqKV(member=member, tokens_per_block=size, block_tables=[[] for _ in range(spec.num_layers)],
-                    residual_out=[] if records else None)
+        seq = SeqKV(member=member, tokens_per_block=self._blocks[member],
+                    block_tables=[[] for _ in range(spec.num_layers)],
+                    residual_out=[] if self.layout.records_residual(member) else None)
         for (kind, layer, block, key), page in zip(slots, pages):
             if page is None:
                 page = self._new(member)
@@ -214,9 +239,6 @@ class KVCacheManager:
                 seq.residual_out.append(page)
             else:
                 seq.residual_in[block] = page
-        seq.num_registered_blocks = match.num_full_blocks
-        if not self.grow(seq, total_tokens):
-            raise RuntimeError("page pool short after can_allocate said yes")  # invariant
         return seq, loads
 
     def _new(self, member: str) -> PageId:
