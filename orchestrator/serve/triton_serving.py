@@ -7,6 +7,7 @@ routing history, corrected by the per-request kv_cache_reused_blocks output and 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -82,6 +83,7 @@ class _InFlight:
 class _Span:
     """One member's turn at a request: a Triton stream over the context the request has so far."""
 
+    index: int                        # 0 for the routed member, then one per handover
     member: str
     context: list[int]                # prompt + tokens kept so far: what Triton prefills
     predicted_hit_tokens: int = 0
@@ -277,8 +279,8 @@ class TritonServing:
 
     async def _run(self, seq: Sequence, state: _InFlight) -> AsyncIterator[RequestOutput]:
         """One Triton stream per member the request visits: the routed one, then each escalation target."""
-        while True:
-            span = _Span(seq.member, list(seq.token_ids))
+        for index in itertools.count():
+            span = _Span(index, seq.member, list(seq.token_ids))
             span.predicted_hit_tokens = self._predicted_hit_tokens(span.member, span.context)
             self.estimate.predicted_hit_tokens += span.predicted_hit_tokens
             try:
@@ -305,9 +307,8 @@ class TritonServing:
     async def _stream_span(self, seq: Sequence, span: _Span, state: _InFlight) -> AsyncIterator[RequestOutput]:
         """Streams span.member's answer into seq until the request finishes or escalates."""
         sampling = seq.request.sampling
-        stream = self.client.generate(span.member, span.context, sampling, f"{seq.request_id}-{len(seq.spans)}",
+        stream = self.client.generate(span.member, span.context, sampling, f"{seq.request_id}-{span.index}",
                                       self._end_id(seq), sampling.max_tokens - seq.num_generated)
-        holdback = seq.holdback_tokens(self.config.escalation)
         try:
             async for delta in stream:
                 if delta.reused_blocks is not None:
@@ -324,7 +325,7 @@ class TritonServing:
                     seq.finish_reason = (FinishReason.LENGTH if seq.num_generated >= sampling.max_tokens
                                          else FinishReason.STOP)
                 state.tokens = len(seq.token_ids)
-                output = seq.next_output(holdback, final=done)
+                output = seq.next_output(seq.holdback_tokens(self.config.escalation), final=done)
                 if output is not None:
                     yield output
                 if done or span.escalated_to is not None:
