@@ -11,9 +11,8 @@ import itertools
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engines.triton.client import TritonClient
@@ -28,49 +27,12 @@ from orchestrator.core.router import MemberLoad, Router, SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, RequestOutput, RouteDecision
 from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.serve.triton_ledger import EstimateCounters, PrefixEstimate
 
 log = logging.getLogger("mfs.triton")
 PROBE_INTERVAL_S = 0.5
 METRICS_INTERVAL_S = 1.0
 DEFAULT_TOKENS_PER_BLOCK = 32
-DEFAULT_INDEX_BLOCKS = 4096          # until Triton's 'max' block metric is known
-
-
-class PrefixEstimate:
-    """Approximate view of one member's reusable blocks: chained block hashes, LRU, bounded by capacity."""
-
-    __slots__ = ("capacity_blocks", "_blocks")
-
-    def __init__(self, capacity_blocks: int = DEFAULT_INDEX_BLOCKS):
-        self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def match_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks believed cached (a chain: the first miss ends the match)."""
-        count = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            count += 1
-        return count
-
-    def insert(self, hashes: list[bytes]) -> None:
-        for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        self.trim()
-
-    def forget_from(self, hashes: list[bytes], first_missing: int) -> None:
-        """Triton reported fewer reused blocks than predicted: those blocks were evicted."""
-        for h in hashes[first_missing:]:
-            self._blocks.pop(h, None)
-
-    def trim(self) -> None:
-        while len(self._blocks) > max(0, self.capacity_blocks):
-            self._blocks.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -90,16 +52,6 @@ class _Span:
     reused_blocks: int | None = None  # Triton's kv_cache_reused_blocks for this stream
     num_streamed_tokens: int = 0      # tokens Triton generated here (before any rollback)
     escalated_to: str | None = None
-
-
-@dataclass(slots=True)
-class _EstimateCounters:
-    predicted_hit_tokens: int = 0     # what the prefix index expected Triton to reuse
-    reported_hit_tokens: int = 0      # what Triton reported (kv_cache_reused_blocks x tokens_per_block)
-    corrections: int = 0              # requests where the index over-predicted and was corrected
-    disconnects: int = 0
-    reconnects: int = 0
-    members: dict[str, dict[str, float]] = field(default_factory=dict)   # last KV block metrics per member
 
 
 class TritonServing:
@@ -122,7 +74,7 @@ class TritonServing:
         self.stats_counters = Stats()
         self.tokens_per_block = {m: DEFAULT_TOKENS_PER_BLOCK for m in self.member_names}
         self.index = {m: PrefixEstimate() for m in self.member_names}
-        self.estimate = _EstimateCounters()
+        self.estimate = EstimateCounters()
         self._seed = hash_seed(self.family.members[0].tokenizer_hash, None)
         self._in_flight: dict[RequestId, _InFlight] = {}
         self._aborted: set[RequestId] = set()   # ended at their next streamed token, like LocalServing's abort
