@@ -127,7 +127,7 @@ class EngineCore:
         with self.lock:
             plan, outputs = self.scheduler.schedule(self.clock())
         self.deliver(outputs)
-        plan = self._copy_tiers(plan)
+        plan = self.copy_tiers(plan)
         if not plan.batches:
             if plan.released_requests:   # execute() releases them itself when it runs
                 self.executor.release(plan.released_requests)
@@ -155,7 +155,7 @@ class EngineCore:
             if sink is not None:
                 sink(MFSError(message))
 
-    def _copy_tiers(self, plan: StepPlan) -> StepPlan:
+    def copy_tiers(self, plan: StepPlan) -> StepPlan:
         """Saves evicted pages to the host/disk tiers and loads tier hits, before the step overwrites them."""
         if self.tiers is None:
             return plan
