@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve import gateway_headers
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
 from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
@@ -37,6 +39,7 @@ class ServerSettings:
     request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
     max_body_bytes: int = 4 * 2**20
     grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
+    node_name: str | None = None               # sent as X-MFS-Node on every response (fleet: which replica)
 
 
 @dataclass(slots=True)
@@ -92,7 +95,9 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
         if edge.draining:
             raise EngineUnavailableError("server is shutting down")
         body = await _read_json(request, settings.max_body_bytes)
-        session_id = request.headers.get("x-session-id") or None
+        # Behind the fleet gateway the session arrives as its routing key and dropped body fields as headers.
+        body = gateway_headers.restore_lifted(body, request.headers)
+        session_id = gateway_headers.replica_session_id(request.headers)
         parsed = parse_request(kind, body, tokenizer=tokenizer, family=family, session_id=session_id)
         gen = Generation(edge, parsed, IncrementalDecoder(tokenizer, parsed.stop_strings))
         try:
@@ -143,7 +148,8 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
 
     app.include_router(v1)
     _install_error_handlers(app)
-    app.add_middleware(_ResponseCounter, metrics=edge.metrics)
+    app.add_middleware(_ResponseCounter, metrics=edge.metrics, node_name=settings.node_name,
+                       boot_id=uuid.uuid4().hex[:12])
     return app
 
 
@@ -191,10 +197,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _ResponseCounter:
-    """Pure ASGI middleware (no body buffering, so SSE and disconnects pass through): counts statuses."""
+    """Pure ASGI middleware (no body buffering, so SSE and disconnects pass through): counts statuses and
+    names the node (X-MFS-Node) so a client behind a gateway can tell which replica answered."""
 
-    def __init__(self, app, metrics: ServerMetrics):
+    def __init__(self, app, metrics: ServerMetrics, node_name: str | None = None, boot_id: str = ""):
         self.app, self.metrics = app, metrics
+        # X-MFS-Boot changes when the process restarts: same node name, cold cache (the fleet front reports it)
+        self.node_headers = [(gateway_headers.NODE_HEADER.encode(), node_name.encode()),
+                             (gateway_headers.BOOT_HEADER.encode(), boot_id.encode())] if node_name else []
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -205,6 +215,8 @@ class _ResponseCounter:
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.count_response(route, message["status"])
+                if self.node_headers:
+                    message = {**message, "headers": [*message.get("headers", []), *self.node_headers]}
             await send(message)
         await self.app(scope, receive, counting_send)
 
@@ -229,6 +241,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--triton-url", help="Triton gRPC HOST:PORT for --engine triton")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM grace period for in-flight requests")
+    parser.add_argument("--node-name", help="name sent as X-MFS-Node on every response (default HOST:PORT)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -246,7 +259,7 @@ def main(args) -> int:
         print(f"mfs serve: {exc}")
         return 2
     settings = ServerSettings(api_key=args.api_key, request_timeout_s=config.scheduler.request_timeout_s,
-                              grace_s=args.grace_s)
+                              grace_s=args.grace_s, node_name=args.node_name or f"{args.host}:{args.port}")
     app = create_app(engine, engine.tokenizer, engine.family, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=int(args.grace_s) + 5, lifespan="on"))
