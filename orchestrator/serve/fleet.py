@@ -220,7 +220,8 @@ async def wait_workers_healthy(gateway_urls: list[str], num_workers: int, timeou
                 await asyncio.sleep(0.5)
 
 
-async def supervise(children: list[Child], restart_delay_s: float | None, stopping: asyncio.Event) -> None:
+async def supervise(children: list[Child], restart_delay_s: float | None, stopping: asyncio.Event,
+                    on_restart=lambda: None) -> None:
     """Restarts a child that died (the gateway takes a dead replica out and puts it back when healthy)."""
     while not stopping.is_set():
         now = time.monotonic()
@@ -235,6 +236,7 @@ async def supervise(children: list[Child], restart_delay_s: float | None, stoppi
                 child.num_restarts += 1
                 log.warning("%s: restart %d", child.name, child.num_restarts)
                 child.start()
+                on_restart()
         try:
             await asyncio.wait_for(stopping.wait(), timeout=0.5)
         except asyncio.TimeoutError:
@@ -258,7 +260,9 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) ->
         await wait_healthy(list(plan.gateways.values()), args.startup_timeout_s)
         if plan.replicas:                   # ours are up: the gateways must have taken them all in
             await wait_workers_healthy(list(plan.gateway_urls.values()), len(plan.replicas), args.startup_timeout_s)
-        (log_dir / "fleet.json").write_text(json.dumps(plan.describe(), indent=1))
+        def write_plan() -> None:          # fleet.json: URLs and current pids (rewritten on every restart)
+            (log_dir / "fleet.json").write_text(json.dumps(plan.describe(), indent=1))
+        write_plan()
         print(f"mfs fleet: http://{args.host}:{args.port}  ({len(plan.worker_urls)} replicas, policy {args.policy}; "
               f"Ctrl+C stops all)", flush=True)
         for url in plan.worker_urls:
@@ -267,7 +271,7 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) ->
             print(f"  gateway {name} {url}  (metrics {plan.gateway_metrics_urls[name]})", flush=True)
         print(f"  logs {log_dir}", flush=True)
         restart_delay_s = None if args.restart_delay_s < 0 else args.restart_delay_s
-        watcher = asyncio.ensure_future(supervise(children, restart_delay_s, stopping))
+        watcher = asyncio.ensure_future(supervise(children, restart_delay_s, stopping, write_plan))
         await server.serve()
         stopping.set()
         await watcher

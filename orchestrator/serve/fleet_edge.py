@@ -50,7 +50,7 @@ class FleetFront:
     def __init__(self, settings: FrontSettings):
         self.settings = settings
         self.client: httpx.AsyncClient | None = None
-        self.session_nodes: OrderedDict[str, str] = OrderedDict()
+        self.session_nodes: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self.registry = CollectorRegistry()
         self.requests = Counter("mfs_fleet_requests", "generation requests forwarded, by gateway and status",
                                 ["gateway", "status"], registry=self.registry)
@@ -142,27 +142,27 @@ class FleetFront:
         finally:
             await response.aclose()
 
-    def _note_node(self, session: str | None, node: str | None) -> str | None:
-        """Remembers the session's node (name#boot); returns the previous one when it changed: the session moved,
-    or its node restarted; either way its prefix cache is cold there."""
+    def _note_node(self, session: str | None, node: tuple[str, str] | None) -> str | None:
+        """Remembers the session's node (name, boot); when it changed returns what to report: the previous
+        node's name, or "NAME (restarted)" when the same node came back; either way its cache there is cold."""
         if session is None or node is None:
             return None
         previous = self.session_nodes.pop(session, None)
         self.session_nodes[session] = node
         while len(self.session_nodes) > MAX_TRACKED_SESSIONS:
             self.session_nodes.popitem(last=False)
-        if previous is not None and previous != node:
-            self.moves.inc()
-            log.warning("session %r moved from node %s to %s: its prefix cache there is cold", session, previous, node)
-            return previous
-        return None
+        if previous is None or previous == node:
+            return None
+        self.moves.inc()
+        moved_from = previous[0] if previous[0] != node[0] else f"{previous[0]} (restarted)"
+        log.warning("session %r moved from node %s to %s: its prefix cache there is cold", session, moved_from, node[0])
+        return moved_from
 
     async def _relay(self, response: httpx.Response, session: str | None, receive, send) -> None:
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.multi_items()
                    if k.lower() not in _HOP_BY_HOP or k.lower() == "content-length"]
-        node = response.headers.get(gh.NODE_HEADER)
-        if node is not None:
-            node = f"{node}#{response.headers.get(gh.BOOT_HEADER, '')}"
+        name = response.headers.get(gh.NODE_HEADER)
+        node = (name, response.headers.get(gh.BOOT_HEADER, "")) if name is not None else None
         moved_from = self._note_node(session, node) if response.is_success else None
         if moved_from is not None:
             headers.append((b"x-mfs-session-moved", moved_from.encode("latin-1")))
