@@ -1,6 +1,6 @@
 """`mfs fleet`: many `mfs serve` replicas behind the SGLang Model Gateway (sglang-router), one URL in front.
 
-  mfs fleet up --replicas N [--config FILE] [--policy sticky|cache_aware] [--port 8000]
+  mfs fleet up --replicas N [--config FILE] [--policy sticky|cache_aware|round_robin] [--port 8000]
   mfs fleet --worker-urls URL [URL ...] [--policy ...] [--port 8000]      (replicas started elsewhere)
 
 This module owns the processes: it starts the replicas (`up` only), the gateway(s) and the fleet front
@@ -35,7 +35,7 @@ import uvicorn
 from orchestrator.serve.fleet_edge import FleetFront, FrontSettings
 
 log = logging.getLogger("mfs.fleet")
-POLICIES = ("sticky", "cache_aware")
+POLICIES = ("sticky", "cache_aware", "round_robin")   # round_robin: a cache-blind baseline for comparisons
 MISSING_GATEWAY = ("mfs fleet: the SGLang Model Gateway is not installed; "
                    "`pip install 'mfs[fleet]'` (package sglang-router)")
 
@@ -93,7 +93,7 @@ class FleetPlan:
     front_port: int
     worker_urls: list[str]
     replicas: list[Child] = field(default_factory=list)
-    gateways: dict[str, Child] = field(default_factory=dict)        # "cache_aware" / "sticky"
+    gateways: dict[str, Child] = field(default_factory=dict)        # by policy: cache_aware/round_robin, sticky
     gateway_urls: dict[str, str] = field(default_factory=dict)
     gateway_metrics_urls: dict[str, str] = field(default_factory=dict)
 
@@ -143,7 +143,7 @@ def gateway_command(args: argparse.Namespace, port: int, metrics_port: int, poli
     if policy == "sticky":   # a new session goes to the replica with the fewest requests in flight
         cmd += ["--policy", "manual", "--assignment-mode", "min_load"]
     else:
-        cmd += ["--policy", "cache_aware"]
+        cmd += ["--policy", policy]
     return cmd
 
 
@@ -169,7 +169,7 @@ def plan_fleet(args: argparse.Namespace, log_dir: Path) -> FleetPlan:
         for i in range(num_replicas):
             plan.replicas.append(Child(f"replica-{i + 1}", replica_command(args, port + 1 + i),
                                        log_dir / f"replica-{i + 1}.log", f"{worker_urls[i]}/health"))
-    policies = ["cache_aware"] + (["sticky"] if args.policy == "sticky" else [])
+    policies = ["cache_aware", "sticky"] if args.policy == "sticky" else [args.policy]
     for j, policy in enumerate(policies):
         gw_port, metrics_port = port + num_replicas + 1 + j, port + num_replicas + 3 + j
         plan.gateway_urls[policy] = f"http://{host}:{gw_port}"
@@ -244,7 +244,8 @@ async def supervise(children: list[Child], restart_delay_s: float | None, stoppi
 
 
 async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) -> int:
-    front = FleetFront(FrontSettings(cache_gateway_url=plan.gateway_urls["cache_aware"],
+    keyless = next(iter(plan.gateway_urls))
+    front = FleetFront(FrontSettings(keyless_gateway_url=plan.gateway_urls[keyless], keyless_gateway_name=keyless,
                                      sticky_gateway_url=plan.gateway_urls.get("sticky"),
                                      worker_urls=tuple(plan.worker_urls), request_timeout_s=args.request_timeout_s))
     server = uvicorn.Server(uvicorn.Config(front, host=args.host, port=args.port, log_level="warning",
@@ -293,7 +294,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", help="family for each replica (default: config)")
     parser.add_argument("--policy", choices=POLICIES, default="sticky",
                         help="sticky: sessions pinned to a replica, the rest cache-aware (default); "
-                             "cache_aware: every request by the gateway's prefix tree")
+                             "cache_aware: every request by the gateway's prefix tree; "
+                             "round_robin: cache-blind, a baseline for comparisons")
     parser.add_argument("--host", default="127.0.0.1", help="bind address of every process (default loopback)")
     parser.add_argument("--port", type=int, default=8000, help="front port; the others follow it (default 8000)")
     parser.add_argument("--api-key", help="replicas require 'Authorization: Bearer KEY' (the gateway forwards it)")

@@ -32,9 +32,10 @@ MAX_TRACKED_SESSIONS = 100_000              # last node per session, LRU: bounds
 
 @dataclass(frozen=True, slots=True)
 class FrontSettings:
-    cache_gateway_url: str                  # cache_aware policy: keyless requests (all requests without a sticky one)
+    keyless_gateway_url: str                # requests without a session (all requests when there is no sticky one)
     sticky_gateway_url: str | None          # manual policy: requests with a session key
     worker_urls: tuple[str, ...]            # the replicas, for /v1/models
+    keyless_gateway_name: str = "cache_aware"   # its policy: cache_aware, or round_robin (a baseline)
     request_timeout_s: float = 600.0        # whole generation; the gateway and replicas have their own too
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 4 * 2**20
@@ -119,8 +120,8 @@ class FleetFront:
         if session is not None:
             out[gh.ROUTING_KEY_HEADER] = gh.routing_key(session)
         sticky = session is not None and self.settings.sticky_gateway_url is not None
-        gateway = "sticky" if sticky else "cache_aware"
-        base = self.settings.sticky_gateway_url if sticky else self.settings.cache_gateway_url
+        gateway = "sticky" if sticky else self.settings.keyless_gateway_name
+        base = self.settings.sticky_gateway_url if sticky else self.settings.keyless_gateway_url
         query = scope.get("query_string", b"").decode("latin-1")
         url = f"{base}{scope['path']}" + (f"?{query}" if query else "")
         client = self._client()
@@ -215,7 +216,7 @@ class FleetFront:
         return _error(503, "no replica answered /v1/models", "service_unavailable")
 
     async def _gateway_workers(self) -> dict:
-        gateways = {"cache_aware": self.settings.cache_gateway_url}
+        gateways = {self.settings.keyless_gateway_name: self.settings.keyless_gateway_url}
         if self.settings.sticky_gateway_url is not None:
             gateways["sticky"] = self.settings.sticky_gateway_url
         out: dict = {}
