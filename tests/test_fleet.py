@@ -284,3 +284,37 @@ def test_replica_lost_mid_run_later_requests_answered_and_it_comes_back(fleet):
     assert (node3, moved) == (victim, survivor) and back.usage.prompt_tokens_details.cached_tokens == 0
     metrics = httpx.get(fleet["front"] + "/metrics", timeout=5).text
     assert "mfs_fleet_lost_streams_total 1.0" in metrics
+
+
+def test_streams_pass_through_and_a_client_that_leaves_frees_its_pages(fleet):
+    front, client = fleet["front"], client_for(fleet["front"])
+    prompt = "Streaming: a short note about rivers, bridges and the people who cross them every day."
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                                            extra_headers={"X-Session-ID": "stream-1"}))
+    assert chunks[-1].usage.completion_tokens == 12               # complete, no error event appended
+
+    def cancelled(node: str) -> float:
+        text = httpx.get(node_url(node) + "/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("mfs_requests_total{") and 'outcome="cancelled"' in line)
+
+    def idle(node: str) -> bool:
+        stats = httpx.get(node_url(node) + "/v1/stats", timeout=5).json()
+        return stats["pages"]["by_state"]["used"] == 0 and not any(stats["running"].values()) \
+            and not any(stats["waiting"].values())
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 900, "ignore_eos": True}
+    node = chat(client, "leaver", [{"role": "user", "content": "Where am I?"}], 1)[1]    # the session's replica
+    before = cancelled(node)
+    with httpx.stream("POST", front + "/v1/completions", json={**body, "stream": True},
+                      headers={"X-Session-ID": "leaver"}, timeout=60) as response:
+        assert response.headers["x-mfs-node"] == node
+        lines = response.iter_lines()
+        for _ in range(40):                          # 20 tokens of 900 (one blank line after each event)
+            next(lines)
+    # The client left mid-answer: the front closes its upstream, the gateway its, the replica aborts the request.
+    wait_for(lambda: cancelled(node) == before + 1 and idle(node), 30, "the left stream to be cancelled")
+    # A non-streamed request whose client gives up (read timeout) is cancelled down to the replica too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(front + "/v1/completions", json=body, headers={"X-Session-ID": "leaver"}, timeout=1.5)
+    wait_for(lambda: cancelled(node) == before + 2 and idle(node), 30, "the abandoned request to be cancelled")

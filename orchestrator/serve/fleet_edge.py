@@ -26,7 +26,8 @@ from orchestrator.serve import gateway_headers as gh
 log = logging.getLogger("mfs.fleet")
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
 _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-               "proxy-authenticate", "proxy-authorization", "trailer"}
+               "proxy-authenticate", "proxy-authorization", "trailer",
+               "date", "server"}              # the front's own server adds these to its responses
 MAX_TRACKED_SESSIONS = 100_000              # last node per session, LRU: bounds the front's memory
 
 
@@ -125,23 +126,35 @@ class FleetFront:
         query = scope.get("query_string", b"").decode("latin-1")
         url = f"{base}{scope['path']}" + (f"?{query}" if query else "")
         client = self._client()
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        sending = asyncio.ensure_future(client.send(client.build_request("POST", url, headers=out, content=bytes(body)),
+                                                    stream=True))
         try:
-            response = await client.send(client.build_request("POST", url, headers=out, content=bytes(body)),
-                                         stream=True)
-        except httpx.TimeoutException:
-            self.requests.labels(gateway, "504").inc()
-            await self._reply(send, *_error(504, f"the {gateway} gateway did not answer in time", "timeout"))
-            return
-        except httpx.HTTPError as exc:
-            self.requests.labels(gateway, "502").inc()
-            await self._reply(send, *_error(502, f"the {gateway} gateway is unreachable ({type(exc).__name__})",
-                                            "gateway_unavailable"))
-            return
-        self.requests.labels(gateway, str(response.status_code)).inc()
-        try:
-            await self._relay(response, session, receive, send)
+            # A non-streamed answer's headers come only when it is complete: a client that leaves meanwhile must
+            # cancel it (closing the upstream connection makes the gateway drop it and the replica abort it).
+            await asyncio.wait({sending, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                sending.cancel()
+                self.requests.labels(gateway, "499").inc()
+                return
+            try:
+                response = sending.result()
+            except httpx.TimeoutException:
+                self.requests.labels(gateway, "504").inc()
+                await self._reply(send, *_error(504, f"the {gateway} gateway did not answer in time", "timeout"))
+                return
+            except httpx.HTTPError as exc:
+                self.requests.labels(gateway, "502").inc()
+                await self._reply(send, *_error(502, f"the {gateway} gateway is unreachable "
+                                                f"({type(exc).__name__})", "gateway_unavailable"))
+                return
+            self.requests.labels(gateway, str(response.status_code)).inc()
+            try:
+                await self._relay(response, session, disconnect, send)
+            finally:
+                await response.aclose()
         finally:
-            await response.aclose()
+            disconnect.cancel()
 
     def _note_node(self, session: str | None, node: tuple[str, str] | None) -> str | None:
         """Remembers the session's node (name, boot); when it changed returns what to report: the previous
@@ -159,7 +172,8 @@ class FleetFront:
         log.warning("session %r moved from node %s to %s: its prefix cache there is cold", session, moved_from, node[0])
         return moved_from
 
-    async def _relay(self, response: httpx.Response, session: str | None, receive, send) -> None:
+    async def _relay(self, response: httpx.Response, session: str | None, disconnect: asyncio.Future,
+                     send) -> None:
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.multi_items()
                    if k.lower() not in _HOP_BY_HOP or k.lower() == "content-length"]
         name = response.headers.get(gh.NODE_HEADER)
@@ -171,37 +185,33 @@ class FleetFront:
         if is_sse:   # we may append an error event, so the length is not known in advance
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
         chunks = response.aiter_raw().__aiter__()
         tail, problem = b"", None
-        try:
-            while True:
-                step = asyncio.ensure_future(chunks.__anext__())
-                done, _ = await asyncio.wait({step, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-                if disconnect in done:          # client gone: closing the upstream makes the replica abort
-                    step.cancel()
-                    return
-                try:
-                    chunk = step.result()
-                except StopAsyncIteration:
-                    break
-                except httpx.HTTPError as exc:
-                    problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                    break
-                tail = (tail + chunk)[-64:]
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if is_sse and response.is_success and b"[DONE]" not in tail:
-                # The stream ended without its terminator: the node (or the gateway) was lost mid-answer.
-                self.lost_streams.inc()
-                message = ("the node serving this request was lost mid-answer"
-                           + (f" ({problem})" if problem else "") + "; retry the request: another node will serve it")
-                event = {"error": {"message": message, "type": "node_lost", "param": None, "code": 502}}
-                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
-                            "more_body": True})
-                log.warning("stream for session %r cut: %s", session, problem or "ended without [DONE]")
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            disconnect.cancel()
+        while True:
+            step = asyncio.ensure_future(chunks.__anext__())
+            done, _ = await asyncio.wait({step, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if disconnect in done:          # client gone: closing the upstream makes the replica abort
+                step.cancel()
+                return
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                break
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                break
+            tail = (tail + chunk)[-64:]
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if is_sse and response.is_success and b"[DONE]" not in tail:
+            # The stream ended without its terminator: the node (or the gateway) was lost mid-answer.
+            self.lost_streams.inc()
+            message = ("the node serving this request was lost mid-answer"
+                       + (f" ({problem})" if problem else "") + "; retry the request: another node will serve it")
+            event = {"error": {"message": message, "type": "node_lost", "param": None, "code": 502}}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                        "more_body": True})
+            log.warning("stream for session %r cut: %s", session, problem or "ended without [DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ------------------------------------------------------------------ control routes
     async def _models(self) -> tuple[int, bytes]:
