@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator.core.config import load_config
 from orchestrator.core.family import dtype_bytes, load_family
+from orchestrator.serve.cli import main as cli_main
 from tests.fakes_serving import REPO, family_dir
 
 NUM_PORTS = 7                      # front, 2 replicas, 2 gateways, 2 gateway metrics endpoints
@@ -156,6 +157,25 @@ def expected_turn2_cached(config_path: Path, member: str, turn1_prompt_tokens: i
 
 def node_url(node: str) -> str:
     return f"http://{node}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fleet"], "give either `up --replicas N` or `--worker-urls"),
+    (["fleet", "up", "--worker-urls", "http://127.0.0.1:1"], "give either"),
+    (["fleet", "up", "--replicas", "0"], "--replicas must be >= 1"),
+])
+def test_fleet_command_line_errors(argv, message, capsys):
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fleet_refuses_busy_ports(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1]
+        assert cli_main(["fleet", "up", "--replicas", "1", "--port", str(port - 1)]) == 2   # port = replica 1's
+    err = capsys.readouterr().err
+    assert "are in use" in err and str(port) in err
 
 
 def test_models_through_the_front_list_the_family(fleet):
