@@ -25,9 +25,12 @@ from orchestrator.serve import gateway_headers as gh
 
 log = logging.getLogger("mfs.fleet")
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
-_HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-               "proxy-authenticate", "proxy-authorization", "trailer",
-               "date", "server"}              # the front's own server adds these to its responses
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-authenticate",
+               "proxy-authorization", "trailer"}
+# Not forwarded upstream: set by httpx, or (accept-encoding) so the stream arrives uncompressed and a cut one
+# can be detected and ended with an error event.
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", gh.ROUTING_KEY_HEADER}
+_NOT_RELAYED = _HOP_BY_HOP | {"date", "server"}   # the front's own server adds these to its responses
 MAX_TRACKED_SESSIONS = 100_000              # last node per session, LRU: bounds the front's memory
 
 
@@ -116,7 +119,8 @@ class FleetFront:
         except ValueError:
             parsed = None                       # forwarded as is: the replica names the problem
         session = gh.session_key(headers, parsed)
-        out = {k: v for k, v in headers.items() if k not in _HOP_BY_HOP and k != gh.ROUTING_KEY_HEADER}
+        out = {k: v for k, v in headers.items() if k not in _NOT_FORWARDED}
+        out["accept-encoding"] = "identity"     # else httpx asks for gzip
         out.update(gh.lifted_headers(parsed))
         if session is not None:
             out[gh.ROUTING_KEY_HEADER] = gh.routing_key(session)
@@ -175,7 +179,7 @@ class FleetFront:
     async def _relay(self, response: httpx.Response, session: str | None, disconnect: asyncio.Future,
                      send) -> None:
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.multi_items()
-                   if k.lower() not in _HOP_BY_HOP or k.lower() == "content-length"]
+                   if k.lower() not in _NOT_RELAYED]
         name = response.headers.get(gh.NODE_HEADER)
         node = (name, response.headers.get(gh.BOOT_HEADER, "")) if name is not None else None
         moved_from = self._note_node(session, node) if response.is_success else None
