@@ -282,6 +282,8 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) ->
         return 1
     finally:
         stopping.set()
+        for sig in (signal.SIGTERM, signal.SIGINT):   # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         for child in reversed(children):    # gateways first: no new requests reach replicas that are stopping
             child.stop(args.grace_s)
 

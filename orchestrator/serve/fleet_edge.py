@@ -3,7 +3,7 @@
 It makes no routing decision of its own; the gateway picks the replica. What it adds (see gateway_headers for
 why each is needed with sglang-router 0.3.x):
 - the MFS session (`X-Session-ID`, else the body's `user`) becomes the gateway's routing key; keyed requests go to
-  the sticky gateway (manual policy), keyless ones to the cache-aware gateway;
+  the sticky gateway (manual policy), keyless ones to the cache-aware one (or round-robin, as a baseline);
 - body fields the gateway drops (`cache_salt`, `mfs_profile`) travel as headers;
 - `/v1/models` is answered by a replica (the gateway's own list says "unknown");
 - a node lost under an open stream ends that stream with an SSE error event, not a silent truncation;
