@@ -140,7 +140,8 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     same = sum(node_of[(r["session"], r["turn"] - 1)] == r["node"] for r in later)
     latencies = sorted(r["latency_s"] for r in records)
     return {"num_requests": len(records), "wall_s": wall_s,
-            "hit_rate_turns_2plus": sum(r["cached_tokens"] for r in later) / max(1, sum(r["prompt_tokens"] for r in later)),
+            "hit_rate_turns_2plus": sum(r["cached_tokens"] for r in later)
+            / max(1, sum(r["prompt_tokens"] for r in later)),
             "same_node_turns_2plus": same / max(1, len(later)),
             "latency_mean_s": statistics.fmean(latencies), "latency_p50_s": latencies[len(latencies) // 2],
             "latency_p90_s": latencies[int(0.9 * (len(latencies) - 1))],
@@ -158,7 +159,8 @@ def hop_overhead(plan: dict) -> dict:
             direct_s.append(post(client, f"http://{node}", "overhead", messages, 1)["latency_s"])
     diffs = sorted(f - d for f, d in zip(front_s, direct_s))
     return {"num_pairs": NUM_OVERHEAD_PAIRS, "direct_median_ms": 1e3 * statistics.median(direct_s),
-            "front_median_ms": 1e3 * statistics.median(front_s), "paired_diff_median_ms": 1e3 * statistics.median(diffs)}
+            "front_median_ms": 1e3 * statistics.median(front_s),
+            "paired_diff_median_ms": 1e3 * statistics.median(diffs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "hop_overhead" in run:
                     h = run["hop_overhead"]
                     print(f"  front + gateway hops: direct median {h['direct_median_ms']:.1f} ms, through the front "
-                          f"{h['front_median_ms']:.1f} ms, paired difference median {h['paired_diff_median_ms']:.1f} ms "
+                          f"{h['front_median_ms']:.1f} ms, paired difference median "
+                          f"{h['paired_diff_median_ms']:.1f} ms "
                           f"over {h['num_pairs']} pairs", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -63,17 +63,20 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM to the child's whole process group; SIGKILL to the group if it outlives grace_s."""
+    def terminate(self) -> None:
+        """SIGTERM to the child's whole process group (its graceful path)."""
+        if self.proc is not None and self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+
+    def reap(self, deadline_s: float) -> None:
+        """Waits for the child until deadline_s (monotonic), then SIGKILL to its group (whatever is left)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s ignored SIGTERM for %.0f s: SIGKILL", self.name, grace_s)
-        _signal_group(self.proc.pid, signal.SIGKILL)   # whatever the leader left behind in its group
+        try:
+            self.proc.wait(timeout=max(0.0, deadline_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s outlived its SIGTERM grace: SIGKILL", self.name)
+        _signal_group(self.proc.pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -84,6 +87,16 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         except OSError:
             return ""
+
+
+def stop_all(groups: list[list[Child]], grace_s: float) -> None:
+    """Group by group (gateways first, so no new request reaches a stopping replica), in parallel inside a group."""
+    for group in groups:
+        for child in group:
+            child.terminate()
+        deadline_s = time.monotonic() + grace_s
+        for child in group:
+            child.reap(deadline_s)
 
 
 @dataclass(slots=True)
@@ -284,8 +297,7 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) ->
         stopping.set()
         for sig in (signal.SIGTERM, signal.SIGINT):   # a second Ctrl-C must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
-        for child in reversed(children):    # gateways first: no new requests reach replicas that are stopping
-            child.stop(args.grace_s)
+        stop_all([list(plan.gateways.values()), plan.replicas], args.grace_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
