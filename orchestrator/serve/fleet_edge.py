@@ -87,7 +87,8 @@ class FleetFront:
         if method == "POST" and path in GENERATE_PATHS:
             await self._generate(scope, receive, send)
         elif method == "GET" and path == "/v1/models":
-            await self._reply(send, *await self._models())
+            auth = dict(scope["headers"]).get(b"authorization")
+            await self._reply(send, *await self._models({"authorization": auth.decode("latin-1")} if auth else {}))
         elif method == "GET" and path == "/health":
             await self._reply(send, *await self._health())
         elif method == "GET" and path == "/fleet/workers":
@@ -218,15 +219,16 @@ class FleetFront:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ------------------------------------------------------------------ control routes
-    async def _models(self) -> tuple[int, bytes]:
-        """The family and its members, from the first replica that answers (the gateway hides them)."""
+    async def _models(self, headers: dict[str, str]) -> tuple[int, bytes]:
+        """The family and its members, from the first replica that answers (the gateway hides them). A replica's
+        refusal (401: no or wrong API key) is the answer; an unreachable one is skipped."""
         for url in self.settings.worker_urls:
             try:
-                response = await self._client().get(f"{url}/v1/models", timeout=2.0)
+                response = await self._client().get(f"{url}/v1/models", headers=headers, timeout=2.0)
             except httpx.HTTPError:
                 continue
-            if response.status_code == 200:
-                return 200, response.content
+            if response.status_code < 500:
+                return response.status_code, response.content
         return _error(503, "no replica answered /v1/models", "service_unavailable")
 
     async def _gateway_workers(self) -> dict:
