@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from eval.sharegpt import iter_conversations
+from orchestrator.sharegpt import iter_conversations
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_MESSAGE_CHARS = 240          # the tiny family's context is 1024 tokens: keep 3 turns of history inside it
