@@ -224,6 +224,35 @@ def test_user_field_is_the_session_and_cache_salt_survives_the_gateway(fleet):
     assert other.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_fleet_in_front_of_replicas_started_elsewhere(fleet, tmp_path):
+    """`mfs fleet --worker-urls`: gateways and front only; stopping it leaves the replicas it did not start."""
+    replicas = fleet["plan"]["replicas"]
+    port = free_port_block(5)                          # front, 2 gateways, 2 metrics endpoints
+    log_dir = tmp_path / "logs"
+    with (tmp_path / "out").open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.serve.cli", "fleet", "--worker-urls", *replicas,
+                                 "--port", str(port), "--log-dir", str(log_dir)],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: (log_dir / "fleet.json").exists() or proc.poll() is not None, 120, "fleet.json")
+        front = json.loads((log_dir / "fleet.json").read_text())["front"]
+        client = client_for(front)
+        messages = [{"role": "user", "content": f"Elsewhere: {TOPIC}."}]
+        first, node, _ = chat(client, "elsewhere", messages, TURN1_MAX_TOKENS)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And if it rains?"}]
+        second, node2, _ = chat(client, "elsewhere", messages, 4)
+        assert node2 == node and second.usage.prompt_tokens_details.cached_tokens == \
+            expected_turn2_cached(fleet["config"], first.model, first.usage.prompt_tokens)
+        assert wait_for(lambda: httpx.get(front + "/health", timeout=5).json()["healthy_workers"]
+                        == {"cache_aware": 2, "sticky": 2}, 30, "both replicas healthy")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    assert all(httpx.get(url + "/health", timeout=5).status_code == 200 for url in replicas)
+
+
 def test_replica_lost_mid_run_later_requests_answered_and_it_comes_back(fleet):
     client = client_for(fleet["front"])
     replicas = fleet["plan"]["replicas"]
