@@ -339,14 +339,19 @@ def main() -> None:
     st.sidebar.title("MFS dashboard")
     mode = st.sidebar.radio("Mode", modes, index=1 if results_default and not server_default else 0, key="mode")
     if mode == "Live":
-        server_url = st.sidebar.text_input("Server URL", value=server_default, key="server_url",
-                                           placeholder="http://127.0.0.1:8000")
+        server_text = st.sidebar.text_input("Server URL(s)", value=server_default, key="server_url",
+                                            placeholder="http://127.0.0.1:8000",
+                                            help="Several nodes of a fleet: comma-separated; pick one below.")
+        nodes = data.split_urls(server_text)
+        server_url = nodes[0] if nodes else ""
+        if len(nodes) > 1:  # a fleet: /metrics and /v1/stats are per replica, so the charts show one node
+            server_url = st.sidebar.selectbox("Node", nodes, key="node")
         refresh_s = st.sidebar.slider("Refresh interval (s)", min_value=1, max_value=60, value=5, key="refresh_s")
         # free pages usually dwarf the rest: hidden by default so used/cached stay readable
         include_free = st.sidebar.checkbox("KV chart: include free pages", value=False, key="include_free")
         if st.sidebar.button("Clear history"):
             st.session_state.pop("live", None)
-        guarded(render_live, server_url.strip(), refresh_s, include_free)
+        guarded(render_live, server_url, refresh_s, include_free)
     else:
         results_path = st.sidebar.text_input("Results file", value=results_default, key="results_path",
                                              placeholder="results.json")

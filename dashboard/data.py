@@ -127,6 +127,15 @@ def normalize_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
+def split_urls(text: str) -> list[str]:
+    """Several nodes (fleet replicas) in one field: comma- or space-separated, order kept, duplicates dropped."""
+    urls: list[str] = []
+    for part in text.replace(",", " ").split():
+        if part not in urls:
+            urls.append(part)
+    return urls
+
+
 def fetch_poll(server_url: str, now_s: float, timeout_s: float = 3.0) -> Poll:
     """GET /metrics (required) and /v1/stats (optional: its failure becomes a warning)."""
     base = normalize_url(server_url)

@@ -1,4 +1,4 @@
-"""`mfs dashboard [--server URL] [--results FILE] [--port P]`: run the Streamlit app in a child process."""
+"""`mfs dashboard [--server URL[,URL...]] [--results FILE] [--port P]`: run the Streamlit app in a child process."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ APP_PATH = Path(__file__).with_name("app.py")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", help="MFS server base URL for live mode (default: $MFS_SERVER_URL)")
+    parser.add_argument("--server", help="MFS server base URL for live mode (default: $MFS_SERVER_URL); "
+                                         "several fleet replicas comma-separated give a node selector")
     parser.add_argument("--results", help="`mfs bench` results JSON for results mode")
     parser.add_argument("--port", type=int, default=8501, help="dashboard port (default 8501)")
     parser.add_argument("--address", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")

@@ -246,3 +246,23 @@ def test_live_mode_before_any_request(stand_in, monkeypatch):
     assert not at.error
     infos = " ".join(texts(at.info))
     assert "No data yet" in infos and "No routing decisions yet" in infos
+
+
+def test_node_selector_for_a_fleet(monkeypatch):
+    first, second = StandInServer(), StandInServer()
+    try:
+        for _ in range(2):
+            first.fake_request()
+        for _ in range(5):
+            second.fake_request()
+        monkeypatch.setenv("MFS_SERVER_URL", f"{first.url}, {second.url}")
+        at = run_app()
+        assert not at.error, texts(at.error)
+        assert at.sidebar.selectbox(key="node").options == [first.url, second.url]
+        assert {m.label: m.value for m in at.metric}["Requests"] == "2"        # the first node by default
+        at.sidebar.selectbox(key="node").set_value(second.url).run()
+        assert not at.exception and not at.error
+        assert {m.label: m.value for m in at.metric}["Requests"] == "5"        # its own counters, not a sum
+    finally:
+        first.close()
+        second.close()

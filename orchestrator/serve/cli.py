@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "demo": ("eval.demo", "replay a short ShareGPT multi-turn set through the tiny family and print a table"),
     "triton-up": ("engines.triton.server_process", "start a real Triton Inference Server on a model repository"),
     "dashboard": ("dashboard.launch", "Streamlit latency and hit-rate dashboard"),
+    "fleet": ("orchestrator.serve.fleet", "many `mfs serve` replicas behind the SGLang Model Gateway"),
 }
 
 

@@ -22,6 +22,7 @@ class ServerSettings:
     request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
     max_body_bytes: int = 4 * 2**20
     grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
+    node_name: str | None = None               # sent as X-MFS-Node on every response (fleet: which replica)
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import time
+import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve import gateway_headers
 from orchestrator.serve.edge import Edge, ServerSettings
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
@@ -39,7 +41,8 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
     app.include_router(_v1_routes(edge, created_s=int(time.time())))
     _add_probe_routes(app, edge)
     _install_error_handlers(app)
-    app.add_middleware(_ResponseCounter, metrics=edge.metrics)
+    app.add_middleware(_ResponseCounter, metrics=edge.metrics, node_name=settings.node_name,
+                       boot_id=uuid.uuid4().hex[:12])
     return app
 
 
@@ -109,7 +112,9 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     if edge.draining:
         raise EngineUnavailableError("server is shutting down")
     body = await _read_json(request, edge.settings.max_body_bytes)
-    session_id = request.headers.get("x-session-id") or None
+    # Behind the fleet gateway the session arrives as its routing key and dropped body fields as headers.
+    body = gateway_headers.restore_lifted(body, request.headers)
+    session_id = gateway_headers.replica_session_id(request.headers)
     parsed = parse_request(kind, body, tokenizer=edge.tokenizer, family=edge.family, session_id=session_id)
     gen = Generation(edge, parsed, IncrementalDecoder(edge.tokenizer, parsed.stop_strings))
     try:
@@ -177,10 +182,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _ResponseCounter:
-    """Pure ASGI middleware (no body buffering, so SSE and disconnects pass through): counts statuses."""
+    """Pure ASGI middleware (no body buffering, so SSE and disconnects pass through): counts statuses and
+    names the node (X-MFS-Node) so a client behind a gateway can tell which replica answered."""
 
-    def __init__(self, app, metrics: ServerMetrics):
+    def __init__(self, app, metrics: ServerMetrics, node_name: str | None = None, boot_id: str = ""):
         self.app, self.metrics = app, metrics
+        # X-MFS-Boot changes when the process restarts: same node name, cold cache (the fleet front reports it)
+        self.node_headers = [(gateway_headers.NODE_HEADER.encode(), node_name.encode()),
+                             (gateway_headers.BOOT_HEADER.encode(), boot_id.encode())] if node_name else []
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -191,6 +200,8 @@ class _ResponseCounter:
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.count_response(route, message["status"])
+                if self.node_headers:
+                    message = {**message, "headers": [*message.get("headers", []), *self.node_headers]}
             await send(message)
         await self.app(scope, receive, counting_send)
 
@@ -215,6 +226,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--triton-url", help="Triton gRPC HOST:PORT for --engine triton")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM grace period for in-flight requests")
+    parser.add_argument("--node-name", help="name sent as X-MFS-Node on every response (default HOST:PORT)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -232,7 +244,7 @@ def main(args) -> int:
         print(f"mfs serve: {exc}")
         return 2
     settings = ServerSettings(api_key=args.api_key, request_timeout_s=config.scheduler.request_timeout_s,
-                              grace_s=args.grace_s)
+                              grace_s=args.grace_s, node_name=args.node_name or f"{args.host}:{args.port}")
     app = create_app(engine, engine.tokenizer, engine.family, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=int(args.grace_s) + 5, lifespan="on"))
