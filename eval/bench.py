@@ -15,7 +15,9 @@ from typing import Any
 import yaml
 
 from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
-from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, format_curve, parse_rates, summarize_curve
+from eval.baseline_split import choose_baseline_split
+from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
+from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
 from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, mean, pages_timeline, paired_token_latency,
                                reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
@@ -205,49 +207,6 @@ def config_for(name: str, settings: BenchSettings, split: StaticSplit | None,
                          settings.extra_overrides, baseline_split)
 
 
-def choose_baseline_split(settings: BenchSettings, family: FamilySpec, trace: Trace, rates: tuple[float, ...],
-                          split: StaticSplit, progress=None) -> tuple[dict[str, float], dict[str, Any]]:
-    """The baseline's split and what the JSON says about it: `baseline_proportional` (the operator's default
-    split by weight bytes, run for real at the lightest rate: the pilot) and, for `search`, the search
-    (eval/split_search.py: every candidate split scored by a simulated replay of the trace with the pilot's
-    escalations and measured step costs)."""
-    from eval.split_search import SplitSimulator, search_report, search_split, sim_sessions
-    from eval.systems import pages_rule, proportional_split
-
-    proportional = proportional_split(family)
-    out: dict[str, Any] = {}
-    if settings.baseline_split == "traffic":
-        return split.fractions, out
-    config = config_for("baseline", settings, split, proportional)
-    if progress is not None:
-        progress.set_postfix_str(f"baseline_proportional @ {rates[0]:g}/s (pilot)")
-    on_done = (lambda _r: progress.update(1)) if progress is not None else None
-    records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rates[0]), on_done))
-    out["baseline_proportional"] = {"fractions": proportional, "rate": rates[0],
-                                    "rule": "each deployment's slice proportional to its member's weight bytes",
-                                    "metrics": {k: v for k, v in metrics.items() if k not in CURVE_DROP}}
-    if settings.baseline_split == "proportional":
-        return proportional, out
-    from orchestrator.core.router import Router
-
-    estimator = complexity_estimator(family_tokenizer(family))
-    router = Router(family, config.router)
-    pages_for_tokens, tokens_per_block = pages_rule(family, config, settings.kv_pages)
-    simulator = SplitSimulator(family.member_names, pages_for_tokens, settings.kv_pages,
-                               metrics["solo_decode_step_s"], {m: tokens_per_block(m) for m in family.member_names},
-                               max_running=config.scheduler.max_running_requests,
-                               max_batch_tokens=config.scheduler.max_batch_tokens,
-                               prefill_chunk_tokens=config.scheduler.prefill_chunk_tokens,
-                               reserve_blocks=config.pool.decode_reserve_blocks)
-    route = lambda ids: router.adequate_member(estimator.score(ids))  # noqa: E731 - complexity only, as the baseline
-    sessions = {rate: sim_sessions(trace.at_rate(rate), records, route) for rate in rates}
-    search = search_split(simulator, sessions, extra=[proportional, split.fractions])
-    out["baseline_split_search"] = search_report(search)
-    proportional_score = next((e["score_s"] for e in search["scored"] if e["split"] == proportional), None)
-    out["baseline_proportional"]["simulated_score_s"] = proportional_score
-    return search["best"], out
-
-
 def run_coroutine(coro):
     """asyncio.run, also from inside a running event loop (a Jupyter kernel): then on a fresh thread."""
     try:
@@ -415,64 +374,7 @@ def _progress(settings: BenchSettings, trace: Trace, num_rates: int = 1):
                 file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------- table and CLI
-TABLE_COLUMNS = (("mean_token_latency_s", "tok-lat ms", 1e3), ("ttft_p50_s", "ttft50 ms", 1e3),
-                 ("ttft_p99_s", "ttft99 ms", 1e3), ("tpot_p50_s", "tpot50 ms", 1e3), ("tpot_p99_s", "tpot99 ms", 1e3),
-                 ("e2e_p50_s", "e2e50 s", 1), ("throughput_tok_s", "tok/s", 1), ("prefix_hit_rate", "hit", 1),
-                 ("escalation_rate", "esc", 1), ("preemptions", "preempt", 1), ("num_requests", "reqs ok", 1),
-                 ("num_failed", "failed", 1), ("quality_mean_logprob", "quality", 1))
-
-
-def format_table(result: dict[str, Any]) -> str:
-    header = f"{'system':<18}" + "".join(f"{label:>11}" for _, label, _ in TABLE_COLUMNS)
-    lines = [header, "-" * len(header)]
-    for name, m in result["systems"].items():
-        cells = []
-        for key, _, scale in TABLE_COLUMNS:
-            value = m.get(key)
-            cells.append(f"{'-':>11}" if value is None else f"{value * scale:>11.3f}" if isinstance(value, float)
-                         else f"{value:>11}")
-        lines.append(f"{name:<18}" + "".join(cells))
-    red = result.get("reduction_mean_token_latency")
-    if red is not None:
-        lines.append(f"mean token latency reduction, mfs vs baseline: {red * 100:.1f}%")
-    floor_line = decode_floor_line(result)
-    if floor_line:
-        lines.append(floor_line)
-    failed = {name: m.get("num_failed") for name, m in result["systems"].items() if m.get("num_failed")}
-    if failed:
-        lines.append(f"requests refused or failed (left out of the latency figures): {failed}")
-        paired = paired_line(result)
-        if paired:
-            lines.append(paired)
-    curve = format_curve(result)
-    if curve:
-        lines += [f"(the rows above: the headline rate, {result.get('headline_rate'):g} sessions/s)", "", curve]
-    return "\n".join(lines)
-
-
-def decode_floor_line(result: dict[str, Any], name: str = "mfs") -> str | None:
-    """The decode floors and what they leave for `name`, in words; None when a figure is missing."""
-    systems = result["systems"]
-    ceiling = (result.get("reduction_ceiling") or {}).get(name)
-    floors = {n: systems[n].get("decode_floor_token_latency_s") for n in (name, "baseline") if n in systems}
-    if ceiling is None or None in floors.values():
-        return None
-    return (f"decode floor (each token one solo decode step of its member, no waiting): "
-            + ", ".join(f"{n} {v * 1e3:.2f}" for n, v in floors.items())
-            + f" ms/token; the most {name}'s token placement allows: a {ceiling * 100:.1f}% reduction")
-
-
-def paired_line(result: dict[str, Any], name: str = "mfs") -> str | None:
-    """`name` against the baseline over the requests both served, in words; None when there is no figure."""
-    paired = (result.get("paired_vs_baseline") or {}).get(name)
-    if not paired or paired.get("reduction_mean_token_latency") is None:
-        return None
-    return (f"over the {paired['num_requests']} requests both served: {paired['mean_token_latency_s'] * 1e3:.2f} vs "
-            f"{paired['baseline_mean_token_latency_s'] * 1e3:.2f} ms/token, "
-            f"reduction {paired['reduction_mean_token_latency'] * 100:.1f}%")
-
-
+# ----------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="multiturn")
     parser.add_argument("--rate", type=float, default=None,

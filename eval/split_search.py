@@ -16,9 +16,11 @@ SIMULATED (cost model, used only to rank splits; every figure it produces is lab
   recomputed on the target); skipped when the target slice cannot hold the request;
 - a session's next turn reuses the previous turn's prefix when it runs on the same member (no eviction).
 Score: the simulated mean token latency (mean over requests of e2e / output tokens), averaged over the
-curve's rates. Candidates: every split in steps of 1/GRID with each member at least 1/GRID, minus those
-that leave some request without its routed member or a larger one able to hold it (a split that sends
-traffic down to a smaller member trades quality for speed: not a candidate).
+curve's rates. Candidates: every split in steps of 1/GRID with each member at least 1/GRID (and the
+proportional and traffic splits), kept when every request fits the member it is routed to; only when no
+candidate allows that (memory too tight) are re-routes to a larger member allowed. Never down to a smaller
+member: that trades quality for speed. (Without the rule the search retires the small deployments: with
+deployments taking turns, one big deployment batching everything simulates faster.)
 """
 from __future__ import annotations
 
@@ -94,14 +96,19 @@ class SplitSimulator:
                 return name
         return None
 
-    def feasible(self, fractions: Mapping[str, float], sessions: Sequence[SimSession]) -> bool:
-        """Every request fits its routed member or a larger one: a split that sends traffic down to a smaller
-        member (less quality) is not one an operator would pick, however fast it looks."""
+    def feasible(self, fractions: Mapping[str, float], sessions: Sequence[SimSession], upward: bool = False) -> bool:
+        """Every request fits the member it is routed to (upward: or a larger one). A split that needs
+        re-routes for its own traffic retires a deployment rather than sizes it, and one that sends traffic
+        down to a smaller member trades quality for speed: neither is a split an operator would pick."""
         capacity = split_pages(self.num_pages, dict(fractions))
-        return all(self.members.index(self.placement(capacity, t.routed, t.prompt_tokens + t.max_tokens) or t.routed)
-                   >= self.members.index(t.routed)
-                   and self.placement(capacity, t.routed, t.prompt_tokens + t.max_tokens) is not None
-                   for s in sessions for t in s.turns)
+        for session in sessions:
+            for t in session.turns:
+                member = self.placement(capacity, t.routed, t.prompt_tokens + t.max_tokens)
+                if member is None or (member != t.routed and not upward):
+                    return False
+                if self.members.index(member) < self.members.index(t.routed):
+                    return False
+        return True
 
     def run(self, fractions: Mapping[str, float], sessions: Sequence[SimSession]) -> dict[str, Any]:
         capacity = split_pages(self.num_pages, dict(fractions))
@@ -242,13 +249,17 @@ def candidate_splits(members: Sequence[str], grid: int = GRID) -> list[dict[str,
 def search_split(simulator: SplitSimulator, sessions_by_rate: Mapping[float, Sequence[SimSession]],
                  grid: int = GRID, extra: Sequence[Mapping[str, float]] = ()) -> dict[str, Any]:
     """Scores every feasible candidate (and `extra` splits, e.g. the proportional one) on every rate;
-    returns the best and the whole search (simulated figures)."""
+    returns the best and the whole search (simulated figures). Feasible: every request fits its routed
+    member; when no candidate allows that (memory too tight), re-routes to a larger member are allowed."""
     any_sessions = next(iter(sessions_by_rate.values()))
     candidates = [dict(c) for c in (*candidate_splits(simulator.members, grid), *extra)]
+    rule = "every request fits the member it is routed to (no re-route)"
+    feasible = [c for c in candidates if simulator.feasible(c, any_sessions)]
+    if not feasible:
+        rule = "no split holds every request on its routed member: re-routes to a larger member allowed"
+        feasible = [c for c in candidates if simulator.feasible(c, any_sessions, upward=True)]
     scored = []
-    for split in candidates:
-        if not simulator.feasible(split, any_sessions):
-            continue
+    for split in feasible:
         per_rate = {rate: simulator.run(split, sessions) for rate, sessions in sessions_by_rate.items()}
         latencies = [r["mean_token_latency_s"] for r in per_rate.values() if r["mean_token_latency_s"] is not None]
         score = sum(latencies) / len(latencies) if latencies else float("inf")
@@ -257,7 +268,7 @@ def search_split(simulator: SplitSimulator, sessions_by_rate: Mapping[float, Seq
         raise ValueError("no split lets every request run on some deployment: give the bench more KV pages")
     scored.sort(key=lambda e: e["score_s"])
     return {"best": scored[0]["split"], "num_candidates": len(candidates), "num_feasible": len(scored),
-            "top": scored[:5], "worst": scored[-1], "grid": grid,
+            "feasibility_rule": rule, "top": scored[:5], "worst": scored[-1], "grid": grid,
             "objective": "simulated mean token latency, averaged over the curve's rates (lower is better)",
             "cost_model": (f"step of member m with n tokens = solo_decode_step_s[m] x (1 + (n - 1) / "
                            f"{PREFILL_TOKENS_PER_DECODE_STEP:g}); deployments take turns; see eval/split_search.py"),

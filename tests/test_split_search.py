@@ -70,8 +70,23 @@ def test_search_scores_every_feasible_candidate_and_returns_the_best():
     search = search_split(simulator(num_pages=100), {1.0: sessions}, grid=10)
     scores = [e["score_s"] for e in search["scored"]]
     assert scores == sorted(scores) and search["best"] == search["scored"][0]["split"]
-    # l's requests need 24 pages on l: splits giving l less (s at 0.8, 0.9) would send them down to s
+    # l's requests need 24 pages on l: splits giving l less (s at 0.8, 0.9) would need re-routes
     assert search["num_candidates"] == 9 and search["num_feasible"] == 7
+    assert search["feasibility_rule"].startswith("every request fits")
     assert {e["split"]["s"] for e in search["scored"]} == {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7}
     assert all(r["reroutes"] == 0 for e in search["scored"] for r in e["by_rate"].values())
     assert search["best"]["l"] > 0.5                  # the l-heavy traffic gets most of the pages
+
+
+def test_search_allows_upward_reroutes_only_when_no_split_holds_the_routed_traffic():
+    sim = simulator(num_pages=40)
+    # s's request (44 tokens) needs 11 pages on s or 22 on l; l's (64 tokens) 32 on l: no split of 40 pages
+    # holds both where routed (s >= 0.3 and l >= 0.8)
+    sessions = [one(40, 4, "s"), one(60, 4, "l", arrival=0.5)]
+    assert not any(sim.feasible(c, sessions) for c in candidate_splits(["s", "l"], grid=10))
+    search = search_split(sim, {1.0: sessions}, grid=10)
+    assert search["feasibility_rule"].startswith("no split holds")
+    # l needs 0.8 for its own request; s's request then goes up to l (never l's down to s)
+    assert [e["split"] for e in sorted(search["scored"], key=lambda e: e["split"]["s"])] == \
+        [{"s": 0.1, "l": 0.9}, {"s": 0.2, "l": 0.8}]
+    assert all(e["by_rate"]["1.0"]["reroutes"] == 1 for e in search["scored"])
