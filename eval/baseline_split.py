@@ -24,6 +24,11 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
     out: dict[str, Any] = {}
     if settings.baseline_split == "traffic":
         return split.fractions, out
+    if settings.baseline_split == "proportional":     # no pilot needed: the baseline itself runs on it
+        out["baseline_proportional"] = {"fractions": proportional, "rate": rates[0], "metrics": None,
+                                        "rule": "each deployment's slice proportional to its member's weight bytes",
+                                        "note": "the baseline ran on this split: its figures are the curve's"}
+        return proportional, out
     config = config_for("baseline", settings, split, proportional)
     if progress is not None:
         progress.set_postfix_str(f"baseline_proportional @ {rates[0]:g}/s (pilot)")
@@ -32,8 +37,6 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
     out["baseline_proportional"] = {"fractions": proportional, "rate": rates[0],
                                     "rule": "each deployment's slice proportional to its member's weight bytes",
                                     "metrics": {k: v for k, v in metrics.items() if k not in CURVE_DROP}}
-    if settings.baseline_split == "proportional":
-        return proportional, out
     from orchestrator.core.router import Router
 
     estimator = complexity_estimator(family_tokenizer(family))

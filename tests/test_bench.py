@@ -361,3 +361,21 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
         run("--trace", str(trace), "--out", str(second))
     with pytest.raises(SystemExit, match="positive"):
         run("--rates", "1,-2")
+
+
+def test_baseline_split_modes_without_a_pilot():
+    """traffic: the old traffic-share split; proportional: weight bytes, no pilot run (nothing is replayed)."""
+    from eval.baseline_split import choose_baseline_split
+    from eval.bench import BenchSettings
+    from eval.systems import StaticSplit, proportional_split
+    from orchestrator.core.family import load_family
+    from tests.test_workloads import family_dir
+
+    family = load_family(str(family_dir()))
+    traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
+    trace = Trace(spec=WorkloadSpec(num_sessions=1), sessions=[], arrival_times_s=[])   # never replayed here
+    split, about = choose_baseline_split(BenchSettings(baseline_split="traffic"), family, trace, (1.0,), traffic)
+    assert split == SPLIT and about == {}
+    split, about = choose_baseline_split(BenchSettings(baseline_split="proportional"), family, trace, (0.5, 1.0), traffic)
+    assert split == proportional_split(family)
+    assert about["baseline_proportional"]["metrics"] is None and about["baseline_proportional"]["rate"] == 0.5
