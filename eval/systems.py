@@ -149,7 +149,8 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
         floor[m.name] = max(MIN_SPLIT_FRACTION, (pages + 0.5) / num_pages)
     fractions, notes = apply_floors(share, floor)
     if sum(floor.values()) > 1.0:
-        notes.append(f"kv pages ({num_pages}) cannot give every member room for the longest request "
+        notes.append(f"traffic split (no_shared_pool, --baseline-split traffic): kv pages ({num_pages}) cannot "
+                     f"give every member room for the longest request "
                      f"({longest} tokens): split floors scaled down")
     return StaticSplit(fractions=fractions, traffic_share=share, requests_by_member=counts, notes=notes)
 
@@ -171,7 +172,7 @@ def apply_floors(share: dict[str, float], floor: dict[str, float]) -> tuple[dict
             break
         for m in below:
             fixed[m] = floor[m]
-            notes.append(f"static split: {m} raised from {share[m]:.3f} to its floor {floor[m]:.3f}")
+            notes.append(f"traffic split: {m} raised from {share[m]:.3f} to its floor {floor[m]:.3f}")
     fractions = {**fixed, **scaled}
     # Exact sum to 1 despite rounding: the config validator insists.
     largest = max(fractions, key=fractions.get)
