@@ -97,9 +97,10 @@ class SplitSimulator:
         return None
 
     def feasible(self, fractions: Mapping[str, float], sessions: Sequence[SimSession], upward: bool = False) -> bool:
-        """Every request fits the member it is routed to (upward: or a larger one). A split that needs
-        re-routes for its own traffic retires a deployment rather than sizes it, and one that sends traffic
-        down to a smaller member trades quality for speed: neither is a split an operator would pick."""
+        """Every request fits the member it is routed to (upward: or a larger one) and every member the pilot
+        escalated it to. A split that needs re-routes for its own traffic retires a deployment rather than
+        sizes it; one that sends traffic down to a smaller member, or leaves an escalation target too small,
+        trades quality for speed: none is a split an operator would pick."""
         capacity = split_pages(self.num_pages, dict(fractions))
         for session in sessions:
             for t in session.turns:
@@ -107,6 +108,10 @@ class SplitSimulator:
                 if member is None or (member != t.routed and not upward):
                     return False
                 if self.members.index(member) < self.members.index(t.routed):
+                    return False
+                # the pilot's escalation targets must hold it too: a split that makes escalations impossible
+                # would buy speed with quality
+                if any(not self.holds(capacity, m, t.prompt_tokens + t.max_tokens) for m, _ in t.spans[1:]):
                     return False
         return True
 

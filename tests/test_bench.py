@@ -242,6 +242,23 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     assert [r.tokens_by_member for r in s0] == [{"tiny-s": 3}, {"tiny-s": 2}]    # from the streamed spans
 
 
+def test_probe_skips_a_member_the_engine_refuses():
+    from eval.bench import probe_decode_step_s, warm_up
+    from orchestrator.core.errors import InvalidRequestError
+
+    class SmallSlice(FakeEngine):
+        async def generate(self, request):
+            if request.pinned_member == "tiny-l":
+                raise InvalidRequestError("request needs 32 KV pages on tiny-l; the pool can give it at most 25")
+            async for out in super().generate(request):
+                yield out
+
+    engine = SmallSlice()
+    asyncio.run(warm_up(engine, ["tiny-s", "tiny-l"], "w"))
+    steps = asyncio.run(probe_decode_step_s(engine, ["tiny-s", "tiny-l"], "p", tokens=4))
+    assert set(steps) == {"tiny-s"} and steps["tiny-s"] > 0     # tiny-l: no step cost, its floor reads n/a
+
+
 def test_replay_dataset_history_resends_the_dataset_prompt_and_closed_loop_ends_a_failed_session():
     from dataclasses import replace as dc_replace
 

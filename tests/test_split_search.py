@@ -51,7 +51,9 @@ def test_escalation_replays_the_pilot_spans_with_a_cold_handover():
     assert result["escalations"] == 1
     assert result["mean_token_latency_s"] == pytest.approx((1.1875 + 2.5 + 2.0) / 3)
     # an escalation whose target slice cannot hold the request is skipped: all three tokens on s
-    # (l's 4 pages cannot hold 8 + 3 tokens: 3 blocks x 2 layers)
+    # (l's 4 pages cannot hold 8 + 3 tokens: 3 blocks x 2 layers) - not a split the search would pick:
+    sessions = [one(8, 3, "s", spans=[("s", 1), ("l", 2)])]
+    assert not simulator().feasible({"s": 0.9, "l": 0.1}, sessions) and simulator().feasible({"s": 0.5, "l": 0.5}, sessions)
     skipped = simulator().run({"s": 0.9, "l": 0.1}, [one(8, 3, "s", spans=[("s", 1), ("l", 2)])])
     assert skipped["escalations"] == 0 and skipped["mean_token_latency_s"] == pytest.approx((1 + 7 / 16 + 2) / 3)
 
