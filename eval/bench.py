@@ -16,9 +16,10 @@ import yaml
 
 from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
 from eval.baseline_split import choose_baseline_split
+from eval.quality import add_quality as _add_quality, score_quality  # noqa: F401 (score_quality re-exported)
 from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
-from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, mean, pages_timeline, paired_token_latency,
+from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
                                reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
 from eval.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
@@ -137,44 +138,6 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
     metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(records, step_s)
     metrics["counters"] = counters
     return records, metrics
-
-
-# ----------------------------------------------------------------------------- quality
-_JUDGES: dict[tuple, Any] = {}   # the judge model is loaded once per process (a curve scores every rate)
-
-
-def _judge_model(judge, dtype: str):
-    from engines.local.checkpoint import load_checkpoint
-    from engines.local.model import PagedCausalLM
-
-    key = (str(judge.checkpoint_dir), dtype)
-    if key not in _JUDGES:
-        _JUDGES.clear()
-        _JUDGES[key] = PagedCausalLM(judge, load_checkpoint(judge.checkpoint_dir, dtype=dtype), dtype=dtype)
-    return _JUDGES[key]
-
-
-def score_quality(family: FamilySpec, records_by_system: dict[str, list[RequestRecord]], dtype: str) -> dict[str, float | None]:
-    """Mean per-token log-likelihood of each response under the largest member (higher is better)."""
-    from engines.local.scoring import score_tokens
-
-    judge = family.members[-1]
-    model = _judge_model(judge, dtype)
-    cache: dict[tuple, float] = {}   # systems often produce identical responses: score each once
-    out: dict[str, float | None] = {}
-    for name, records in records_by_system.items():
-        per_request = []
-        for r in records:
-            if not r.ok:
-                continue
-            key = (tuple(r.prompt_token_ids), tuple(r.output_token_ids))
-            if key not in cache:
-                logprobs = score_tokens(model, judge.name, [*r.prompt_token_ids, *r.output_token_ids],
-                                        start=len(r.prompt_token_ids))
-                cache[key] = sum(logprobs) / len(logprobs)
-            per_request.append(cache[key])
-        out[name] = mean(per_request)
-    return out
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -304,22 +267,6 @@ def slo_for(settings: BenchSettings, curve: list[dict[str, Any]]) -> SLO | None:
         return SLO(settings.slo_ttft_s, settings.slo_tpot_s,
                    rule=f"p90 TTFT <= {settings.slo_ttft_s:g} s and p90 TPOT <= {settings.slo_tpot_s:g} s (given)")
     return default_slo(curve, settings.slo_ttft_x, settings.slo_tpot_x)
-
-
-def _add_quality(settings, family, records_by_system, systems, notes, dtype: str) -> None:
-    for metrics in systems.values():
-        metrics["quality_mean_logprob"] = None
-    if not settings.score_quality:
-        notes.append("quality scoring skipped (--no-quality)")
-        return
-    try:
-        quality = score_quality(family, records_by_system, dtype)
-    except ImportError as exc:
-        notes.append(f"quality_mean_logprob skipped: engines.local.scoring unavailable ({exc})")
-        return
-    for name, value in quality.items():
-        systems[name]["quality_mean_logprob"] = value
-    notes.append(f"quality_mean_logprob: mean per-token log-likelihood of each response under {family.members[-1].name}")
 
 
 def _reduction(systems: dict[str, Any], name: str) -> float | None:
