@@ -14,17 +14,20 @@ from typing import Any
 
 import yaml
 
-from eval.metrics_calc import (RequestRecord, counter_delta, decode_floor_token_latency, mean, pages_timeline,
-                               paired_token_latency, percentile, reduction, summarize)
+from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
+from eval.baseline_split import choose_baseline_split
+from eval.quality import add_quality as _add_quality, score_quality  # noqa: F401 (score_quality re-exported)
+from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
+from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
+from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
+                               reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
-from eval.workloads import WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace
+from eval.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
+                            with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
-from orchestrator.core.types import FinishReason, Request, RequestId, SamplingParams
 
-STATS_INTERVAL_S = 0.5
-PROBE_TOKENS = 48          # decode steps timed per member before and after the replay (the decode floor's step costs)
 # Defaults: the case MFS targets - multi-turn chat under a KV budget that is tight for separate
 # deployments. 768 pages x 16 KiB = 12 MiB of fp32 KV: one 1024-token conversation on tiny-l alone
 # needs 8 layers x 64 blocks = 512 pages, so a static split cannot hold many live sessions.
@@ -32,6 +35,11 @@ FULL = dict(sessions=24, rate=0.5, kv_pages=768, max_turns=4, max_prompt_tokens=
             think_s=2.0)
 QUICK = dict(sessions=10, rate=1.0, kv_pages=512, max_turns=3, max_prompt_tokens=512, max_output_tokens=64,
              think_s=1.5)
+# The load curves `mfs bench` runs without --rates (session arrivals per second): from light load to well
+# past the baseline's knee on the CPU (docs/BENCHMARKS.md 7). The headline keys describe `rate`, which is
+# on each curve.
+FULL_RATES = (0.25, 0.5, 1.0, 2.0, 4.0)
+QUICK_RATES = (0.5, 1.0, 4.0)
 
 
 @dataclass(slots=True)
@@ -53,6 +61,13 @@ class BenchSettings:
     extra_overrides: dict[str, Any] = field(default_factory=dict)   # applied to every system (sweeps)
     trace_file: str | None = None          # replay this saved trace instead of building one from ShareGPT
     save_trace: str | None = None          # write the trace used (built or loaded) here
+    history: str | None = None             # closed | dataset; None: closed for a built trace, a file's own
+    rates: tuple[float, ...] | None = None  # the load curve: session arrival rates (None: `rate` only)
+    slo_ttft_x: float = TTFT_SLO_X         # SLO: p90 TTFT within this x the lightest-rate baseline's p50 TTFT
+    slo_tpot_x: float = TPOT_SLO_X         # and p90 TPOT within this x its p50 TPOT
+    slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
+    slo_tpot_s: float | None = None
+    baseline_split: str = "search"         # search | proportional | traffic (the baseline's static split)
 
     @classmethod
     def quick_defaults(cls, **kwargs: Any) -> "BenchSettings":
@@ -74,7 +89,7 @@ def make_trace(settings: BenchSettings, tokenizer: FamilyTokenizer, family: Fami
                         seed=settings.seed, context_tokens=context,
                         max_prompt_tokens=min(settings.max_prompt_tokens, context),
                         max_output_tokens=settings.max_output_tokens, max_turns=settings.max_turns,
-                        mean_think_time_s=settings.think_s)
+                        mean_think_time_s=settings.think_s, history=settings.history or "closed")
     return build_trace(spec, tokenizer)
 
 
@@ -86,118 +101,12 @@ def complexity_estimator(tokenizer: FamilyTokenizer):
 
 def static_split_for(trace: Trace, family: FamilySpec, tokenizer: FamilyTokenizer, settings: BenchSettings) -> StaticSplit:
     estimator = complexity_estimator(tokenizer)
-    requests = [RoutedRequest(estimator.score(t.prompt_token_ids), len(t.prompt_token_ids) + t.max_tokens)
-                for s in trace.sessions for t in s.turns]
+    # Complexity from the dataset prompt: the closed-loop prompt is only known during the replay.
+    requests = [RoutedRequest(estimator.score(t.prompt_token_ids), length + t.max_tokens)
+                for s in trace.sessions for t, length in zip(s.turns, trace.prompt_lengths(s))]
     config = load_config(overrides={"family": settings.family, "pool.num_pages": settings.kv_pages,
                                     **settings.extra_overrides})
     return best_static_split(family, requests, config, settings.kv_pages)
-
-
-# ----------------------------------------------------------------------------- the real-time driver
-async def replay(engine: Any, trace: Trace, tag: str, on_done=None) -> tuple[list[RequestRecord], list[dict], dict, float]:
-    """Sessions start at their arrival times; each turn goes out when the previous one finished plus its
-    think time. Returns (records, stats samples, counters delta over the replay, duration)."""
-    before = engine.stats().get("counters", {})
-    start = time.monotonic()
-    clock = lambda: time.monotonic() - start  # noqa: E731 - seconds since the replay start
-    samples: list[dict] = []
-    records: list[RequestRecord] = []
-
-    async def sample_stats() -> None:
-        while True:
-            stats = engine.stats()
-            samples.append({"t_s": clock(), "stats": {"pages": stats.get("pages", {})}})
-            await asyncio.sleep(STATS_INTERVAL_S)
-
-    async def run_session(index: int) -> None:
-        session = trace.sessions[index]
-        await asyncio.sleep(max(0.0, trace.arrival_times_s[index] - clock()))
-        for k, turn in enumerate(session.turns):
-            if k:
-                await asyncio.sleep(turn.think_time_s)
-            record = RequestRecord(session_id=session.session_id, turn_index=k, send_s=clock(),
-                                   first_token_s=None, finish_s=None, prompt_tokens=len(turn.prompt_token_ids),
-                                   cached_tokens=0, output_tokens=0, prompt_token_ids=list(turn.prompt_token_ids))
-            records.append(record)
-            # Greedy and ignore_eos: every system generates exactly the trace's reply lengths.
-            request = Request(request_id=RequestId(f"{tag}-{session.session_id}-t{k}"),
-                              prompt_token_ids=list(turn.prompt_token_ids),
-                              sampling=SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True),
-                              arrival_s=time.monotonic(), session_id=session.session_id)
-            await run_request(engine, request, record, clock)
-            if on_done is not None:
-                on_done(record)
-
-    sampler = asyncio.create_task(sample_stats())
-    try:
-        await asyncio.gather(*(run_session(i) for i in range(len(trace.sessions))))
-    finally:
-        sampler.cancel()
-    duration = clock()
-    counters = counter_delta(engine.stats().get("counters", {}), before)
-    return records, samples, counters, duration
-
-
-async def run_request(engine: Any, request: Request, record: RequestRecord, clock) -> None:
-    try:
-        async for out in engine.generate(request):
-            now = clock()
-            if out.new_token_ids:
-                if record.first_token_s is None:
-                    record.first_token_s = now
-                record.output_token_ids.extend(out.new_token_ids)
-            record.cached_tokens = max(record.cached_tokens, out.num_cached_prompt_tokens or 0)
-            if out.num_prompt_tokens:
-                record.prompt_tokens = out.num_prompt_tokens
-            if out.spans:
-                record.members = [span.member for span in out.spans if span.num_tokens > 0] or [out.member]
-                record.tokens_by_member = {}
-                for span in out.spans:
-                    if span.num_tokens > 0:
-                        record.tokens_by_member[span.member] = record.tokens_by_member.get(span.member, 0) + span.num_tokens
-            elif out.member and (not record.members or record.members[-1] != out.member):
-                record.members.append(out.member)
-            if out.error:
-                record.error = out.error
-            if out.finished:
-                record.finish_s = now
-                if out.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) and record.error is None:
-                    record.error = out.finish_reason.value
-    except Exception as exc:  # a rejected or failed request is recorded, the replay goes on
-        record.error = f"{type(exc).__name__}: {exc}"
-    record.output_tokens = len(record.output_token_ids)
-
-
-def pinned_request(request_id: str, member: str, max_tokens: int) -> Request:
-    """A short greedy request that runs on `member` only (warm-up and decode probes)."""
-    return Request(request_id=RequestId(request_id), prompt_token_ids=[1, 7, 8, 9],
-                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                   arrival_s=time.monotonic(), pinned_member=member)
-
-
-async def warm_up(engine: Any, members: list[str], tag: str) -> None:
-    """One short pinned request per member so first-call allocations stay out of the measurement."""
-    for member in members:
-        async for _ in engine.generate(pinned_request(f"{tag}-warmup-{member}", member, 2)):
-            pass
-
-
-async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens: int = PROBE_TOKENS) -> dict[str, float]:
-    """Per member: the median time between streamed tokens of one pinned request running alone (a decode
-    step at batch one and short context, through the whole serving stack). The decode floor builds on it."""
-    out: dict[str, float] = {}
-    for member in members:
-        gaps: list[float] = []
-        last = None
-        async for result in engine.generate(pinned_request(f"{tag}-probe-{member}", member, tokens)):
-            now = time.monotonic()
-            if result.new_token_ids:
-                if last is not None:       # the first token comes from the prefill step: not a decode step
-                    gaps.append((now - last) / len(result.new_token_ids))
-                last = now
-        if gaps:
-            out[member] = percentile(gaps, 50)
-    return out
 
 
 async def run_system(name: str, config: Any, trace: Trace, on_done=None,
@@ -231,32 +140,6 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
     return records, metrics
 
 
-# ----------------------------------------------------------------------------- quality
-def score_quality(family: FamilySpec, records_by_system: dict[str, list[RequestRecord]], dtype: str) -> dict[str, float | None]:
-    """Mean per-token log-likelihood of each response under the largest member (higher is better)."""
-    from engines.local.checkpoint import load_checkpoint
-    from engines.local.model import PagedCausalLM
-    from engines.local.scoring import score_tokens
-
-    judge = family.members[-1]
-    model = PagedCausalLM(judge, load_checkpoint(judge.checkpoint_dir, dtype=dtype), dtype=dtype)
-    cache: dict[tuple, float] = {}   # systems often produce identical responses: score each once
-    out: dict[str, float | None] = {}
-    for name, records in records_by_system.items():
-        per_request = []
-        for r in records:
-            if not r.ok:
-                continue
-            key = (tuple(r.prompt_token_ids), tuple(r.output_token_ids))
-            if key not in cache:
-                logprobs = score_tokens(model, judge.name, [*r.prompt_token_ids, *r.output_token_ids],
-                                        start=len(r.prompt_token_ids))
-                cache[key] = sum(logprobs) / len(logprobs)
-            per_request.append(cache[key])
-        out[name] = mean(per_request)
-    return out
-
-
 # ----------------------------------------------------------------------------- orchestration
 def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | None, list[str]]:
     """The family, the trace, the baseline's static split (when a system needs it) and their notes."""
@@ -265,6 +148,8 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
     tokenizer_hash = family.members[0].tokenizer_hash
     if settings.trace_file:
         trace = load_trace(settings.trace_file, tokenizer_hash)
+        if settings.history:
+            trace = with_history(trace, settings.history)
     else:
         trace = make_trace(settings, tokenizer, family)
     if settings.save_trace:
@@ -279,61 +164,109 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
     return family, trace, split, notes
 
 
-def config_for(name: str, settings: BenchSettings, split: StaticSplit | None):
+def config_for(name: str, settings: BenchSettings, split: StaticSplit | None,
+               baseline_split: dict[str, float] | None = None):
     return system_config(name, settings.family, settings.kv_pages, split.fractions if split else None,
-                         settings.extra_overrides)
+                         settings.extra_overrides, baseline_split)
+
+
+def run_coroutine(coro):
+    """asyncio.run, also from inside a running event loop (a Jupyter kernel): then on a fresh thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def curve_rates(settings: BenchSettings, trace: Trace) -> tuple[float, ...]:
+    """The rates to replay: settings.rates, else the trace's own rate only."""
+    return tuple(settings.rates) if settings.rates else (trace.spec.rate_sessions_per_s,)
+
+
+def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: StaticSplit | None,
+              configs: dict[str, Any], notes: list[str], progress=None,
+              baseline_split: dict[str, float] | None = None) -> tuple[dict, dict]:
+    """Every system on `trace` (one rate): (records by system, the point's JSON block)."""
+    records_by_system: dict[str, list[RequestRecord]] = {}
+    systems: dict[str, Any] = {}
+    for name in settings.systems:
+        config = config_for(name, settings, split, baseline_split)
+        configs[name] = config_to_dict(config)
+        if progress is not None:
+            progress.set_postfix_str(f"{name} @ {trace.spec.rate_sessions_per_s:g}/s")
+        on_done = (lambda _r: progress.update(1)) if progress is not None else None
+        records, metrics = run_coroutine(run_system(name, config, trace, on_done))
+        records_by_system[name], systems[name] = records, metrics
+    dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
+    _add_quality(settings, family, records_by_system, systems, notes, dtype)
+    point = {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
+             "reduction_mean_token_latency": _reduction(systems, "mfs"),
+             "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
+             "paired_vs_baseline": _paired(records_by_system),
+             "reduction_ceiling": _ceilings(systems)}
+    return records_by_system, point
+
+
+CURVE_DROP = ("per_request", "pages_timeline")   # per-request rows stay in the headline point only
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
     family, trace, split, notes = prepare(settings)
-    records_by_system: dict[str, list[RequestRecord]] = {}
-    systems: dict[str, Any] = {}
+    rates = curve_rates(settings, trace)
+    headline = settings.rate if settings.rate in rates and not settings.trace_file else rates[0]
+    if settings.trace_file and trace.spec.rate_sessions_per_s in rates:
+        headline = trace.spec.rate_sessions_per_s
     configs: dict[str, Any] = {}
-    progress = _progress(settings, trace)
+    pilot = "baseline" in settings.systems and settings.baseline_split != "traffic"
+    progress = _progress(settings, trace, len(rates) + (1 / len(settings.systems) if pilot else 0))
+    points: list[dict[str, Any]] = []
+    head: dict[str, Any] = {}
+    baseline_split, about_split = None, {}
     try:
-        for name in settings.systems:
-            config = config_for(name, settings, split)
-            configs[name] = config_to_dict(config)
-            if progress is not None:
-                progress.set_postfix_str(name)
-            on_done = (lambda _r: progress.update(1)) if progress is not None else None
-            records, metrics = asyncio.run(run_system(name, config, trace, on_done))
-            records_by_system[name], systems[name] = records, metrics
+        if "baseline" in settings.systems:
+            baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, progress)
+        for rate in rates:
+            _, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes, progress,
+                                 baseline_split)
+            if rate == headline:
+                head = point
+            points.append(point)
     finally:
         if progress is not None:
             progress.close()
-    dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
-    _add_quality(settings, family, records_by_system, systems, notes, dtype)
+    curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
+             for p in points]
     result = {
-        "workload": trace.summary(),
+        "workload": trace.at_rate(headline).summary(),
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,
+                     "baseline_split_mode": settings.baseline_split, "baseline_split": baseline_split,
                      "configs": configs, "machine": _machine()},
-        "systems": systems,
-        "reduction_mean_token_latency": _reduction(systems, "mfs"),
-        "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
-        "paired_vs_baseline": _paired(records_by_system),
-        "reduction_ceiling": _ceilings(systems),
-        "notes": notes,
+        **about_split,
+        "headline_rate": headline,
+        "systems": head["systems"],
+        "reduction_mean_token_latency": head["reduction_mean_token_latency"],
+        "reductions_vs_baseline": head["reductions_vs_baseline"],
+        "paired_vs_baseline": head["paired_vs_baseline"],
+        "reduction_ceiling": head["reduction_ceiling"],
+        "rates": list(rates),
+        "curve": curve,
+        **summarize_curve(curve, slo_for(settings, curve)),
+        "notes": list(dict.fromkeys(notes)),
     }
     return result
 
 
-def _add_quality(settings, family, records_by_system, systems, notes, dtype: str) -> None:
-    for metrics in systems.values():
-        metrics["quality_mean_logprob"] = None
-    if not settings.score_quality:
-        notes.append("quality scoring skipped (--no-quality)")
-        return
-    try:
-        quality = score_quality(family, records_by_system, dtype)
-    except ImportError as exc:
-        notes.append(f"quality_mean_logprob skipped: engines.local.scoring unavailable ({exc})")
-        return
-    for name, value in quality.items():
-        systems[name]["quality_mean_logprob"] = value
-    notes.append(f"quality_mean_logprob: mean per-token log-likelihood of each response under {family.members[-1].name}")
+def slo_for(settings: BenchSettings, curve: list[dict[str, Any]]) -> SLO | None:
+    if settings.slo_ttft_s is not None and settings.slo_tpot_s is not None:
+        return SLO(settings.slo_ttft_s, settings.slo_tpot_s,
+                   rule=f"p90 TTFT <= {settings.slo_ttft_s:g} s and p90 TPOT <= {settings.slo_tpot_s:g} s (given)")
+    return default_slo(curve, settings.slo_ttft_x, settings.slo_tpot_x)
 
 
 def _reduction(systems: dict[str, Any], name: str) -> float | None:
@@ -380,77 +313,42 @@ def _machine() -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
 
 
-def _progress(settings: BenchSettings, trace: Trace):
+def _progress(settings: BenchSettings, trace: Trace, num_rates: int = 1):
     if not settings.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=trace.num_requests * len(settings.systems), unit="req", desc="bench", file=sys.stderr)
+    return tqdm(total=round(trace.num_requests * len(settings.systems) * num_rates), unit="req", desc="bench",
+                file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------- table and CLI
-TABLE_COLUMNS = (("mean_token_latency_s", "tok-lat ms", 1e3), ("ttft_p50_s", "ttft50 ms", 1e3),
-                 ("ttft_p99_s", "ttft99 ms", 1e3), ("tpot_p50_s", "tpot50 ms", 1e3), ("tpot_p99_s", "tpot99 ms", 1e3),
-                 ("e2e_p50_s", "e2e50 s", 1), ("throughput_tok_s", "tok/s", 1), ("prefix_hit_rate", "hit", 1),
-                 ("escalation_rate", "esc", 1), ("preemptions", "preempt", 1), ("num_requests", "reqs ok", 1),
-                 ("num_failed", "failed", 1), ("quality_mean_logprob", "quality", 1))
-
-
-def format_table(result: dict[str, Any]) -> str:
-    header = f"{'system':<18}" + "".join(f"{label:>11}" for _, label, _ in TABLE_COLUMNS)
-    lines = [header, "-" * len(header)]
-    for name, m in result["systems"].items():
-        cells = []
-        for key, _, scale in TABLE_COLUMNS:
-            value = m.get(key)
-            cells.append(f"{'-':>11}" if value is None else f"{value * scale:>11.3f}" if isinstance(value, float)
-                         else f"{value:>11}")
-        lines.append(f"{name:<18}" + "".join(cells))
-    red = result.get("reduction_mean_token_latency")
-    if red is not None:
-        lines.append(f"mean token latency reduction, mfs vs baseline: {red * 100:.1f}%")
-    floor_line = decode_floor_line(result)
-    if floor_line:
-        lines.append(floor_line)
-    failed = {name: m.get("num_failed") for name, m in result["systems"].items() if m.get("num_failed")}
-    if failed:
-        lines.append(f"requests refused or failed (left out of the latency figures): {failed}")
-        paired = paired_line(result)
-        if paired:
-            lines.append(paired)
-    return "\n".join(lines)
-
-
-def decode_floor_line(result: dict[str, Any], name: str = "mfs") -> str | None:
-    """The decode floors and what they leave for `name`, in words; None when a figure is missing."""
-    systems = result["systems"]
-    ceiling = (result.get("reduction_ceiling") or {}).get(name)
-    floors = {n: systems[n].get("decode_floor_token_latency_s") for n in (name, "baseline") if n in systems}
-    if ceiling is None or None in floors.values():
-        return None
-    return (f"decode floor (each token one solo decode step of its member, no waiting): "
-            + ", ".join(f"{n} {v * 1e3:.2f}" for n, v in floors.items())
-            + f" ms/token; the most {name}'s token placement allows: a {ceiling * 100:.1f}% reduction")
-
-
-def paired_line(result: dict[str, Any], name: str = "mfs") -> str | None:
-    """`name` against the baseline over the requests both served, in words; None when there is no figure."""
-    paired = (result.get("paired_vs_baseline") or {}).get(name)
-    if not paired or paired.get("reduction_mean_token_latency") is None:
-        return None
-    return (f"over the {paired['num_requests']} requests both served: {paired['mean_token_latency_s'] * 1e3:.2f} vs "
-            f"{paired['baseline_mean_token_latency_s'] * 1e3:.2f} ms/token, "
-            f"reduction {paired['reduction_mean_token_latency'] * 100:.1f}%")
-
-
+# ----------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="multiturn")
-    parser.add_argument("--rate", type=float, default=None, help="session arrivals per second (Poisson)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="session arrivals per second (Poisson); alone: one rate instead of the default curve")
+    parser.add_argument("--rates", default=None, metavar="R1,R2,...",
+                        help="the load curve: replay the same sessions at each session arrival rate (default: "
+                             f"{','.join(map(str, FULL_RATES))}; --quick: {','.join(map(str, QUICK_RATES))})")
+    parser.add_argument("--history", choices=HISTORIES, default=None,
+                        help="closed (default): each turn re-sends the reply this system generated; "
+                             "dataset: re-sends ShareGPT's reply (the old open-loop replay)")
+    parser.add_argument("--slo-ttft-x", type=float, default=TTFT_SLO_X,
+                        help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
+    parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
+                        help="SLO: p90 TPOT within this multiple of the lightest-rate baseline's p50 TPOT")
+    parser.add_argument("--baseline-split", choices=("search", "proportional", "traffic"), default="search",
+                        help="the baseline's static split: search (default: the best of a simulated search, see "
+                             "docs/BENCHMARKS.md 7.4), proportional (to weight bytes), traffic (share of routed "
+                             "tokens x layers with floors, the old split)")
+    parser.add_argument("--slo-ttft-s", type=float, default=None, help="absolute p90 TTFT limit (with --slo-tpot-s)")
+    parser.add_argument("--slo-tpot-s", type=float, default=None, help="absolute p90 TPOT limit (with --slo-ttft-s)")
     parser.add_argument("--sessions", type=int, default=None)
     parser.add_argument("--kv-pages", type=int, default=None, help="arena pages, the same for every system")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
     parser.add_argument("--out", default="results.json")
-    parser.add_argument("--quick", action="store_true", help="small trace: under 4 minutes on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true",
+                        help="small trace, 3-rate curve: under 4 minutes on a quiet 2-core CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
     parser.add_argument("--no-quality", action="store_true", help="skip scoring responses under the largest member")
@@ -470,7 +368,19 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise SystemExit(f"mfs bench: unknown system(s) {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
     trace_file = getattr(args, "trace", None)
     if trace_file and (args.rate is not None or args.sessions is not None):
-        raise SystemExit("mfs bench: --trace replays the file's sessions and arrivals; drop --rate/--sessions")
+        raise SystemExit("mfs bench: --trace replays the file's sessions and arrivals; drop --rate/--sessions "
+                         "(--rates replays them at other rates)")
+    if (args.slo_ttft_s is None) != (args.slo_tpot_s is None):
+        raise SystemExit("mfs bench: give both --slo-ttft-s and --slo-tpot-s, or neither")
+    try:
+        if args.rates is not None:
+            rates = parse_rates(args.rates)
+        elif args.rate is not None:
+            rates = (args.rate,)
+        else:
+            rates = QUICK_RATES if args.quick else FULL_RATES
+    except ValueError as exc:
+        raise SystemExit(f"mfs bench: {exc}") from None
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
     chosen = {k: v for k, v in (("sessions", args.sessions), ("rate", args.rate), ("kv_pages", args.kv_pages))
               if v is not None}
@@ -482,7 +392,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         extra[key.strip()] = yaml.safe_load(value)
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
-                   trace_file=trace_file, save_trace=getattr(args, "save_trace", None), **chosen)
+                   trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
+                   history=args.history, baseline_split=args.baseline_split, slo_ttft_x=args.slo_ttft_x, slo_tpot_x=args.slo_tpot_x,
+                   slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s, **chosen)
 
 
 def main(args: argparse.Namespace) -> int:

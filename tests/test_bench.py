@@ -39,30 +39,51 @@ def test_baseline_split_is_traffic_share_of_tokens_times_layers():
     assert split.requests_by_member == {"tiny-s": 2, "tiny-m": 1, "tiny-l": 1}
 
 
-def test_baseline_split_floors_keep_every_member_usable_and_sum_to_one():
-    config = load_config(overrides={"pool.num_pages": 600})
+def test_split_floors_use_the_page_rule_residual_pages_included():
+    from orchestrator.core.page_pool import split_pages
+
+    config = load_config(overrides={"pool.num_pages": 1024})
     requests = [RoutedRequest(0.1, 500)] * 5 + [RoutedRequest(0.5, 100)]
-    split = best_static_split(fake_family(), requests, config, 600)
+    split = best_static_split(fake_family(), requests, config, 1024)
     assert sum(split.fractions.values()) == pytest.approx(1.0, abs=1e-12)
     assert all(f > 0 for f in split.fractions.values())
-    # tiny-l got no routed traffic yet must hold the longest request: ceil(500/16)+1 = 33 blocks x 8 layers.
-    # (The floors, 33 x 3 + 33 x 5 + 33 x 8 = 528 pages with tiny-s/m's residual pages, fit in 600.)
-    assert split.fractions["tiny-l"] >= 33 * 8 / 600 - 1e-12
+    pages = split_pages(1024, split.fractions)
+    # the longest request + the decode reserve: ceil(500/16)+1 = 33 blocks. tiny-l got no routed traffic yet
+    # must hold it: 33 x 8 layers; tiny-s and tiny-m record a residual page per block (the nested
+    # handover of this config, what the old arithmetic forgot): 33 x (2+1) and 33 x (4+1)
+    assert pages["tiny-l"] >= 33 * 8 and pages["tiny-m"] >= 33 * 5 and pages["tiny-s"] >= 33 * 3
     assert split.notes
     load_config(overrides={"pool.static_split": split.fractions})   # the validator accepts it
 
 
-def test_baseline_split_floor_counts_a_members_residual_page_like_the_scheduler():
-    # Every request routes to tiny-l; tiny-s and tiny-m get only their floors: room for the longest request
-    # (500 tokens = 32 blocks of 16, plus the decode reserve block). tiny-s and tiny-m record an exit-depth
-    # residual page per block (nested lineages, default escalation): 3 and 5 pages per block, not 2 and 4.
-    config = load_config(overrides={"pool.num_pages": 1024})
-    split = best_static_split(fake_family(), [RoutedRequest(0.9, 500)] * 3, config, 1024)
-    assert split.fractions["tiny-s"] == pytest.approx(33 * 3 / 1024)
-    assert split.fractions["tiny-m"] == pytest.approx(33 * 5 / 1024)
-    # The same pages the scheduler's validation asks for (one rule).
+def test_proportional_split_follows_weight_bytes(tmp_path):
+    from dataclasses import replace as dc_replace
+
+    from eval.systems import member_weight_bytes, proportional_split
+    from orchestrator.core.family import FamilySpec
+
+    family = fake_family()
+    sizes = member_weight_bytes(family)               # no files: the shape estimate, growing with layers
+    assert sizes["tiny-s"] < sizes["tiny-m"] < sizes["tiny-l"]
+    dirs = []
+    for name, size in (("s", 100), ("m", 300), ("l", 600)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * size)
+        dirs.append(d)
+    with_files = FamilySpec(name="f", members=tuple(dc_replace(m, checkpoint_dir=d) for m, d in zip(family.members, dirs)))
+    assert proportional_split(with_files) == pytest.approx({"tiny-s": 0.1, "tiny-m": 0.3, "tiny-l": 0.6})
+
+
+def test_split_floor_pages_are_the_schedulers_page_rule():
+    from eval.systems import pages_rule
     from orchestrator.core.kv_layout import KVLayout
+
+    config = load_config(overrides={"pool.num_pages": 1024})
+    pages_for_tokens, _ = pages_rule(fake_family(), config, 1024)
     layout = KVLayout.for_config(fake_family(), config)
+    for member in ("tiny-s", "tiny-m", "tiny-l"):
+        assert pages_for_tokens(member, 500) == layout.pages_for_tokens(member, 500)
     assert layout.pages_for_tokens("tiny-m", 500) + layout.pages_per_block("tiny-m") == 33 * 5
 
 
@@ -82,6 +103,11 @@ def test_system_knobs():
     assert mfs.pool.host_tier_mb == default.pool.host_tier_mb and mfs.pool.cross_member_sharing
     b = cfg["baseline"]
     assert b.pool.static_split == SPLIT and not b.pool.cross_member_sharing
+    assert b.scheduler.independent_deployments and not mfs.scheduler.independent_deployments
+    assert not cfg["no_shared_pool"].scheduler.independent_deployments
+    searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
+    assert system_config("baseline", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == searched
+    assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == SPLIT
     assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (0.0, 0.0)
     assert not b.router.use_affinity and not b.router.use_load
     assert b.escalation.cold_handover and not b.escalation.warmup
@@ -207,12 +233,16 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     from eval.bench import replay
 
     spec = WorkloadSpec(num_sessions=2)
-    sessions = [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 3, 0.0), Turn([1, 2, 3, 4, 5], 2, 0.05)]),
-                Session("s1", "short", "c1", [Turn([1, 9], 4, 0.0)])]
+    sessions = [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 3, 0.0, [1, 2, 3]),
+                                                  Turn([1, 2, 3, 40, 41, 42, 4, 5], 2, 0.05, [4, 5])]),
+                Session("s1", "short", "c1", [Turn([1, 9], 4, 0.0, [1, 9])])]
     trace = Trace(spec=spec, sessions=sessions, arrival_times_s=[0.0, 0.02])
     engine = FakeEngine()
     records, samples, counters, duration = asyncio.run(replay(engine, trace, "t"))
     assert len(records) == 3 and all(r.ok for r in records)
+    # closed loop: turn 1 = turn 0's prompt + the reply this engine generated (7, 7, 7) + the user part
+    assert [r.prompt_token_ids for r in engine.requests if "s0" in r.request_id] == [[1, 2, 3], [1, 2, 3, 7, 7, 7, 4, 5]]
+    assert all(r.route_reason is None and not r.rerouted for r in records)
     assert all(r.sampling.temperature == 0.0 and r.sampling.ignore_eos for r in engine.requests)
     s0 = [r for r in records if r.session_id == "s0"]
     assert [r.output_tokens for r in s0] == [3, 2]
@@ -224,23 +254,97 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     assert [r.tokens_by_member for r in s0] == [{"tiny-s": 3}, {"tiny-s": 2}]    # from the streamed spans
 
 
+def test_probe_skips_a_member_the_engine_refuses():
+    from eval.bench import probe_decode_step_s, warm_up
+    from orchestrator.core.errors import InvalidRequestError
+
+    class SmallSlice(FakeEngine):
+        async def generate(self, request):
+            if request.pinned_member == "tiny-l":
+                raise InvalidRequestError("request needs 32 KV pages on tiny-l; the pool can give it at most 25")
+            async for out in super().generate(request):
+                yield out
+
+    engine = SmallSlice()
+    asyncio.run(warm_up(engine, ["tiny-s", "tiny-l"], "w"))
+    steps = asyncio.run(probe_decode_step_s(engine, ["tiny-s", "tiny-l"], "p", tokens=4))
+    assert set(steps) == {"tiny-s"} and steps["tiny-s"] > 0     # tiny-l: no step cost, its floor reads n/a
+
+
+def test_replay_dataset_history_resends_the_dataset_prompt_and_closed_loop_ends_a_failed_session():
+    from dataclasses import replace as dc_replace
+
+    from eval.bench import replay
+
+    turns = [Turn([1, 2, 3], 3, 0.0, [1, 2, 3]), Turn([1, 2, 3, 40, 41, 42, 4, 5], 2, 0.0, [4, 5])]
+    trace = Trace(spec=WorkloadSpec(num_sessions=1, history="dataset"), sessions=[Session("s0", "multiturn", "c0", turns)],
+                  arrival_times_s=[0.0])
+    engine = FakeEngine()
+    asyncio.run(replay(engine, trace, "d"))
+    assert [r.prompt_token_ids for r in engine.requests] == [[1, 2, 3], [1, 2, 3, 40, 41, 42, 4, 5]]
+
+    class Refusing(FakeEngine):
+        async def generate(self, request):
+            self.requests.append(request)
+            raise ValueError("too long")
+            yield  # pragma: no cover - makes this an async generator
+
+    closed = Trace(spec=dc_replace(trace.spec, history="closed"), sessions=trace.sessions, arrival_times_s=[0.0])
+    refusing = Refusing()
+    records, *_ = asyncio.run(replay(refusing, closed, "c"))
+    assert len(refusing.requests) == 1                      # no reply to send back: turn 1 is never sent
+    assert [r.error for r in records] == ["ValueError: too long", "session ended: turn 0 failed"]
+
+
 # ----------------------------------------------------------------------------- end to end (real local engine)
 def test_tiny_end_to_end_bench(tmp_path):
     from eval.bench import BenchSettings, format_table, run_bench
     from tests.test_workloads import family_dir
 
     settings = BenchSettings(sessions=2, rate=2.0, kv_pages=512, family=str(family_dir()), max_turns=2,
-                             max_prompt_tokens=256, max_output_tokens=8, think_s=0.2, progress=False)
+                             max_prompt_tokens=256, max_output_tokens=8, think_s=0.2, progress=False,
+                             rates=(2.0, 8.0))
     result = run_bench(settings)
     assert set(result["systems"]) == {"mfs", "baseline"}
     assert sum(result["settings"]["static_split"].values()) == pytest.approx(1.0)
+    assert result["workload"]["history"] == "closed" and result["headline_rate"] == 2.0
     outputs = {}
     for m in result["systems"].values():
         assert m["num_requests"] == result["workload"]["num_requests"] and m["num_failed"] == 0
         assert m["mean_token_latency_s"] > 0
-        outputs[id(m)] = sorted((r["session_id"], r["turn_index"], r["output_tokens"]) for r in m["per_request"])
+        outputs[id(m)] = sorted((r["session_id"], r["turn_index"], r["prompt_tokens"], r["output_tokens"])
+                                for r in m["per_request"])
     a, b = outputs.values()
-    assert a == b   # greedy + ignore_eos: every system generates exactly the same number of tokens
+    # closed loop, greedy + ignore_eos: every system sees the same prompt lengths and generates exactly the
+    # same number of tokens, though the tokens (its own replies, sent back) differ
+    assert a == b
+    assert any(turn == 1 for _, turn, _, _ in a)
+    # the curve: both rates, every system, the same sessions (same lengths) at each rate
+    assert [p["rate"] for p in result["curve"]] == result["rates"] == [2.0, 8.0]
+    for point in result["curve"]:
+        assert set(point["systems"]) == {"mfs", "baseline"}
+        for m in point["systems"].values():
+            assert m["num_failed"] == 0 and "per_request" not in m and m["decode_floor_token_latency_s"] > 0
+            assert m["prompt_tokens"] == result["systems"]["mfs"]["prompt_tokens"]
+        assert isinstance(point["reduction_ceiling"]["mfs"], float)
+    assert result["curve"][0]["systems"]["mfs"]["mean_token_latency_s"] == result["systems"]["mfs"]["mean_token_latency_s"]
+    for key in ("knee_rate", "reduction_at_knee", "capacity_at_slo", "slo"):
+        assert key in result
+    assert set(result["capacity_at_slo"]) == {"mfs", "baseline"}
+    # the baseline: independent deployments on the searched split; the operator's default ran as the pilot
+    from eval.systems import proportional_split
+    from orchestrator.core.family import load_family
+
+    baseline_config = result["settings"]["configs"]["baseline"]
+    assert baseline_config["scheduler"]["independent_deployments"]
+    search = result["baseline_split_search"]
+    assert search["best"] == result["settings"]["baseline_split"] == baseline_config["pool"]["static_split"]
+    assert len(search["scores"]) == search["num_feasible"] >= 1 and "simulated" in search["objective"]
+    proportional = result["baseline_proportional"]
+    assert proportional["fractions"] == pytest.approx(proportional_split(load_family(str(family_dir()))))
+    assert proportional["rate"] == 2.0 and proportional["metrics"]["num_failed"] == 0
+    assert all(isinstance(m["reroutes"], int) for m in result["systems"].values())
+    assert result["slo"]["ttft_p90_s"] == pytest.approx(5 * result["curve"][0]["systems"]["baseline"]["ttft_p50_s"])
     assert isinstance(result["reduction_mean_token_latency"], float)
     for m in result["systems"].values():       # every member's decode step was probed, the floor is built on it
         assert set(m["solo_decode_step_s"]) == {"tiny-s", "tiny-m", "tiny-l"}
@@ -271,9 +375,10 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     trace = tmp_path / "trace.json"
     assert run("--sessions", "2", "--rate", "4", "--quick", "--out", str(first), "--save-trace", str(trace)) == 0
-    assert run("--trace", str(trace), "--out", str(second)) == 0
+    assert run("--trace", str(trace), "--out", str(second), "--rates", "4") == 0
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
-    assert a["workload"] == b["workload"]
+    assert a["workload"] == b["workload"] and a["workload"]["history"] == "closed"
+    assert a["rates"] == b["rates"] == [4.0] and a["knee_rate"] is None
     rows = [sorted((r["session_id"], r["turn_index"], r["prompt_tokens"], r["output_tokens"])
                    for r in x["systems"]["mfs"]["per_request"]) for x in (a, b)]
     assert rows[0] == rows[1] and len(rows[0]) >= 2
@@ -281,5 +386,25 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
     with pytest.raises(SystemExit, match="drop --rate/--sessions"):
         run("--trace", str(trace), "--rate", "2")
     trace.write_text("{}")
-    with pytest.raises(SystemExit, match="not an mfs-trace/1 file"):
+    with pytest.raises(SystemExit, match="not an mfs-trace/2 file"):
         run("--trace", str(trace), "--out", str(second))
+    with pytest.raises(SystemExit, match="positive"):
+        run("--rates", "1,-2")
+
+
+def test_baseline_split_modes_without_a_pilot():
+    """traffic: the old traffic-share split; proportional: weight bytes, no pilot run (nothing is replayed)."""
+    from eval.baseline_split import choose_baseline_split
+    from eval.bench import BenchSettings
+    from eval.systems import StaticSplit, proportional_split
+    from orchestrator.core.family import load_family
+    from tests.test_workloads import family_dir
+
+    family = load_family(str(family_dir()))
+    traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
+    trace = Trace(spec=WorkloadSpec(num_sessions=1), sessions=[], arrival_times_s=[])   # never replayed here
+    split, about = choose_baseline_split(BenchSettings(baseline_split="traffic"), family, trace, (1.0,), traffic)
+    assert split == SPLIT and about == {}
+    split, about = choose_baseline_split(BenchSettings(baseline_split="proportional"), family, trace, (0.5, 1.0), traffic)
+    assert split == proportional_split(family)
+    assert about["baseline_proportional"]["metrics"] is None and about["baseline_proportional"]["rate"] == 0.5

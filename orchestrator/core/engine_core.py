@@ -25,6 +25,7 @@ from orchestrator.core.family import FamilySpec, dtype_bytes
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.deployments import DeploymentsScheduler
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
@@ -60,8 +61,11 @@ class EngineCore:
                                  self.tiers, record_residuals=records_residuals(config))
         self.events = EventLog()
         self.stats_counters = Stats()
-        self.scheduler = Scheduler(family, config, self.pool, self.kv, estimator, self.tiers, self.events,
-                                   self.stats_counters)
+        # The independent-deployment baseline is the same loop over a scheduler with per-member slices,
+        # budgets and batch caps (eval's baseline; orchestrator/core/deployments.py).
+        scheduler_class = DeploymentsScheduler if config.scheduler.independent_deployments else Scheduler
+        self.scheduler = scheduler_class(family, config, self.pool, self.kv, estimator, self.tiers, self.events,
+                                         self.stats_counters)
         self.executor: StepExecutor | None = None     # set before run(): building a model takes a while
         self.lock = threading.Lock()
         self.wake = threading.Event()
