@@ -3,6 +3,7 @@ bytes) run for real at the lightest rate as the pilot, then, by default, the sim
 (eval/split_search.py) over splits, fed with the pilot's escalations and measured decode steps."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from eval.split_search import SplitSimulator, search_report, search_split, sim_sessions
@@ -10,15 +11,18 @@ from eval.systems import StaticSplit, pages_rule, proportional_split
 from eval.workloads import Trace
 from orchestrator.core.family import FamilySpec
 
+# (fractions, rate) -> (config, records, metrics): the bench's real replay of the baseline on a split
+PilotRunner = Callable[[dict[str, float], float], tuple[Any, list, dict[str, Any]]]
+
 
 def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tuple[float, ...],
-                          split: StaticSplit, progress=None) -> tuple[dict[str, float], dict[str, Any]]:
+                          split: StaticSplit, estimator, run_pilot: PilotRunner,
+                          progress=None) -> tuple[dict[str, float], dict[str, Any]]:
     """The baseline's split and what the JSON says about it: `baseline_proportional` (the operator's default
     split by weight bytes, run for real at the lightest rate: the pilot) and, for `search`, the search
     (eval/split_search.py: every candidate split scored by a simulated replay of the trace with the pilot's
-    escalations and measured step costs)."""
-    from eval.bench import (CURVE_DROP, complexity_estimator, config_for, family_tokenizer, run_coroutine,
-                            run_system)
+    escalations and measured step costs). `run_pilot(fractions, rate)` runs the baseline for real on a split
+    (the bench's replay) and returns (config, records, metrics without per-request rows)."""
 
     proportional = proportional_split(family)
     out: dict[str, Any] = {}
@@ -29,17 +33,14 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
                                         "rule": "each deployment's slice proportional to its member's weight bytes",
                                         "note": "the baseline ran on this split: its figures are the curve's"}
         return proportional, out
-    config = config_for("baseline", settings, split, proportional)
     if progress is not None:
         progress.set_postfix_str(f"baseline_proportional @ {rates[0]:g}/s (pilot)")
-    on_done = (lambda _r: progress.update(1)) if progress is not None else None
-    records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rates[0]), on_done))
+    config, records, metrics = run_pilot(proportional, rates[0])
     out["baseline_proportional"] = {"fractions": proportional, "rate": rates[0],
                                     "rule": "each deployment's slice proportional to its member's weight bytes",
-                                    "metrics": {k: v for k, v in metrics.items() if k not in CURVE_DROP}}
+                                    "metrics": metrics}
     from orchestrator.core.router import Router
 
-    estimator = complexity_estimator(family_tokenizer(family))
     router = Router(family, config.router)
     pages_for_tokens, tokens_per_block = pages_rule(family, config, settings.kv_pages)
     simulator = SplitSimulator(family.member_names, pages_for_tokens, settings.kv_pages,

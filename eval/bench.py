@@ -228,7 +228,15 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     baseline_split, about_split = None, {}
     try:
         if "baseline" in settings.systems:
-            baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, progress)
+            def run_pilot(fractions: dict[str, float], rate: float):
+                config = config_for("baseline", settings, split, fractions)
+                on_done = (lambda _r: progress.update(1)) if progress is not None else None
+                records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rate), on_done))
+                return config, records, {k: v for k, v in metrics.items() if k not in CURVE_DROP}
+
+            estimator = complexity_estimator(family_tokenizer(family))
+            baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, estimator,
+                                                                run_pilot, progress)
         for rate in rates:
             _, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes, progress,
                                  baseline_split)

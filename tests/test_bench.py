@@ -403,8 +403,14 @@ def test_baseline_split_modes_without_a_pilot():
     family = load_family(str(family_dir()))
     traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
     trace = Trace(spec=WorkloadSpec(num_sessions=1), sessions=[], arrival_times_s=[])   # never replayed here
-    split, about = choose_baseline_split(BenchSettings(baseline_split="traffic"), family, trace, (1.0,), traffic)
+
+    def no_pilot(fractions, rate):
+        raise AssertionError("these modes run no pilot")
+
+    split, about = choose_baseline_split(BenchSettings(baseline_split="traffic"), family, trace, (1.0,), traffic,
+                                         None, no_pilot)
     assert split == SPLIT and about == {}
-    split, about = choose_baseline_split(BenchSettings(baseline_split="proportional"), family, trace, (0.5, 1.0), traffic)
+    split, about = choose_baseline_split(BenchSettings(baseline_split="proportional"), family, trace, (0.5, 1.0), traffic,
+                                         None, no_pilot)
     assert split == proportional_split(family)
     assert about["baseline_proportional"]["metrics"] is None and about["baseline_proportional"]["rate"] == 0.5
