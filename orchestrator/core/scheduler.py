@@ -11,6 +11,8 @@ from collections import OrderedDict, deque
 
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
+from orchestrator.core.demand import (NewTokenRatio, RunningDemand, expected_final_tokens, steps_until_fit,
+                                      victim_key)
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
 from orchestrator.core.events import EventKind, EventLog, Stats
@@ -53,6 +55,12 @@ class Scheduler:
         self._capacity_pages = {m.name: self._member_capacity(m.name) for m in family.members}
         self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
                                for m in family.members}
+        self._partitioned = config.pool.static_split is not None
+        self._step = 0                                   # schedule() calls so far: the aging clock
+        self._ratio = NewTokenRatio(config.scheduler)
+        self._victim_key = victim_key(config.scheduler.victim_order)
+        self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
+        self._last_busy_schedule_s: float | None = None
 
     def _member_capacity(self, member: str) -> int:
         """Most pages one member can ever hold: its static slice, or the pool under its ceiling."""
@@ -129,9 +137,12 @@ class Scheduler:
                 matched[name] = self.kv.estimate_cached_tokens(name, by_block_size[size])
         session_member = self._sessions.get(request.session_id) if request.session_id else None
         return self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
-                                 loads=self.loads(), session_member=session_member, now_s=now_s)
+                                 loads=self.loads(request), session_member=session_member, now_s=now_s)
 
-    def loads(self) -> dict[str, MemberLoad]:
+    def loads(self, request: Request | None = None) -> dict[str, MemberLoad]:
+        """Each member's load; with `request`, also the expected wait before it could be admitted there
+        (pages: the queue ahead in its pool and the running requests' demand; prefill budget; the
+        measured step time) and its pool's pressure."""
         running = {n: [0, 0] for n in self.family.member_names}
         waiting = {n: [0, 0] for n in self.family.member_names}
         for seq in self._running.values():
@@ -141,7 +152,69 @@ class Scheduler:
             for seq in queue:
                 waiting[seq.member][0] += 1
                 waiting[seq.member][1] += len(seq.token_ids)
-        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1]) for n in running}
+        extra = {n: {} for n in running}
+        if request is not None:
+            for name in running:
+                extra[name] = self._delay_and_pressure(name, request)
+        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1], **extra[n]) for n in running}
+
+    def _partition_of(self, member: str) -> str | None:
+        return member if self._partitioned else None
+
+    def _in_partition(self, seq: Sequence, member: str) -> bool:
+        return not self._partitioned or seq.member == member
+
+    def _future_pages(self, seq: Sequence) -> int:
+        """Pages a running request will still allocate for its expected decode."""
+        if seq.kv is None:
+            return 0
+        context = self.family.member(seq.member).context_tokens
+        final = expected_final_tokens(seq, self._ratio.value, context)
+        return max(0, self.kv.pages_for_tokens(seq.member, final) - seq.kv.num_blocks * self.kv.pages_per_block(seq.member))
+
+    def reserved_pages(self, member: str) -> int:
+        """Pages reserved for the running requests' remaining decode in `member`'s pool (0 in block mode)."""
+        if self.config.scheduler.decode_reservation != "remaining":
+            return 0
+        return sum(self._future_pages(s) for s in self._running.values() if self._in_partition(s, member))
+
+    def _demand_pages(self, seq: Sequence) -> int:
+        """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
+        context = self.family.member(seq.member).context_tokens
+        return self.kv.pages_for_tokens(seq.member, expected_final_tokens(seq, self._ratio.value, context))
+
+    def _delay_and_pressure(self, member: str, request: Request) -> dict:
+        spec = self.family.member(member)
+        ppb = self.kv.pages_per_block(member)
+        pages_per_token = ppb / self.kv.tokens_per_block(member)
+        reserved = self.reserved_pages(member)
+        capacity = max(1, self._capacity_pages[member])
+        used = sum(s.kv.num_blocks * self.kv.pages_per_block(s.member) for s in self._running.values()
+                   if s.kv is not None and self._in_partition(s, member))
+        pressure = min(1.0, (used + reserved) / capacity)
+        if len(request.prompt_token_ids) >= spec.context_tokens:
+            return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
+        need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
+        queued_tokens = 0
+        for queue in self._waiting.values():
+            for seq in queue:
+                # Ahead of it: its own member's queue (FCFS per member) and every held (aged) request;
+                # other members' waiting requests are bypassed (per-member head-of-line).
+                if not seq.is_warmup and self._in_partition(seq, member) and (seq.member == member or seq.held):
+                    need += self._demand_pages(seq)
+                    queued_tokens += len(seq.token_ids)
+        available = self.pool.num_available_pages(member) - reserved
+        demands = [RunningDemand(s.kv.num_blocks * self.kv.pages_per_block(s.member), self._future_pages(s),
+                                 max(0, expected_final_tokens(s, self._ratio.value, context_tokens=10**9)
+                                     - len(s.token_ids)) + 1)
+                   for s in self._running.values() if s.kv is not None and self._in_partition(s, member)]
+        steps = steps_until_fit(need, available, demands)
+        if steps is None:
+            steps = max((d.remaining_steps for d in demands), default=0)
+        budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
+        steps += queued_tokens / max(1, budget)
+        delay_s = steps * (self._step_cost_s or 0.0)
+        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}
 
     def _can_escalate(self, seq: Sequence) -> bool:
         return (self.config.escalation.enabled and not seq.is_warmup and seq.request.pinned_member is None
@@ -170,6 +243,7 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
         seq.state = RequestState.WAITING if seq.state is not RequestState.PREEMPTED else seq.state
+        seq.enqueued_step = self._step
         queue = self._waiting.setdefault(seq.request.priority, deque())
         if front:
             queue.appendleft(seq)
@@ -181,11 +255,20 @@ class Scheduler:
         """Plans one step. Also returns outputs produced without running anything (cancellations)."""
         plan = StepPlan(released_requests=self._released)
         self._released = []
+        self._step += 1
+        if self._last_busy_schedule_s is not None:
+            # The time between two schedule() calls around a busy step: what one step costs a waiting request.
+            elapsed = now_s - self._last_busy_schedule_s
+            self._step_cost_s = elapsed if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * elapsed
         outputs = self._process_aborts(now_s)
         self._age_idle_sessions(now_s)
-        self._ensure_decode_slots(now_s)
-        self._admit(plan, now_s)
+        if self._ensure_decode_slots(plan, now_s):
+            self._ratio.on_shortage()    # hysteresis: a step that preempted admits nobody
+        else:
+            self._ratio.on_step()
+            self._admit(plan, now_s)
         self._build_batches(plan)
+        self._last_busy_schedule_s = now_s if plan.batches else None
         evictions = self.pool.take_evictions()
         if evictions:
             self.stats.on_eviction(len(evictions))
@@ -229,26 +312,42 @@ class Scheduler:
                 self._finish(warm, now_s, outcome=None)
         return outputs
 
-    def _ensure_decode_slots(self, now_s: float) -> None:
+    def _ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs;
-        when pages are short the youngest running request (of the same slice, under a static split)
-        is preempted, possibly the requester itself."""
-        partitioned = self.config.pool.static_split is not None
+        when pages are short, escalation pins are given up before a request would preempt itself, and
+        victims are taken in scheduler.victim_order from the same pool (slice, under a static split).
+        Returns whether anything was preempted."""
+        preempted = False
         for seq in list(self._running.values()):
             if seq.request_id not in self._running or not seq.is_decoding():
                 continue
             if self.config.scheduler.preallocate_blocks and self.kv.grow(seq.kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not self.kv.grow(seq.kv, len(seq.token_ids)):
-                victim = next(s for s in reversed(self._running.values())
-                              if not partitioned or s.member == seq.member)
-                self._preempt(victim, now_s)
+                victim = min((s for s in self._running.values() if self._in_partition(s, seq.member)),
+                             key=self._victim_key)
+                if victim is seq and self._release_pins(seq.member, now_s):
+                    continue
+                self._preempt(victim, now_s, plan)
+                preempted = True
                 if victim is seq:
                     break
+        return preempted
 
-    def _preempt(self, seq: Sequence, now_s: float) -> None:
-        """Recompute-style preemption: pages go back (full blocks stay cached, and reach the host tier
-        on eviction when it is on), the request waits at the queue front and resumes identically."""
+    def _preempt(self, seq: Sequence, now_s: float, plan: StepPlan | None = None) -> None:
+        """Pages go back (full blocks stay cached under their keys), the request waits at the queue front
+        and resumes identically. Swap: when the host tier has room for the victim's full blocks they
+        are copied there now (plan.page_saves), so its resume reloads them instead of recomputing even
+        if the arena evicts them meanwhile; recompute: they stay only as long as the arena keeps them.
+        The last, partial block is recomputed either way."""
+        kind = "recompute"
+        host = self.tiers.host if self.tiers is not None else None
+        if (plan is not None and seq.kv is not None and host is not None and self.config.scheduler.swap_preempted
+                and not seq.is_warmup):
+            keyed = [(p, k) for p in seq.kv.all_pages() if (k := self.pool.key_of(p)) is not None]
+            if keyed and len(keyed) * self.config.pool.page_bytes <= host.capacity_bytes - host.bytes_used:
+                plan.page_saves.extend(keyed)
+                kind = "swap"
         self._drop_kv(seq)
         del self._running[seq.request_id]
         if seq.is_warmup:
@@ -257,8 +356,23 @@ class Scheduler:
         seq.state = RequestState.PREEMPTED
         seq.count_query = False
         self._enqueue(seq, front=True)
-        self.stats.on_preemption()
-        self.events.emit(EventKind.PREEMPT, now_s, seq.request_id, seq.member)
+        self.stats.on_preemption(kind)
+        self.events.emit(EventKind.PREEMPT, now_s, seq.request_id, seq.member, preemption=kind)
+
+    def _release_pin(self, seq: Sequence) -> None:
+        if seq.pinned_kv is not None:
+            self.kv.release(seq.pinned_kv)
+            seq.pinned_kv = None
+
+    def _release_pins(self, member: str, now_s: float) -> bool:
+        """Gives up the escalation pins in `member`'s pool; True if any were held."""
+        released = False
+        for queue in self._waiting.values():
+            for seq in queue:
+                if seq.pinned_kv is not None and self._in_partition(seq, member):
+                    self._release_pin(seq)
+                    released = True
+        return released
 
     def _drop_kv(self, seq: Sequence) -> None:
         if seq.kv is not None:
@@ -269,22 +383,39 @@ class Scheduler:
         seq.shared_depth = 0
 
     def _admit(self, plan: StepPlan, now_s: float) -> None:
+        """FCFS within a priority with per-member head-of-line blocking (one member's full pool never
+        blocks another), except that a request waiting scheduler.aging_steps or longer has its pages
+        held: later requests in its pool are admitted only if they fit beside them (no starvation)."""
         max_running = self.config.scheduler.max_running_requests
-        blocked: set[str] = set()   # per-member head-of-line: one member's full pool never blocks another
+        aging = self.config.scheduler.aging_steps
+        blocked: set[str] = set()
+        held: dict[str | None, int] = {}
         for priority in sorted(self._waiting):
             queue = self._waiting[priority]
             kept: deque[Sequence] = deque()
             while queue:
                 seq = queue.popleft()
-                if len(self._running) >= max_running or seq.member in blocked or not self._try_admit(seq, plan, now_s):
+                part = self._partition_of(seq.member)
+                if (len(self._running) >= max_running or seq.member in blocked
+                        or not self._try_admit(seq, plan, now_s, held.get(part, 0))):
                     if seq.is_warmup:
                         self._forget(seq)   # a warm-up that cannot run now is worthless later
                         continue
                     blocked.add(seq.member)
+                    if aging is not None and self._step - seq.enqueued_step >= aging:
+                        held[part] = held.get(part, 0) + self._demand_pages(seq)
+                        if not seq.held:
+                            seq.held = True
+                            self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
+                                             waited_steps=self._step - seq.enqueued_step)
                     kept.append(seq)
             self._waiting[priority] = kept
+        if not self._running and any(self._waiting.values()):
+            # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
+            for name in self.family.member_names:
+                self._release_pins(name, now_s)
 
-    def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float) -> bool:
+    def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
         if seq.is_warmup and self.loads()[seq.member].num_running:
             return False
         cfg = self.config.escalation
@@ -294,9 +425,16 @@ class Scheduler:
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
         # Headroom matters only when others share the pages: alone, a request always fits (add_request
         # checked its whole length against the capacity), so it must never wait for a reserve.
-        partitioned = self.config.pool.static_split is not None
-        shared_with_others = any(not partitioned or s.member == seq.member for s in self._running.values())
-        reserve = self._reserve_pages[seq.member] if shared_with_others else 0
+        shared_with_others = any(self._in_partition(s, seq.member) for s in self._running.values())
+        reserve = 0
+        if shared_with_others and self.config.scheduler.decode_reservation == "remaining":
+            # Beside every running request's remaining decode, with room for this one's own.
+            own = self._demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
+            reserve = self.reserved_pages(seq.member) + max(0, own)
+        elif shared_with_others:
+            reserve = self._reserve_pages[seq.member]
+        if not seq.held:
+            reserve += held_pages   # an aged request's pages are not for later arrivals
         # Warm-ups never evict: they use idle memory only.
         attached = self.kv.attach(seq.member, match, seq.hashes, len(seq.token_ids),
                                   reserve_pages=reserve, evict=not seq.is_warmup)
@@ -310,6 +448,11 @@ class Scheduler:
         seq.state = RequestState.RUNNING
         seq.admit_order = next(self._admit_counter)
         self._running[seq.request_id] = seq
+        self._release_pin(seq)     # the target holds what it reuses now
+        seq.held = False
+        if seq.num_admissions == 0 and not seq.is_warmup:
+            self.stats.on_queue_wait(seq.member, now_s - seq.request.arrival_s)
+        seq.num_admissions += 1
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(match.num_full_tokens, seq.num_prompt_tokens)
         if seq.count_query:
@@ -325,8 +468,13 @@ class Scheduler:
         return True
 
     def _build_batches(self, plan: StepPlan) -> None:
-        budget = self.config.scheduler.max_batch_tokens
-        chunk_limit = self.config.scheduler.prefill_chunk_tokens
+        cfg = self.config.scheduler
+        budget = cfg.max_batch_tokens
+        chunk_limit = cfg.prefill_chunk_tokens
+        if cfg.decode_step_token_budget is not None and any(s.is_decoding() for s in self._running.values()):
+            # Stall-aware: while requests decode, prefill chunks fill the step only up to this budget,
+            # so a long prompt costs the decoders a few slightly longer steps, not one very long one.
+            budget = min(budget, cfg.decode_step_token_budget)
         batches: dict[str, list[SeqChunk]] = {}
         prefills = []
         for seq in self._running.values():
@@ -447,8 +595,14 @@ class Scheduler:
                 seq.spans.pop()
             seq.hashes = seq.hashes[:len(seq.token_ids) // self.kv.tokens_per_block(seq.member)]
         source = seq.member
+        cfg = self.config.escalation
+        if cfg.reuse_shared_layers and not cfg.cold_handover:
+            # Keep the source's pages until the target admits the request: under pressure they would
+            # otherwise be evicted before the handover reuses them.
+            seq.pinned_kv, seq.kv = seq.kv, None
         self._drop_kv(seq)
         del self._running[seq.request_id]
+        seq.num_escalations += 1
         if self.kv.tokens_per_block(target) != self.kv.tokens_per_block(source):
             seq.hashes = []
         seq.member = MemberName(target)
@@ -496,6 +650,7 @@ class Scheduler:
             self._session_pages[session] = (now_s, [(p, k) for p, k in pages if k is not None])
             self._session_pages.move_to_end(session)
         self._drop_kv(seq)
+        self._release_pin(seq)
         self._forget(seq)
         seq.state = RequestState.CANCELLED if seq.finish_reason is FinishReason.CANCELLED else RequestState.FINISHED
         if outcome is None:
