@@ -48,6 +48,9 @@ class LedgerMachine(RuleBasedStateMachine):
         pool, scheduler = self.h.pool, self.h.scheduler
         pool.check_invariants()
         held = Counter(p for seq in scheduler._running.values() for p in seq.kv.all_pages())
+        # Issue 13: an escalated request keeps its source pages pinned while it waits for the target.
+        held.update(p for queue in scheduler._waiting.values() for seq in queue if seq.pinned_kv is not None
+                    for p in seq.pinned_kv.all_pages())
         for page in range(pool.num_pages):
             assert pool.refcount(page) == held.get(page, 0), f"page {page}: refcount {pool.refcount(page)} vs {held.get(page, 0)}"
         counts = pool.counts()

@@ -189,8 +189,7 @@ class Scheduler:
         pages_per_token = ppb / self.kv.tokens_per_block(member)
         reserved = self.reserved_pages(member)
         capacity = max(1, self._capacity_pages[member])
-        used = sum(s.kv.num_blocks * self.kv.pages_per_block(s.member) for s in self._running.values()
-                   if s.kv is not None and self._in_partition(s, member))
+        used = self.pool.num_used_pages(member if self._partitioned else None)   # shared pages count once
         pressure = min(1.0, (used + reserved) / capacity)
         if len(request.prompt_token_ids) >= spec.context_tokens:
             return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
