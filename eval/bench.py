@@ -64,6 +64,7 @@ class BenchSettings:
     slo_tpot_x: float = TPOT_SLO_X         # and p90 TPOT within this x its p50 TPOT
     slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
     slo_tpot_s: float | None = None
+    baseline_split: str = "search"         # search | proportional | traffic (the baseline's static split)
 
     @classmethod
     def quick_defaults(cls, **kwargs: Any) -> "BenchSettings":
@@ -198,9 +199,53 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
     return family, trace, split, notes
 
 
-def config_for(name: str, settings: BenchSettings, split: StaticSplit | None):
+def config_for(name: str, settings: BenchSettings, split: StaticSplit | None,
+               baseline_split: dict[str, float] | None = None):
     return system_config(name, settings.family, settings.kv_pages, split.fractions if split else None,
-                         settings.extra_overrides)
+                         settings.extra_overrides, baseline_split)
+
+
+def choose_baseline_split(settings: BenchSettings, family: FamilySpec, trace: Trace, rates: tuple[float, ...],
+                          split: StaticSplit, progress=None) -> tuple[dict[str, float], dict[str, Any]]:
+    """The baseline's split and what the JSON says about it: `baseline_proportional` (the operator's default
+    split by weight bytes, run for real at the lightest rate: the pilot) and, for `search`, the search
+    (eval/split_search.py: every candidate split scored by a simulated replay of the trace with the pilot's
+    escalations and measured step costs)."""
+    from eval.split_search import SplitSimulator, search_report, search_split, sim_sessions
+    from eval.systems import pages_rule, proportional_split
+
+    proportional = proportional_split(family)
+    out: dict[str, Any] = {}
+    if settings.baseline_split == "traffic":
+        return split.fractions, out
+    config = config_for("baseline", settings, split, proportional)
+    if progress is not None:
+        progress.set_postfix_str(f"baseline_proportional @ {rates[0]:g}/s (pilot)")
+    on_done = (lambda _r: progress.update(1)) if progress is not None else None
+    records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rates[0]), on_done))
+    out["baseline_proportional"] = {"fractions": proportional, "rate": rates[0],
+                                    "rule": "each deployment's slice proportional to its member's weight bytes",
+                                    "metrics": {k: v for k, v in metrics.items() if k not in CURVE_DROP}}
+    if settings.baseline_split == "proportional":
+        return proportional, out
+    from orchestrator.core.router import Router
+
+    estimator = complexity_estimator(family_tokenizer(family))
+    router = Router(family, config.router)
+    pages_for_tokens, tokens_per_block = pages_rule(family, config, settings.kv_pages)
+    simulator = SplitSimulator(family.member_names, pages_for_tokens, settings.kv_pages,
+                               metrics["solo_decode_step_s"], {m: tokens_per_block(m) for m in family.member_names},
+                               max_running=config.scheduler.max_running_requests,
+                               max_batch_tokens=config.scheduler.max_batch_tokens,
+                               prefill_chunk_tokens=config.scheduler.prefill_chunk_tokens,
+                               reserve_blocks=config.pool.decode_reserve_blocks)
+    route = lambda ids: router.adequate_member(estimator.score(ids))  # noqa: E731 - complexity only, as the baseline
+    sessions = {rate: sim_sessions(trace.at_rate(rate), records, route) for rate in rates}
+    search = search_split(simulator, sessions, extra=[proportional, split.fractions])
+    out["baseline_split_search"] = search_report(search)
+    proportional_score = next((e["score_s"] for e in search["scored"] if e["split"] == proportional), None)
+    out["baseline_proportional"]["simulated_score_s"] = proportional_score
+    return search["best"], out
 
 
 def run_coroutine(coro):
@@ -221,12 +266,13 @@ def curve_rates(settings: BenchSettings, trace: Trace) -> tuple[float, ...]:
 
 
 def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: StaticSplit | None,
-              configs: dict[str, Any], notes: list[str], progress=None) -> tuple[dict, dict]:
+              configs: dict[str, Any], notes: list[str], progress=None,
+              baseline_split: dict[str, float] | None = None) -> tuple[dict, dict]:
     """Every system on `trace` (one rate): (records by system, the point's JSON block)."""
     records_by_system: dict[str, list[RequestRecord]] = {}
     systems: dict[str, Any] = {}
     for name in settings.systems:
-        config = config_for(name, settings, split)
+        config = config_for(name, settings, split, baseline_split)
         configs[name] = config_to_dict(config)
         if progress is not None:
             progress.set_postfix_str(f"{name} @ {trace.spec.rate_sessions_per_s:g}/s")
@@ -253,12 +299,17 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.trace_file and trace.spec.rate_sessions_per_s in rates:
         headline = trace.spec.rate_sessions_per_s
     configs: dict[str, Any] = {}
-    progress = _progress(settings, trace, len(rates))
+    pilot = "baseline" in settings.systems and settings.baseline_split != "traffic"
+    progress = _progress(settings, trace, len(rates) + (1 / len(settings.systems) if pilot else 0))
     points: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
+    baseline_split, about_split = None, {}
     try:
+        if "baseline" in settings.systems:
+            baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, progress)
         for rate in rates:
-            _, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes, progress)
+            _, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes, progress,
+                                 baseline_split)
             if rate == headline:
                 head = point
             points.append(point)
@@ -272,7 +323,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,
-                     "configs": configs, "machine": _machine()},
+                     "baseline_split": baseline_split, "configs": configs, "machine": _machine()},
+        **about_split,
         "headline_rate": headline,
         "systems": head["systems"],
         "reduction_mean_token_latency": head["reduction_mean_token_latency"],
@@ -359,7 +411,7 @@ def _progress(settings: BenchSettings, trace: Trace, num_rates: int = 1):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=trace.num_requests * len(settings.systems) * num_rates, unit="req", desc="bench",
+    return tqdm(total=round(trace.num_requests * len(settings.systems) * num_rates), unit="req", desc="bench",
                 file=sys.stderr)
 
 
@@ -435,6 +487,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
     parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
                         help="SLO: p90 TPOT within this multiple of the lightest-rate baseline's p50 TPOT")
+    parser.add_argument("--baseline-split", choices=("search", "proportional", "traffic"), default="search",
+                        help="the baseline's static split: search (default: the best of a simulated search, see "
+                             "docs/BENCHMARKS.md 7.4), proportional (to weight bytes), traffic (share of routed "
+                             "tokens x layers with floors, the old split)")
     parser.add_argument("--slo-ttft-s", type=float, default=None, help="absolute p90 TTFT limit (with --slo-tpot-s)")
     parser.add_argument("--slo-tpot-s", type=float, default=None, help="absolute p90 TPOT limit (with --slo-ttft-s)")
     parser.add_argument("--sessions", type=int, default=None)
@@ -487,7 +543,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
-                   history=args.history, slo_ttft_x=args.slo_ttft_x, slo_tpot_x=args.slo_tpot_x,
+                   history=args.history, baseline_split=args.baseline_split, slo_ttft_x=args.slo_ttft_x, slo_tpot_x=args.slo_tpot_x,
                    slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s, **chosen)
 
 

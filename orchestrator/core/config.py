@@ -57,6 +57,10 @@ class SchedulerConfig:
     victim_order: str = "priority_progress"   # priority_progress | youngest (pre-issue-13)
     swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
     decode_step_token_budget: int | None = 256  # tokens per step while requests decode (None = max_batch_tokens)
+    # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
+    # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
+    # orchestrator/core/deployments.py
+    independent_deployments: bool = False
 
 
 @dataclass(slots=True)
@@ -152,6 +156,8 @@ class MFSConfig:
                "scheduler.decode_step_token_budget", "must be positive or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
         _check(self.router.downgrade_max_gap >= 0, "router.downgrade_max_gap", "must be >= 0")
+        _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,
+               "scheduler.independent_deployments", "needs pool.static_split (each deployment's slice)")
         _check(self.router.profile in self.router.profiles, "router.profile",
                f"{self.router.profile!r} is not one of {sorted(self.router.profiles)}")
         thresholds = self.router.complexity_thresholds
