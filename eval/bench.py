@@ -53,6 +53,7 @@ class BenchSettings:
     extra_overrides: dict[str, Any] = field(default_factory=dict)   # applied to every system (sweeps)
     trace_file: str | None = None          # replay this saved trace instead of building one from ShareGPT
     save_trace: str | None = None          # write the trace used (built or loaded) here
+    record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
     @classmethod
     def quick_defaults(cls, **kwargs: Any) -> "BenchSettings":
@@ -146,6 +147,7 @@ async def run_request(engine: Any, request: Request, record: RequestRecord, cloc
                 if record.first_token_s is None:
                     record.first_token_s = now
                 record.output_token_ids.extend(out.new_token_ids)
+                record.output_logprobs.extend(out.new_logprobs)
             record.cached_tokens = max(record.cached_tokens, out.num_cached_prompt_tokens or 0)
             if out.num_prompt_tokens:
                 record.prompt_tokens = out.num_prompt_tokens
@@ -302,6 +304,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     finally:
         if progress is not None:
             progress.close()
+    if settings.record_confidences:   # the simulator's escalation input (eval/simulate/confidence.py)
+        _record_confidences(settings, family, records_by_system, notes)
     dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
     _add_quality(settings, family, records_by_system, systems, notes, dtype)
     result = {
@@ -318,6 +322,15 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "notes": notes,
     }
     return result
+
+
+def _record_confidences(settings: BenchSettings, family: FamilySpec, records_by_system, notes: list[str]) -> None:
+    from eval.simulate.confidence import write_library
+
+    records = [r for name in settings.systems for r in records_by_system.get(name, [])]
+    counts = write_library(records, settings.record_confidences, family.name,
+                           f"mfs bench systems {','.join(settings.systems)} seed {settings.seed} rate {settings.rate}")
+    notes.append(f"per-token confidences written to {settings.record_confidences} (sequences per member: {counts})")
 
 
 def _add_quality(settings, family, records_by_system, systems, notes, dtype: str) -> None:
@@ -459,6 +472,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay a trace saved with --save-trace (no ShareGPT package needed; its workload, "
                              "sessions, rate and seed come from the file)")
     parser.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace this run replays")
+    parser.add_argument("--record-confidences", default=None, metavar="FILE",
+                        help="write every reply's per-token top-1 probabilities (the input mfs simulate's escalation uses)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every system, YAML value (e.g. escalation.threshold=0.15)")
 
@@ -482,7 +497,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         extra[key.strip()] = yaml.safe_load(value)
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
-                   trace_file=trace_file, save_trace=getattr(args, "save_trace", None), **chosen)
+                   trace_file=trace_file, save_trace=getattr(args, "save_trace", None),
+                   record_confidences=getattr(args, "record_confidences", None), **chosen)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ class RequestRecord:
     error: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)   # per output token (mfs bench --record-confidences)
 
     @property
     def ok(self) -> bool:
