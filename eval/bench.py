@@ -14,17 +14,17 @@ from typing import Any
 
 import yaml
 
-from eval.metrics_calc import (RequestRecord, counter_delta, decode_floor_token_latency, mean, pages_timeline,
-                               paired_token_latency, percentile, reduction, summarize)
+from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
+from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, format_curve, parse_rates, summarize_curve
+from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, mean, pages_timeline, paired_token_latency,
+                               reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
-from eval.workloads import WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace
+from eval.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
+                            with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
-from orchestrator.core.types import FinishReason, Request, RequestId, SamplingParams
 
-STATS_INTERVAL_S = 0.5
-PROBE_TOKENS = 48          # decode steps timed per member before and after the replay (the decode floor's step costs)
 # Defaults: the case MFS targets - multi-turn chat under a KV budget that is tight for separate
 # deployments. 768 pages x 16 KiB = 12 MiB of fp32 KV: one 1024-token conversation on tiny-l alone
 # needs 8 layers x 64 blocks = 512 pages, so a static split cannot hold many live sessions.
@@ -32,6 +32,11 @@ FULL = dict(sessions=24, rate=0.5, kv_pages=768, max_turns=4, max_prompt_tokens=
             think_s=2.0)
 QUICK = dict(sessions=10, rate=1.0, kv_pages=512, max_turns=3, max_prompt_tokens=512, max_output_tokens=64,
              think_s=1.5)
+# The load curves `mfs bench` runs without --rates (session arrivals per second): from light load to well
+# past the baseline's knee on the CPU (docs/BENCHMARKS.md 7). The headline keys describe `rate`, which is
+# on each curve.
+FULL_RATES = (0.25, 0.5, 1.0, 2.0, 4.0)
+QUICK_RATES = (0.5, 1.0, 4.0)
 
 
 @dataclass(slots=True)
@@ -53,6 +58,12 @@ class BenchSettings:
     extra_overrides: dict[str, Any] = field(default_factory=dict)   # applied to every system (sweeps)
     trace_file: str | None = None          # replay this saved trace instead of building one from ShareGPT
     save_trace: str | None = None          # write the trace used (built or loaded) here
+    history: str | None = None             # closed | dataset; None: closed for a built trace, a file's own
+    rates: tuple[float, ...] | None = None  # the load curve: session arrival rates (None: `rate` only)
+    slo_ttft_x: float = TTFT_SLO_X         # SLO: p90 TTFT within this x the lightest-rate baseline's p50 TTFT
+    slo_tpot_x: float = TPOT_SLO_X         # and p90 TPOT within this x its p50 TPOT
+    slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
+    slo_tpot_s: float | None = None
     record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
     @classmethod
@@ -75,7 +86,7 @@ def make_trace(settings: BenchSettings, tokenizer: FamilyTokenizer, family: Fami
                         seed=settings.seed, context_tokens=context,
                         max_prompt_tokens=min(settings.max_prompt_tokens, context),
                         max_output_tokens=settings.max_output_tokens, max_turns=settings.max_turns,
-                        mean_think_time_s=settings.think_s)
+                        mean_think_time_s=settings.think_s, history=settings.history or "closed")
     return build_trace(spec, tokenizer)
 
 
@@ -87,119 +98,12 @@ def complexity_estimator(tokenizer: FamilyTokenizer):
 
 def static_split_for(trace: Trace, family: FamilySpec, tokenizer: FamilyTokenizer, settings: BenchSettings) -> StaticSplit:
     estimator = complexity_estimator(tokenizer)
-    requests = [RoutedRequest(estimator.score(t.prompt_token_ids), len(t.prompt_token_ids) + t.max_tokens)
-                for s in trace.sessions for t in s.turns]
+    # Complexity from the dataset prompt: the closed-loop prompt is only known during the replay.
+    requests = [RoutedRequest(estimator.score(t.prompt_token_ids), length + t.max_tokens)
+                for s in trace.sessions for t, length in zip(s.turns, trace.prompt_lengths(s))]
     config = load_config(overrides={"family": settings.family, "pool.num_pages": settings.kv_pages,
                                     **settings.extra_overrides})
     return best_static_split(family, requests, config, settings.kv_pages)
-
-
-# ----------------------------------------------------------------------------- the real-time driver
-async def replay(engine: Any, trace: Trace, tag: str, on_done=None) -> tuple[list[RequestRecord], list[dict], dict, float]:
-    """Sessions start at their arrival times; each turn goes out when the previous one finished plus its
-    think time. Returns (records, stats samples, counters delta over the replay, duration)."""
-    before = engine.stats().get("counters", {})
-    start = time.monotonic()
-    clock = lambda: time.monotonic() - start  # noqa: E731 - seconds since the replay start
-    samples: list[dict] = []
-    records: list[RequestRecord] = []
-
-    async def sample_stats() -> None:
-        while True:
-            stats = engine.stats()
-            samples.append({"t_s": clock(), "stats": {"pages": stats.get("pages", {})}})
-            await asyncio.sleep(STATS_INTERVAL_S)
-
-    async def run_session(index: int) -> None:
-        session = trace.sessions[index]
-        await asyncio.sleep(max(0.0, trace.arrival_times_s[index] - clock()))
-        for k, turn in enumerate(session.turns):
-            if k:
-                await asyncio.sleep(turn.think_time_s)
-            record = RequestRecord(session_id=session.session_id, turn_index=k, send_s=clock(),
-                                   first_token_s=None, finish_s=None, prompt_tokens=len(turn.prompt_token_ids),
-                                   cached_tokens=0, output_tokens=0, prompt_token_ids=list(turn.prompt_token_ids))
-            records.append(record)
-            # Greedy and ignore_eos: every system generates exactly the trace's reply lengths.
-            request = Request(request_id=RequestId(f"{tag}-{session.session_id}-t{k}"),
-                              prompt_token_ids=list(turn.prompt_token_ids),
-                              sampling=SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True),
-                              arrival_s=time.monotonic(), session_id=session.session_id)
-            await run_request(engine, request, record, clock)
-            if on_done is not None:
-                on_done(record)
-
-    sampler = asyncio.create_task(sample_stats())
-    try:
-        await asyncio.gather(*(run_session(i) for i in range(len(trace.sessions))))
-    finally:
-        sampler.cancel()
-    duration = clock()
-    counters = counter_delta(engine.stats().get("counters", {}), before)
-    return records, samples, counters, duration
-
-
-async def run_request(engine: Any, request: Request, record: RequestRecord, clock) -> None:
-    try:
-        async for out in engine.generate(request):
-            now = clock()
-            if out.new_token_ids:
-                if record.first_token_s is None:
-                    record.first_token_s = now
-                record.output_token_ids.extend(out.new_token_ids)
-                record.output_logprobs.extend(out.new_logprobs)
-            record.cached_tokens = max(record.cached_tokens, out.num_cached_prompt_tokens or 0)
-            if out.num_prompt_tokens:
-                record.prompt_tokens = out.num_prompt_tokens
-            if out.spans:
-                record.members = [span.member for span in out.spans if span.num_tokens > 0] or [out.member]
-                record.tokens_by_member = {}
-                for span in out.spans:
-                    if span.num_tokens > 0:
-                        record.tokens_by_member[span.member] = record.tokens_by_member.get(span.member, 0) + span.num_tokens
-            elif out.member and (not record.members or record.members[-1] != out.member):
-                record.members.append(out.member)
-            if out.error:
-                record.error = out.error
-            if out.finished:
-                record.finish_s = now
-                if out.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) and record.error is None:
-                    record.error = out.finish_reason.value
-    except Exception as exc:  # a rejected or failed request is recorded, the replay goes on
-        record.error = f"{type(exc).__name__}: {exc}"
-    record.output_tokens = len(record.output_token_ids)
-
-
-def pinned_request(request_id: str, member: str, max_tokens: int) -> Request:
-    """A short greedy request that runs on `member` only (warm-up and decode probes)."""
-    return Request(request_id=RequestId(request_id), prompt_token_ids=[1, 7, 8, 9],
-                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                   arrival_s=time.monotonic(), pinned_member=member)
-
-
-async def warm_up(engine: Any, members: list[str], tag: str) -> None:
-    """One short pinned request per member so first-call allocations stay out of the measurement."""
-    for member in members:
-        async for _ in engine.generate(pinned_request(f"{tag}-warmup-{member}", member, 2)):
-            pass
-
-
-async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens: int = PROBE_TOKENS) -> dict[str, float]:
-    """Per member: the median time between streamed tokens of one pinned request running alone (a decode
-    step at batch one and short context, through the whole serving stack). The decode floor builds on it."""
-    out: dict[str, float] = {}
-    for member in members:
-        gaps: list[float] = []
-        last = None
-        async for result in engine.generate(pinned_request(f"{tag}-probe-{member}", member, tokens)):
-            now = time.monotonic()
-            if result.new_token_ids:
-                if last is not None:       # the first token comes from the prefill step: not a decode step
-                    gaps.append((now - last) / len(result.new_token_ids))
-                last = now
-        if gaps:
-            out[member] = percentile(gaps, 50)
-    return out
 
 
 async def run_system(name: str, config: Any, trace: Trace, on_done=None,
@@ -234,14 +138,26 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
 
 
 # ----------------------------------------------------------------------------- quality
-def score_quality(family: FamilySpec, records_by_system: dict[str, list[RequestRecord]], dtype: str) -> dict[str, float | None]:
-    """Mean per-token log-likelihood of each response under the largest member (higher is better)."""
+_JUDGES: dict[tuple, Any] = {}   # the judge model is loaded once per process (a curve scores every rate)
+
+
+def _judge_model(judge, dtype: str):
     from engines.local.checkpoint import load_checkpoint
     from engines.local.model import PagedCausalLM
+
+    key = (str(judge.checkpoint_dir), dtype)
+    if key not in _JUDGES:
+        _JUDGES.clear()
+        _JUDGES[key] = PagedCausalLM(judge, load_checkpoint(judge.checkpoint_dir, dtype=dtype), dtype=dtype)
+    return _JUDGES[key]
+
+
+def score_quality(family: FamilySpec, records_by_system: dict[str, list[RequestRecord]], dtype: str) -> dict[str, float | None]:
+    """Mean per-token log-likelihood of each response under the largest member (higher is better)."""
     from engines.local.scoring import score_tokens
 
     judge = family.members[-1]
-    model = PagedCausalLM(judge, load_checkpoint(judge.checkpoint_dir, dtype=dtype), dtype=dtype)
+    model = _judge_model(judge, dtype)
     cache: dict[tuple, float] = {}   # systems often produce identical responses: score each once
     out: dict[str, float | None] = {}
     for name, records in records_by_system.items():
@@ -267,6 +183,8 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
     tokenizer_hash = family.members[0].tokenizer_hash
     if settings.trace_file:
         trace = load_trace(settings.trace_file, tokenizer_hash)
+        if settings.history:
+            trace = with_history(trace, settings.history)
     else:
         trace = make_trace(settings, tokenizer, family)
     if settings.save_trace:
@@ -286,50 +204,106 @@ def config_for(name: str, settings: BenchSettings, split: StaticSplit | None):
                          settings.extra_overrides)
 
 
-def run_bench(settings: BenchSettings) -> dict[str, Any]:
-    family, trace, split, notes = prepare(settings)
+def run_coroutine(coro):
+    """asyncio.run, also from inside a running event loop (a Jupyter kernel): then on a fresh thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def curve_rates(settings: BenchSettings, trace: Trace) -> tuple[float, ...]:
+    """The rates to replay: settings.rates, else the trace's own rate only."""
+    return tuple(settings.rates) if settings.rates else (trace.spec.rate_sessions_per_s,)
+
+
+def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: StaticSplit | None,
+              configs: dict[str, Any], notes: list[str], progress=None) -> tuple[dict, dict]:
+    """Every system on `trace` (one rate): (records by system, the point's JSON block)."""
     records_by_system: dict[str, list[RequestRecord]] = {}
     systems: dict[str, Any] = {}
+    for name in settings.systems:
+        config = config_for(name, settings, split)
+        configs[name] = config_to_dict(config)
+        if progress is not None:
+            progress.set_postfix_str(f"{name} @ {trace.spec.rate_sessions_per_s:g}/s")
+        on_done = (lambda _r: progress.update(1)) if progress is not None else None
+        records, metrics = run_coroutine(run_system(name, config, trace, on_done))
+        records_by_system[name], systems[name] = records, metrics
+    dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
+    _add_quality(settings, family, records_by_system, systems, notes, dtype)
+    point = {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
+             "reduction_mean_token_latency": _reduction(systems, "mfs"),
+             "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
+             "paired_vs_baseline": _paired(records_by_system),
+             "reduction_ceiling": _ceilings(systems)}
+    return records_by_system, point
+
+
+CURVE_DROP = ("per_request", "pages_timeline")   # per-request rows stay in the headline point only
+
+
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
+    family, trace, split, notes = prepare(settings)
+    rates = curve_rates(settings, trace)
+    headline = settings.rate if settings.rate in rates and not settings.trace_file else rates[0]
+    if settings.trace_file and trace.spec.rate_sessions_per_s in rates:
+        headline = trace.spec.rate_sessions_per_s
     configs: dict[str, Any] = {}
-    progress = _progress(settings, trace)
+    progress = _progress(settings, trace, len(rates))
+    points: list[dict[str, Any]] = []
+    head: dict[str, Any] = {}
+    recorded = []          # every reply, for --record-confidences
     try:
-        for name in settings.systems:
-            config = config_for(name, settings, split)
-            configs[name] = config_to_dict(config)
-            if progress is not None:
-                progress.set_postfix_str(name)
-            on_done = (lambda _r: progress.update(1)) if progress is not None else None
-            records, metrics = asyncio.run(run_system(name, config, trace, on_done))
-            records_by_system[name], systems[name] = records, metrics
+        for rate in rates:
+            records_by_system, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes, progress)
+            recorded += [r for records in records_by_system.values() for r in records]
+            if rate == headline:
+                head = point
+            points.append(point)
     finally:
         if progress is not None:
             progress.close()
+    curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
+             for p in points]
     if settings.record_confidences:   # the simulator's escalation input (eval/simulate/confidence.py)
-        _record_confidences(settings, family, records_by_system, notes)
-    dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
-    _add_quality(settings, family, records_by_system, systems, notes, dtype)
+        _record_confidences(settings, family, recorded, notes)
     result = {
-        "workload": trace.summary(),
+        "workload": trace.at_rate(headline).summary(),
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,
                      "configs": configs, "machine": _machine()},
-        "systems": systems,
-        "reduction_mean_token_latency": _reduction(systems, "mfs"),
-        "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
-        "paired_vs_baseline": _paired(records_by_system),
-        "reduction_ceiling": _ceilings(systems),
-        "notes": notes,
+        "headline_rate": headline,
+        "systems": head["systems"],
+        "reduction_mean_token_latency": head["reduction_mean_token_latency"],
+        "reductions_vs_baseline": head["reductions_vs_baseline"],
+        "paired_vs_baseline": head["paired_vs_baseline"],
+        "reduction_ceiling": head["reduction_ceiling"],
+        "rates": list(rates),
+        "curve": curve,
+        **summarize_curve(curve, slo_for(settings, curve)),
+        "notes": list(dict.fromkeys(notes)),
     }
     return result
 
 
-def _record_confidences(settings: BenchSettings, family: FamilySpec, records_by_system, notes: list[str]) -> None:
+def slo_for(settings: BenchSettings, curve: list[dict[str, Any]]) -> SLO | None:
+    if settings.slo_ttft_s is not None and settings.slo_tpot_s is not None:
+        return SLO(settings.slo_ttft_s, settings.slo_tpot_s,
+                   rule=f"p90 TTFT <= {settings.slo_ttft_s:g} s and p90 TPOT <= {settings.slo_tpot_s:g} s (given)")
+    return default_slo(curve, settings.slo_ttft_x, settings.slo_tpot_x)
+
+
+def _record_confidences(settings: BenchSettings, family: FamilySpec, records: list, notes: list[str]) -> None:
     from eval.simulate.confidence import write_library
 
-    records = [r for name in settings.systems for r in records_by_system.get(name, [])]
     counts = write_library(records, settings.record_confidences, family.name,
-                           f"mfs bench systems {','.join(settings.systems)} seed {settings.seed} rate {settings.rate}")
+                           f"mfs bench systems {','.join(settings.systems)} seed {settings.seed}")
     notes.append(f"per-token confidences written to {settings.record_confidences} (sequences per member: {counts})")
 
 
@@ -393,12 +367,13 @@ def _machine() -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
 
 
-def _progress(settings: BenchSettings, trace: Trace):
+def _progress(settings: BenchSettings, trace: Trace, num_rates: int = 1):
     if not settings.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=trace.num_requests * len(settings.systems), unit="req", desc="bench", file=sys.stderr)
+    return tqdm(total=trace.num_requests * len(settings.systems) * num_rates, unit="req", desc="bench",
+                file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- table and CLI
@@ -431,6 +406,9 @@ def format_table(result: dict[str, Any]) -> str:
         paired = paired_line(result)
         if paired:
             lines.append(paired)
+    curve = format_curve(result)
+    if curve:
+        lines += [f"(the rows above: the headline rate, {result.get('headline_rate'):g} sessions/s)", "", curve]
     return "\n".join(lines)
 
 
@@ -458,12 +436,26 @@ def paired_line(result: dict[str, Any], name: str = "mfs") -> str | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="multiturn")
-    parser.add_argument("--rate", type=float, default=None, help="session arrivals per second (Poisson)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="session arrivals per second (Poisson); alone: one rate instead of the default curve")
+    parser.add_argument("--rates", default=None, metavar="R1,R2,...",
+                        help="the load curve: replay the same sessions at each session arrival rate (default: "
+                             f"{','.join(map(str, FULL_RATES))}; --quick: {','.join(map(str, QUICK_RATES))})")
+    parser.add_argument("--history", choices=HISTORIES, default=None,
+                        help="closed (default): each turn re-sends the reply this system generated; "
+                             "dataset: re-sends ShareGPT's reply (the old open-loop replay)")
+    parser.add_argument("--slo-ttft-x", type=float, default=TTFT_SLO_X,
+                        help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
+    parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
+                        help="SLO: p90 TPOT within this multiple of the lightest-rate baseline's p50 TPOT")
+    parser.add_argument("--slo-ttft-s", type=float, default=None, help="absolute p90 TTFT limit (with --slo-tpot-s)")
+    parser.add_argument("--slo-tpot-s", type=float, default=None, help="absolute p90 TPOT limit (with --slo-ttft-s)")
     parser.add_argument("--sessions", type=int, default=None)
     parser.add_argument("--kv-pages", type=int, default=None, help="arena pages, the same for every system")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
     parser.add_argument("--out", default="results.json")
-    parser.add_argument("--quick", action="store_true", help="small trace: under 4 minutes on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true",
+                        help="small trace, 3-rate curve: under 4 minutes on a quiet 2-core CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
     parser.add_argument("--no-quality", action="store_true", help="skip scoring responses under the largest member")
@@ -485,7 +477,19 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise SystemExit(f"mfs bench: unknown system(s) {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
     trace_file = getattr(args, "trace", None)
     if trace_file and (args.rate is not None or args.sessions is not None):
-        raise SystemExit("mfs bench: --trace replays the file's sessions and arrivals; drop --rate/--sessions")
+        raise SystemExit("mfs bench: --trace replays the file's sessions and arrivals; drop --rate/--sessions "
+                         "(--rates replays them at other rates)")
+    if (args.slo_ttft_s is None) != (args.slo_tpot_s is None):
+        raise SystemExit("mfs bench: give both --slo-ttft-s and --slo-tpot-s, or neither")
+    try:
+        if args.rates is not None:
+            rates = parse_rates(args.rates)
+        elif args.rate is not None:
+            rates = (args.rate,)
+        else:
+            rates = QUICK_RATES if args.quick else FULL_RATES
+    except ValueError as exc:
+        raise SystemExit(f"mfs bench: {exc}") from None
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
     chosen = {k: v for k, v in (("sessions", args.sessions), ("rate", args.rate), ("kv_pages", args.kv_pages))
               if v is not None}
@@ -497,7 +501,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         extra[key.strip()] = yaml.safe_load(value)
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
-                   trace_file=trace_file, save_trace=getattr(args, "save_trace", None),
+                   trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
+                   history=args.history, slo_ttft_x=args.slo_ttft_x, slo_tpot_x=args.slo_tpot_x,
+                   slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                    record_confidences=getattr(args, "record_confidences", None), **chosen)
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 TIERS = ("arena", "host", "disk")
+REROUTE_PREFIX = "reroute"      # RouteDecision.reason of a request the independent deployments re-routed
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class RequestRecord:
     members: list[str] = field(default_factory=list)   # span members in order (>1 distinct = escalated)
     tokens_by_member: dict[str, int] = field(default_factory=dict)   # kept output tokens per member (spans)
     error: str | None = None
+    route_reason: str | None = None            # the scheduler's RouteDecision.reason ("reroute..." = re-routed)
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)   # per output token (mfs bench --record-confidences)
@@ -51,6 +53,11 @@ class RequestRecord:
         if self.finish_s is None or self.first_token_s is None or self.output_tokens < 2:
             return None
         return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def rerouted(self) -> bool:
+        """Sent to a larger member than routing chose because the chosen member's slice cannot hold it."""
+        return bool(self.route_reason and self.route_reason.startswith(REROUTE_PREFIX))
 
     @property
     def escalated(self) -> bool:
@@ -126,13 +133,14 @@ def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], dur
     result: dict[str, Any] = {
         # Headline: mean over requests of e2e latency / output tokens (normalised latency).
         "mean_token_latency_s": mean([r.token_latency_s for r in ok]),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p90_s": percentile(tpot, 90), "tpot_p99_s": percentile(tpot, 99),
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "throughput_tok_s": output_tokens / duration_s if duration_s > 0 else None,
         "prefix_hit_rate": prefix_tokens_rate(ok),
         "escalation_rate": (sum(r.escalated for r in ok) / len(ok)) if ok else None,
         "preemptions": int(counters.get("preemptions", 0) or 0),
+        "reroutes": sum(r.rerouted for r in records),
         "num_requests": len(ok),
         "num_failed": len(records) - len(ok),
         "duration_s": duration_s,
@@ -186,7 +194,7 @@ def per_request_row(r: RequestRecord) -> dict[str, Any]:
             "members": list(dict.fromkeys(r.members)), "tokens_by_member": member_tokens(r), "escalated": r.escalated,
             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
             "output_tokens": r.output_tokens, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s,
-            "send_s": r.send_s, "error": r.error}
+            "send_s": r.send_s, "error": r.error, "rerouted": r.rerouted}
 
 
 def paired_token_latency(system: Sequence[RequestRecord], baseline: Sequence[RequestRecord]) -> tuple[float | None, float | None, int]:

@@ -1,10 +1,17 @@
-"""Seeded, tokenised ShareGPT workloads: multi-turn sessions, Poisson session arrivals, think times."""
+"""Seeded, tokenised ShareGPT workloads: multi-turn sessions, Poisson session arrivals, think times.
+
+History (`WorkloadSpec.history`): `closed` (the default) is how a chat client talks to a server: turn k+1's
+prompt is turn k's prompt, the reply the serving system generated for it, and the next user message, joined
+through the chat template (`Turn.user_token_ids` holds the tokens after the reply). `dataset` re-sends the
+ShareGPT reply instead (`Turn.prompt_token_ids`, the open-loop replay of earlier benchmarks). Output lengths
+are fixed per turn either way, so under `closed` every system sees the same prompt and output lengths.
+"""
 from __future__ import annotations
 
 import json
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +19,7 @@ from eval.sharegpt import Conversation, iter_conversations
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 WORKLOADS = ("multiturn", "mixed", "single")
+HISTORIES = ("closed", "dataset")
 SESSION_KINDS = ("multiturn", "short", "long")
 # `mixed`: fixed proportions of short single-turn, long single-turn and multi-turn sessions.
 MIXED_PROPORTIONS = {"short": 0.3, "long": 0.2, "multiturn": 0.5}
@@ -32,19 +40,42 @@ class WorkloadSpec:
     short_max_prompt_tokens: int = 128    # a `short` single-turn prompt is at most this long
     long_min_prompt_tokens: int = 256     # a `long` single-turn prompt is at least this long
     conversation_pool: int = 1500         # ShareGPT conversations read (then shuffled with the seed)
+    history: str = "closed"               # closed: the system's own replies go back; dataset: ShareGPT's
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise ValueError(f"workload {self.name!r}: expected one of {', '.join(WORKLOADS)}")
         if self.num_sessions <= 0 or self.rate_sessions_per_s <= 0:
             raise ValueError("num_sessions and rate_sessions_per_s must be positive")
+        if self.history not in HISTORIES:
+            raise ValueError(f"history {self.history!r}: expected one of {', '.join(HISTORIES)}")
 
 
 @dataclass(slots=True)
 class Turn:
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]           # the whole prompt with ShareGPT's earlier replies (dataset history)
     max_tokens: int                       # the real assistant reply's length, capped
     think_time_s: float                   # pause after the previous turn finished (0 for the first turn)
+    # closed history: what follows the previous turn's generated reply (end of the reply, the next user
+    # message, the generation prompt); for the first turn the whole prompt. Empty: not known (old files).
+    user_token_ids: list[int] = field(default_factory=list)
+
+
+def closed_prompt_lengths(turns: Sequence[Turn]) -> list[int]:
+    """Prompt lengths of a closed-loop session: the previous prompt + its (fixed-length) reply + the user part."""
+    lengths: list[int] = []
+    for k, turn in enumerate(turns):
+        lengths.append(len(turn.user_token_ids) if k == 0
+                       else lengths[-1] + turns[k - 1].max_tokens + len(turn.user_token_ids))
+    return lengths
+
+
+def next_prompt(turn: Turn, previous_prompt: list[int] | None, previous_reply: list[int] | None,
+                history: str) -> list[int]:
+    """The prompt a chat client sends for `turn`: closed history appends the reply the system generated."""
+    if history == "dataset" or previous_prompt is None:
+        return list(turn.prompt_token_ids if history == "dataset" or not turn.user_token_ids else turn.user_token_ids)
+    return [*previous_prompt, *(previous_reply or []), *turn.user_token_ids]
 
 
 @dataclass(slots=True)
@@ -66,14 +97,30 @@ class Trace:
     def num_requests(self) -> int:
         return sum(len(s.turns) for s in self.sessions)
 
+    def prompt_lengths(self, session: Session) -> list[int]:
+        """What the replay will send per turn (closed history: the same for every system)."""
+        if self.spec.history == "closed":
+            return closed_prompt_lengths(session.turns)
+        return [len(t.prompt_token_ids) for t in session.turns]
+
+    def at_rate(self, rate_sessions_per_s: float) -> "Trace":
+        """The same sessions arriving at another rate: every gap scaled by old/new rate (the Poisson draws
+        scale exactly so: an exponential gap at rate r is -ln(U)/r for the same U)."""
+        if rate_sessions_per_s <= 0:
+            raise ValueError(f"rate must be positive, got {rate_sessions_per_s}")
+        scale = self.spec.rate_sessions_per_s / rate_sessions_per_s
+        return Trace(spec=replace(self.spec, rate_sessions_per_s=rate_sessions_per_s), sessions=self.sessions,
+                     arrival_times_s=[t * scale for t in self.arrival_times_s], notes=list(self.notes))
+
     def summary(self) -> dict:
-        prompts = [len(t.prompt_token_ids) for s in self.sessions for t in s.turns]
+        prompts = [n for s in self.sessions for n in self.prompt_lengths(s)]
         outputs = [t.max_tokens for s in self.sessions for t in s.turns]
         kinds = {k: sum(s.kind == k for s in self.sessions) for k in SESSION_KINDS}
         return {"name": self.spec.name, "seed": self.spec.seed, "num_sessions": len(self.sessions),
                 "num_requests": self.num_requests, "rate_sessions_per_s": self.spec.rate_sessions_per_s,
                 "mean_think_time_s": self.spec.mean_think_time_s, "max_output_tokens": self.spec.max_output_tokens,
                 "max_prompt_tokens": self.spec.max_prompt_tokens, "context_tokens": self.spec.context_tokens,
+                "history": self.spec.history, "max_turns": self.spec.max_turns,
                 "sessions_by_kind": kinds, "prompt_tokens_total": sum(prompts),
                 "output_tokens_total": sum(outputs),
                 "duration_arrivals_s": self.arrival_times_s[-1] if self.arrival_times_s else 0.0,
@@ -83,7 +130,9 @@ class Trace:
 # ----------------------------------------------------------------------------- trace files
 # A built trace saved as JSON replays anywhere the family is, without the ShareGPT package (a GPU box, a
 # colleague's machine) and exactly: token ids, lengths, think times and arrivals are all in the file.
-TRACE_FORMAT = "mfs-trace/1"
+# Format 2 adds each turn's user_token_ids (closed history); a format-1 file replays with dataset history.
+TRACE_FORMAT = "mfs-trace/2"
+OLD_TRACE_FORMATS = ("mfs-trace/1",)
 
 
 class TraceFileError(ValueError):
@@ -104,24 +153,43 @@ def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:
         data: dict[str, Any] = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise TraceFileError(f"trace file {path}: cannot read it as JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
-        raise TraceFileError(f"trace file {path}: not an {TRACE_FORMAT} file (format {data.get('format') if isinstance(data, dict) else None!r})")
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if fmt != TRACE_FORMAT and fmt not in OLD_TRACE_FORMATS:
+        raise TraceFileError(f"trace file {path}: not an {TRACE_FORMAT} file (format {fmt!r})")
     if data.get("tokenizer_hash") != tokenizer_hash:
         raise TraceFileError(f"trace file {path}: tokenised with tokenizer {data.get('tokenizer_hash')!r}, "
                              f"this family's is {tokenizer_hash!r}")
     try:
         sessions = [Session(s["session_id"], s["kind"], s["conversation_id"],
-                            [Turn(list(t["prompt_token_ids"]), int(t["max_tokens"]), float(t["think_time_s"]))
+                            [Turn(list(t["prompt_token_ids"]), int(t["max_tokens"]), float(t["think_time_s"]),
+                                  list(t.get("user_token_ids") or ()))
                              for t in s["turns"]])
                     for s in data["sessions"]]
-        trace = Trace(spec=WorkloadSpec(**data["spec"]), sessions=sessions,
-                      arrival_times_s=[float(t) for t in data["arrival_times_s"]], notes=list(data.get("notes", [])))
+        spec = dict(data["spec"])
+        notes = list(data.get("notes", []))
+        if fmt in OLD_TRACE_FORMATS:       # no user turns recorded: only the dataset replay is possible
+            spec["history"] = "dataset"
+            notes.append(f"{fmt} trace file: no user turns recorded, replayed with dataset history (open loop)")
+        trace = Trace(spec=WorkloadSpec(**spec), sessions=sessions,
+                      arrival_times_s=[float(t) for t in data["arrival_times_s"]], notes=notes)
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceFileError(f"trace file {path}: malformed ({type(exc).__name__}: {exc})") from None
     if len(trace.arrival_times_s) != len(trace.sessions):
         raise TraceFileError(f"trace file {path}: {len(trace.sessions)} sessions but "
                              f"{len(trace.arrival_times_s)} arrival times")
+    if trace.spec.history == "closed" and any(not t.user_token_ids for s in trace.sessions for t in s.turns):
+        raise TraceFileError(f"trace file {path}: closed history but a turn has no user_token_ids")
     return trace
+
+
+def with_history(trace: Trace, history: str) -> Trace:
+    """The same trace replayed with another history; closed history needs the user turns (format 2)."""
+    if history == trace.spec.history:
+        return trace
+    if history == "closed" and any(not t.user_token_ids for s in trace.sessions for t in s.turns):
+        raise TraceFileError("this trace holds no user turns (format 1): only --history dataset can replay it")
+    return Trace(spec=replace(trace.spec, history=history), sessions=trace.sessions,
+                 arrival_times_s=list(trace.arrival_times_s), notes=list(trace.notes))
 
 
 def kind_counts(name: str, num_sessions: int) -> dict[str, int]:
@@ -190,29 +258,33 @@ class _SessionBuilder:
         return None
 
     def _turns(self, kind: str, conversation: Conversation, think_rng: random.Random) -> list[Turn] | None:
-        fitting = self._fitting_turns(conversation)
+        fitting = self._fitting_turns(conversation, closed=kind == "multiturn" and self.spec.history == "closed")
         if kind == "multiturn":
             if len(fitting) < 2:
                 return None  # a multi-turn session needs at least two turns to show reuse
             turns = fitting[: self.spec.max_turns]
             # Think times drawn only for accepted sessions: the stream stays aligned across kinds.
-            return [Turn(p, n, 0.0 if k == 0 else think_rng.expovariate(1.0 / self.spec.mean_think_time_s))
-                    for k, (p, n) in enumerate(turns)]
+            return [replace(t, think_time_s=0.0 if k == 0 else think_rng.expovariate(1.0 / self.spec.mean_think_time_s))
+                    for k, t in enumerate(turns)]
+        # Single-turn sessions: the prompt is the dataset's whole history, sent once (no earlier reply of ours).
         if kind == "short":
-            if not fitting or len(fitting[0][0]) > self.spec.short_max_prompt_tokens:
+            if not fitting or len(fitting[0].prompt_token_ids) > self.spec.short_max_prompt_tokens:
                 return None
-            return [Turn(fitting[0][0], fitting[0][1], 0.0)]
+            first = fitting[0]
+            return [Turn(first.prompt_token_ids, first.max_tokens, 0.0, list(first.prompt_token_ids))]
         # long: the longest fitting history, sent as ONE request with a cold start (no earlier turns).
-        longest = [t for t in fitting if len(t[0]) >= self.spec.long_min_prompt_tokens]
+        longest = [t for t in fitting if len(t.prompt_token_ids) >= self.spec.long_min_prompt_tokens]
         if not longest:
             return None
-        return [Turn(longest[-1][0], longest[-1][1], 0.0)]
+        return [Turn(longest[-1].prompt_token_ids, longest[-1].max_tokens, 0.0, list(longest[-1].prompt_token_ids))]
 
-    def _fitting_turns(self, conversation: Conversation) -> list[tuple[list[int], int]]:
-        """(prompt ids, output tokens) for each user turn whose prompt + reply fit; stops at the first that
-        does not (later turns only grow)."""
+    def _fitting_turns(self, conversation: Conversation, closed: bool) -> list[Turn]:
+        """One Turn (think time 0) per user turn whose prompt + reply fit, measured the way the replay will
+        send it (closed: our own fixed-length replies; else the dataset's); stops at the first that does
+        not (later turns only grow)."""
         spec, out = self.spec, []
         messages = list(conversation.messages)
+        closed_length = 0
         for index in range(0, len(messages) - 1, 2):
             reply = messages[index + 1]
             if messages[index]["role"] != "user" or reply["role"] != "assistant":
@@ -220,7 +292,23 @@ class _SessionBuilder:
             prompt = self.tokenizer.apply_chat_template(messages[: index + 1], add_generation_prompt=True)
             reply_tokens = len(self.tokenizer.encode(reply["content"], add_special_tokens=False))
             max_tokens = max(spec.min_output_tokens, min(spec.max_output_tokens, reply_tokens))
-            if len(prompt) > spec.max_prompt_tokens or len(prompt) + max_tokens > spec.context_tokens:
+            user = prompt if index == 0 else self._user_part(messages[: index + 1])
+            length = len(user) if index == 0 else closed_length + out[-1].max_tokens + len(user)
+            sent = length if closed else len(prompt)
+            if sent > spec.max_prompt_tokens or sent + max_tokens > spec.context_tokens:
                 break
-            out.append((prompt, max_tokens))
+            closed_length = length
+            out.append(Turn(prompt, max_tokens, 0.0, user))
         return out
+
+    def _user_part(self, messages: list[dict[str, str]]) -> list[int]:
+        """The tokens a chat client appends after the previous reply: the template rendered with a marker in
+        place of that reply, everything after the marker (end of the reply, the user message, the
+        generation prompt)."""
+        marker = "\u2063MFS-REPLY\u2063"
+        rendered = self.tokenizer.render_chat(
+            [*messages[:-2], {"role": "assistant", "content": marker}, messages[-1]], add_generation_prompt=True)
+        before, found, after = rendered.partition(marker)
+        if not found:
+            raise ValueError("the chat template dropped the assistant reply: closed history cannot be built")
+        return self.tokenizer.encode(after, add_special_tokens=False)

@@ -192,12 +192,16 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     from eval.bench import replay
 
     spec = WorkloadSpec(num_sessions=2)
-    sessions = [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 3, 0.0), Turn([1, 2, 3, 4, 5], 2, 0.05)]),
-                Session("s1", "short", "c1", [Turn([1, 9], 4, 0.0)])]
+    sessions = [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 3, 0.0, [1, 2, 3]),
+                                                  Turn([1, 2, 3, 40, 41, 42, 4, 5], 2, 0.05, [4, 5])]),
+                Session("s1", "short", "c1", [Turn([1, 9], 4, 0.0, [1, 9])])]
     trace = Trace(spec=spec, sessions=sessions, arrival_times_s=[0.0, 0.02])
     engine = FakeEngine()
     records, samples, counters, duration = asyncio.run(replay(engine, trace, "t"))
     assert len(records) == 3 and all(r.ok for r in records)
+    # closed loop: turn 1 = turn 0's prompt + the reply this engine generated (7, 7, 7) + the user part
+    assert [r.prompt_token_ids for r in engine.requests if "s0" in r.request_id] == [[1, 2, 3], [1, 2, 3, 7, 7, 7, 4, 5]]
+    assert all(r.route_reason is None and not r.rerouted for r in records)
     assert all(r.sampling.temperature == 0.0 and r.sampling.ignore_eos for r in engine.requests)
     s0 = [r for r in records if r.session_id == "s0"]
     assert [r.output_tokens for r in s0] == [3, 2]
@@ -209,23 +213,67 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     assert [r.tokens_by_member for r in s0] == [{"tiny-s": 3}, {"tiny-s": 2}]    # from the streamed spans
 
 
+def test_replay_dataset_history_resends_the_dataset_prompt_and_closed_loop_ends_a_failed_session():
+    from dataclasses import replace as dc_replace
+
+    from eval.bench import replay
+
+    turns = [Turn([1, 2, 3], 3, 0.0, [1, 2, 3]), Turn([1, 2, 3, 40, 41, 42, 4, 5], 2, 0.0, [4, 5])]
+    trace = Trace(spec=WorkloadSpec(num_sessions=1, history="dataset"), sessions=[Session("s0", "multiturn", "c0", turns)],
+                  arrival_times_s=[0.0])
+    engine = FakeEngine()
+    asyncio.run(replay(engine, trace, "d"))
+    assert [r.prompt_token_ids for r in engine.requests] == [[1, 2, 3], [1, 2, 3, 40, 41, 42, 4, 5]]
+
+    class Refusing(FakeEngine):
+        async def generate(self, request):
+            self.requests.append(request)
+            raise ValueError("too long")
+            yield  # pragma: no cover - makes this an async generator
+
+    closed = Trace(spec=dc_replace(trace.spec, history="closed"), sessions=trace.sessions, arrival_times_s=[0.0])
+    refusing = Refusing()
+    records, *_ = asyncio.run(replay(refusing, closed, "c"))
+    assert len(refusing.requests) == 1                      # no reply to send back: turn 1 is never sent
+    assert [r.error for r in records] == ["ValueError: too long", "session ended: turn 0 failed"]
+
+
 # ----------------------------------------------------------------------------- end to end (real local engine)
 def test_tiny_end_to_end_bench(tmp_path):
     from eval.bench import BenchSettings, format_table, run_bench
     from tests.test_workloads import family_dir
 
     settings = BenchSettings(sessions=2, rate=2.0, kv_pages=512, family=str(family_dir()), max_turns=2,
-                             max_prompt_tokens=256, max_output_tokens=8, think_s=0.2, progress=False)
+                             max_prompt_tokens=256, max_output_tokens=8, think_s=0.2, progress=False,
+                             rates=(2.0, 8.0))
     result = run_bench(settings)
     assert set(result["systems"]) == {"mfs", "baseline"}
     assert sum(result["settings"]["static_split"].values()) == pytest.approx(1.0)
+    assert result["workload"]["history"] == "closed" and result["headline_rate"] == 2.0
     outputs = {}
     for m in result["systems"].values():
         assert m["num_requests"] == result["workload"]["num_requests"] and m["num_failed"] == 0
         assert m["mean_token_latency_s"] > 0
-        outputs[id(m)] = sorted((r["session_id"], r["turn_index"], r["output_tokens"]) for r in m["per_request"])
+        outputs[id(m)] = sorted((r["session_id"], r["turn_index"], r["prompt_tokens"], r["output_tokens"])
+                                for r in m["per_request"])
     a, b = outputs.values()
-    assert a == b   # greedy + ignore_eos: every system generates exactly the same number of tokens
+    # closed loop, greedy + ignore_eos: every system sees the same prompt lengths and generates exactly the
+    # same number of tokens, though the tokens (its own replies, sent back) differ
+    assert a == b
+    assert any(turn == 1 for _, turn, _, _ in a)
+    # the curve: both rates, every system, the same sessions (same lengths) at each rate
+    assert [p["rate"] for p in result["curve"]] == result["rates"] == [2.0, 8.0]
+    for point in result["curve"]:
+        assert set(point["systems"]) == {"mfs", "baseline"}
+        for m in point["systems"].values():
+            assert m["num_failed"] == 0 and "per_request" not in m and m["decode_floor_token_latency_s"] > 0
+            assert m["prompt_tokens"] == result["systems"]["mfs"]["prompt_tokens"]
+        assert isinstance(point["reduction_ceiling"]["mfs"], float)
+    assert result["curve"][0]["systems"]["mfs"]["mean_token_latency_s"] == result["systems"]["mfs"]["mean_token_latency_s"]
+    for key in ("knee_rate", "reduction_at_knee", "capacity_at_slo", "slo"):
+        assert key in result
+    assert set(result["capacity_at_slo"]) == {"mfs", "baseline"}
+    assert result["slo"]["ttft_p90_s"] == pytest.approx(5 * result["curve"][0]["systems"]["baseline"]["ttft_p50_s"])
     assert isinstance(result["reduction_mean_token_latency"], float)
     for m in result["systems"].values():       # every member's decode step was probed, the floor is built on it
         assert set(m["solo_decode_step_s"]) == {"tiny-s", "tiny-m", "tiny-l"}
@@ -256,9 +304,10 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     trace = tmp_path / "trace.json"
     assert run("--sessions", "2", "--rate", "4", "--quick", "--out", str(first), "--save-trace", str(trace)) == 0
-    assert run("--trace", str(trace), "--out", str(second)) == 0
+    assert run("--trace", str(trace), "--out", str(second), "--rates", "4") == 0
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
-    assert a["workload"] == b["workload"]
+    assert a["workload"] == b["workload"] and a["workload"]["history"] == "closed"
+    assert a["rates"] == b["rates"] == [4.0] and a["knee_rate"] is None
     rows = [sorted((r["session_id"], r["turn_index"], r["prompt_tokens"], r["output_tokens"])
                    for r in x["systems"]["mfs"]["per_request"]) for x in (a, b)]
     assert rows[0] == rows[1] and len(rows[0]) >= 2
@@ -266,5 +315,7 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
     with pytest.raises(SystemExit, match="drop --rate/--sessions"):
         run("--trace", str(trace), "--rate", "2")
     trace.write_text("{}")
-    with pytest.raises(SystemExit, match="not an mfs-trace/1 file"):
+    with pytest.raises(SystemExit, match="not an mfs-trace/2 file"):
         run("--trace", str(trace), "--out", str(second))
+    with pytest.raises(SystemExit, match="positive"):
+        run("--rates", "1,-2")

@@ -215,11 +215,14 @@ def tiny_config(**overrides):
                                   "escalation.enabled": False, **overrides})
 
 
-def trace_of(sessions, arrivals):
+def trace_of(sessions, arrivals, history="dataset"):
+    """turns = (prompt, max_tokens, think_s): with `dataset` history the prompt is sent as it is; with `closed`
+    history it is the user part that follows the previous prompt and the reply this system generated."""
     from eval.workloads import Session, Trace, Turn, WorkloadSpec
 
-    return Trace(spec=WorkloadSpec(), arrival_times_s=list(arrivals),
-                 sessions=[Session(f"s{i}", "multiturn", f"c{i}", [Turn(list(p), n, think) for p, n, think in turns])
+    return Trace(spec=WorkloadSpec(history=history), arrival_times_s=list(arrivals),
+                 sessions=[Session(f"s{i}", "multiturn", f"c{i}",
+                                   [Turn(list(p), n, think, user_token_ids=list(p)) for p, n, think in turns])
                            for i, turns in enumerate(sessions)])
 
 
@@ -298,3 +301,22 @@ def test_paper_setup_sizes_pages_from_gpu_memory_minus_weights(tmp_path):
     per_member = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("per-member"), str(tmp_path / "t.json"))
     assert per_member.num_pages == sum(int((10 * 2**30 - weight_bytes(c)) * 0.9) // page for c in configs.values())
     assert per_member.split["qwen3-8b"] < per_member.split["qwen3-0.6b"]
+
+
+def test_closed_history_sends_back_the_generated_reply_and_hits_it_in_the_cache():
+    user = list(range(40, 52))
+    config = tiny_config(**{"router.complexity_thresholds": [1.0, 1.0]})
+    run = run_nodes(trace_of([[(PROMPT, 20, 0.0), (user, 2, 1.0)]], [0.0], history="closed"), config=config)
+    first, second = run.records
+    assert second.prompt_token_ids == PROMPT + first.output_token_ids + user
+    assert second.prompt_tokens == 20 + 20 + 12
+    # positions 0..38 were computed (the last generated token never is): two full 16-token blocks are cached
+    assert second.cached_tokens == 32
+    again = run_nodes(trace_of([[(PROMPT, 20, 0.0), (user, 2, 1.0)]], [0.0], history="closed"), config=config)
+    assert [r.output_token_ids for r in again.records] == [r.output_token_ids for r in run.records]
+
+
+def test_a_refused_turn_ends_a_closed_loop_session():
+    too_long = list(range(3, 3 + 1100))
+    run = run_nodes(trace_of([[(too_long, 2, 0.0), (PROMPT, 2, 1.0)]], [0.0], history="closed"))
+    assert run.records[1].error == "session ended: turn 0 failed"

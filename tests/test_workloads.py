@@ -67,10 +67,10 @@ def test_caps_respected(tokenizer, conversations):
     assert trace.sessions
     for session in trace.sessions:
         assert 1 <= len(session.turns) <= 3
-        for turn in session.turns:
-            assert len(turn.prompt_token_ids) <= 300
+        for turn, sent in zip(session.turns, trace.prompt_lengths(session)):   # what the replay sends
+            assert sent <= 300
             assert 1 <= turn.max_tokens <= 32
-            assert len(turn.prompt_token_ids) + turn.max_tokens <= spec.context_tokens
+            assert sent + turn.max_tokens <= spec.context_tokens
 
 
 def test_output_length_is_the_real_reply_length(tokenizer):
@@ -132,11 +132,89 @@ def test_saved_trace_replays_exactly_and_refuses_other_tokenizers_and_formats(to
     assert back.spec == trace.spec and back.summary() == trace.summary()
     with pytest.raises(TraceFileError, match="tokeniser|tokenizer"):
         load_trace(path, tokenizer_hash="tok-b")            # token ids of another vocabulary: refused
+    assert [t.user_token_ids for s in back.sessions for t in s.turns] == \
+        [t.user_token_ids for s in trace.sessions for t in s.turns]
     (tmp_path / "other.json").write_text('{"format": "something-else"}')
-    with pytest.raises(TraceFileError, match="not an mfs-trace/1 file"):
+    with pytest.raises(TraceFileError, match="not an mfs-trace/2 file"):
         load_trace(tmp_path / "other.json", tokenizer_hash="tok-a")
-    (tmp_path / "broken.json").write_text('{"format": "mfs-trace/1", "tokenizer_hash": "tok-a", "spec": {}}')
+    (tmp_path / "broken.json").write_text('{"format": "mfs-trace/2", "tokenizer_hash": "tok-a", "spec": {}}')
     with pytest.raises(TraceFileError, match="malformed"):
         load_trace(tmp_path / "broken.json", tokenizer_hash="tok-a")
     with pytest.raises(TraceFileError, match="cannot read"):
         load_trace(tmp_path / "missing.json", tokenizer_hash="tok-a")
+
+
+# ----------------------------------------------------------------------------- closed-loop history
+def test_closed_history_appends_our_reply_then_the_user_part(tokenizer, conversations):
+    """Turn k+1 = turn k's prompt + the reply the system generated + the next user message, via the template."""
+    from eval.workloads import closed_prompt_lengths, next_prompt
+
+    trace = build_trace(_spec(), tokenizer, conversations)
+    assert trace.spec.history == "closed"
+    session = next(s for s in trace.sessions if len(s.turns) >= 3)
+    first = session.turns[0]
+    assert first.user_token_ids == first.prompt_token_ids        # the first prompt is the whole first user turn
+    prompt, lengths = None, []
+    reply = None
+    for k, turn in enumerate(session.turns):
+        prompt = next_prompt(turn, prompt, reply, "closed")
+        lengths.append(len(prompt))
+        if k:
+            text = tokenizer.decode(turn.user_token_ids, skip_special_tokens=False)
+            # the previous reply is closed, the next user message follows, then the generation prompt
+            assert text.startswith("<|eot|>") and "<|user|>" in text and text.endswith("<|assistant|>\n")
+            assert prompt[-len(turn.user_token_ids):] == turn.user_token_ids
+        reply = [1000 + k] * turn.max_tokens                    # what a system generated (any tokens)
+    assert lengths == closed_prompt_lengths(session.turns) == trace.prompt_lengths(session)
+    # the dataset history re-sends ShareGPT's reply: its prompts are the templated dataset conversation
+    assert next_prompt(session.turns[1], prompt, reply, "dataset") == session.turns[1].prompt_token_ids
+
+
+def test_closed_history_user_part_matches_the_template(tokenizer):
+    """Dataset prompt of turn 2 == turn 1's prompt + ShareGPT's reply (as the template renders it) + user part."""
+    conv = Conversation("c0", ({"role": "user", "content": "hello there"},
+                               {"role": "assistant", "content": "general kenobi"},
+                               {"role": "user", "content": "what now"},
+                               {"role": "assistant", "content": "we talk"}))
+    trace = build_trace(_spec(num_sessions=1), tokenizer, [conv])
+    t0, t1 = trace.sessions[0].turns
+    reply = tokenizer.encode("general kenobi", add_special_tokens=False)
+    assert t1.prompt_token_ids == [*t0.prompt_token_ids, *reply, *t1.user_token_ids]
+
+
+def test_dataset_history_is_the_old_replay(tokenizer, conversations):
+    trace = build_trace(_spec(history="dataset"), tokenizer, conversations)
+    for session in trace.sessions:
+        assert trace.prompt_lengths(session) == [len(t.prompt_token_ids) for t in session.turns]
+    with pytest.raises(ValueError, match="history"):
+        _spec(history="open")
+
+
+def test_at_rate_scales_arrivals_and_keeps_sessions(tokenizer, conversations):
+    trace = build_trace(_spec(rate_sessions_per_s=1.0), tokenizer, conversations)
+    faster = trace.at_rate(4.0)
+    assert faster.sessions is trace.sessions and faster.spec.rate_sessions_per_s == 4.0
+    assert faster.arrival_times_s == pytest.approx([t / 4 for t in trace.arrival_times_s])
+    assert faster.spec.seed == trace.spec.seed and faster.summary()["num_requests"] == trace.num_requests
+
+
+def test_format_1_trace_replays_with_dataset_history(tokenizer, conversations, tmp_path):
+    import json
+
+    from eval.workloads import TraceFileError, load_trace, save_trace, with_history
+
+    trace = build_trace(_spec(history="dataset"), tokenizer, conversations)
+    path = tmp_path / "old.json"
+    save_trace(trace, path, tokenizer_hash="tok")
+    data = json.loads(path.read_text())
+    data["format"] = "mfs-trace/1"
+    for s in data["sessions"]:
+        for t in s["turns"]:
+            del t["user_token_ids"]
+    del data["spec"]["history"]
+    path.write_text(json.dumps(data))
+    old = load_trace(path, tokenizer_hash="tok")
+    assert old.spec.history == "dataset" and any("format" in n or "mfs-trace/1" in n for n in old.notes)
+    assert _flat(old) == _flat(trace)
+    with pytest.raises(TraceFileError, match="--history dataset"):
+        with_history(old, "closed")

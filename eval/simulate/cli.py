@@ -17,8 +17,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from eval.bench import (BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
-                        format_table, settings_from_args)
+from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
+                        curve_rates, format_table, settings_from_args, slo_for, static_split_for)
+from eval.curve import summarize_curve
 from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summarize
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, simulate
@@ -28,8 +29,8 @@ from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
-from eval.systems import RoutedRequest, best_static_split, needs_split, system_config
-from eval.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace
+from eval.systems import needs_split, system_config
+from eval.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -83,6 +84,8 @@ def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
 def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyTokenizer, tokenizer_hash: str) -> Trace:
     if settings.trace_file:
         trace = load_trace(settings.trace_file, tokenizer_hash)
+        if settings.history:
+            trace = with_history(trace, settings.history)
     else:
         context = min(4 * settings.max_prompt_tokens, 40960) if setup.family is not None else min(
             m.context_tokens for m in load_family(settings.family).members)
@@ -90,7 +93,8 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
                             seed=settings.seed, context_tokens=context,
                             max_prompt_tokens=min(settings.max_prompt_tokens, context),
                             max_output_tokens=settings.max_output_tokens, max_turns=settings.max_turns,
-                            mean_think_time_s=settings.think_s, conversation_pool=max(1500, 3 * settings.sessions))
+                            mean_think_time_s=settings.think_s, conversation_pool=max(1500, 3 * settings.sessions),
+                            history=settings.history or "closed")
         trace = build_trace(spec, tokenizer)
     if settings.save_trace:
         save_trace(trace, settings.save_trace, tokenizer_hash)
@@ -103,15 +107,10 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     if setup.split is not None:
         split = setup.split           # per-member: the GPUs split the memory for every system alike
         extra["pool.static_split"] = dict(split)
-    elif needs_split(settings.systems):
-        from eval.bench import complexity_estimator
-
-        estimator = complexity_estimator(tokenizer)
-        requests = [RoutedRequest(estimator.score(t.prompt_token_ids), len(t.prompt_token_ids) + t.max_tokens)
-                    for s in trace.sessions for t in s.turns]
+    elif needs_split(settings.systems):     # the bench's own split search, on this deployment's pages
         family = setup.family or load_family(settings.family)
-        base = load_config(overrides={"family": settings.family, "pool.num_pages": setup.num_pages, **extra})
-        split = best_static_split(family, requests, base, setup.num_pages)
+        split = static_split_for(trace, family, tokenizer,
+                                 replace(settings, kv_pages=setup.num_pages, extra_overrides=extra))
     configs = {name: system_config(name, settings.family, setup.num_pages,
                                    split.fractions if split is not None and hasattr(split, "fractions") else split,
                                    extra)
@@ -141,6 +140,19 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     return run, metrics
 
 
+def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
+              interval_s: float) -> dict[str, Any]:
+    """Every system on `trace` (one rate): the point's JSON block, as eval.bench.run_point builds it."""
+    records_by_system, systems = {}, {}
+    for name, config in configs.items():
+        run, metrics = run_system(name, config, setup, trace, confidences, vocab_size, interval_s)
+        records_by_system[name], systems[name] = run.records, metrics
+    return {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
+            "reduction_mean_token_latency": _reduction(systems, "mfs"),
+            "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
+            "paired_vs_baseline": _paired(records_by_system), "reduction_ceiling": _ceilings(systems)}
+
+
 def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     settings = sim_settings(args)
     setup = build_setup(args, settings)
@@ -149,30 +161,39 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     trace = build_trace_for(settings, setup, tokenizer, tiny.members[0].tokenizer_hash)
     trace_s = time.perf_counter() - started
+    rates = curve_rates(settings, trace)
+    headline = trace.spec.rate_sessions_per_s if trace.spec.rate_sessions_per_s in rates else rates[0]
     confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
     confidences.map_members(setup.member_names, tiny.member_names)
     configs, split = system_configs(setup, settings, trace, tokenizer)
-    interval = max(STATS_INTERVAL_S, (trace.arrival_times_s[-1] if trace.arrival_times_s else 0.0) / 2000)
-    records_by_system, systems = {}, {}
     sim_started = time.perf_counter()
-    for name, config in configs.items():
-        run, metrics = run_system(name, config, setup, trace, confidences, tokenizer.vocab_size, interval)
-        records_by_system[name], systems[name] = run.records, metrics
+    points = []
+    for rate in rates:
+        at_rate = trace.at_rate(rate)
+        interval = max(STATS_INTERVAL_S, (at_rate.arrival_times_s[-1] if at_rate.arrival_times_s else 0.0) / 2000)
+        points.append(run_point(setup, configs, at_rate, confidences, tokenizer.vocab_size, interval))
     sim_s = time.perf_counter() - sim_started
+    head = next(p for p in points if p["rate"] == headline)
+    curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
+             for p in points]
     notes = list(trace.notes) + list(setup.notes) + (list(split.notes) if hasattr(split, "notes") else [])
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
     notes.append("quality_mean_logprob: not simulated (tokens come from a seeded stream)")
     return {
-        "workload": trace.summary(),
+        "workload": trace.at_rate(headline).summary(),
         "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),
                      "static_split_traffic_share": getattr(split, "traffic_share", None),
                      "configs": {n: config_to_dict(c) for n, c in configs.items()}},
-        "systems": systems,
-        "reduction_mean_token_latency": _reduction(systems, "mfs"),
-        "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
-        "paired_vs_baseline": _paired(records_by_system),
-        "reduction_ceiling": _ceilings(systems),
+        "headline_rate": headline,
+        "systems": head["systems"],
+        "reduction_mean_token_latency": head["reduction_mean_token_latency"],
+        "reductions_vs_baseline": head["reductions_vs_baseline"],
+        "paired_vs_baseline": head["paired_vs_baseline"],
+        "reduction_ceiling": head["reduction_ceiling"],
+        "rates": list(rates),
+        "curve": curve,
+        **summarize_curve(curve, slo_for(settings, curve)),
         "notes": notes,
         "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu, "placement": setup.placement.label,
                       "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,
@@ -187,6 +208,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
 def _settings(settings: BenchSettings) -> dict[str, Any]:
     d = asdict(settings)
     d["systems"] = list(settings.systems)
+    d["rates"] = list(settings.rates) if settings.rates else None
     return d
 
 

@@ -1,10 +1,11 @@
 """Replays a bench trace through simulated nodes in virtual time and returns what `mfs bench` measures.
 
-The session logic is the bench's: sessions start at their arrival times; each turn is sent when the previous
-one finished plus its think time; every request is greedy with ignore_eos and max_tokens = the trace's reply
-length; a refused request is recorded and the session goes on. Records are the bench's RequestRecords, filled
-from the same RequestOutputs (apply_output mirrors eval.bench.run_request), so eval.metrics_calc.summarize
-gives the same metrics block.
+The session logic is the bench's (eval/driver.py): sessions start at their arrival times; each turn is sent when
+the previous one finished plus its think time, its prompt built by eval.workloads.next_prompt (closed history:
+the reply this system generated goes back); every request is greedy with ignore_eos and max_tokens = the
+trace's reply length; a refused request is recorded and, with closed history, ends its session. Records are the
+bench's RequestRecords filled by the bench's own record_output, so eval.metrics_calc.summarize gives the same
+metrics block.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import request_key
 from eval.simulate.fleet import FrontRouter
 from eval.simulate.node import SimNode
-from eval.workloads import Trace
+from eval.driver import record_output
+from eval.workloads import Trace, next_prompt
 from orchestrator.core.errors import MFSError
-from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, SamplingParams
+from orchestrator.core.types import Request, RequestId, RequestOutput, SamplingParams
 
 STATS_INTERVAL_S = 0.5          # the bench samples the stats snapshot every 0.5 s
 
@@ -36,32 +38,6 @@ class SimRun:
     num_events: int
     wall_s: float
     router_decisions: dict[str, int] = field(default_factory=dict)
-
-
-def apply_output(record: RequestRecord, out: RequestOutput, now: float) -> None:
-    """One streamed RequestOutput into the record, as eval.bench.run_request does."""
-    if out.new_token_ids:
-        if record.first_token_s is None:
-            record.first_token_s = now
-        record.output_token_ids.extend(out.new_token_ids)
-    record.cached_tokens = max(record.cached_tokens, out.num_cached_prompt_tokens or 0)
-    if out.num_prompt_tokens:
-        record.prompt_tokens = out.num_prompt_tokens
-    if out.spans:
-        record.members = [span.member for span in out.spans if span.num_tokens > 0] or [out.member]
-        record.tokens_by_member = {}
-        for span in out.spans:
-            if span.num_tokens > 0:
-                record.tokens_by_member[span.member] = record.tokens_by_member.get(span.member, 0) + span.num_tokens
-    elif out.member and (not record.members or record.members[-1] != out.member):
-        record.members.append(out.member)
-    if out.error:
-        record.error = out.error
-    if out.finished:
-        record.finish_s = now
-        if out.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) and record.error is None:
-            record.error = out.finish_reason.value
-    record.output_tokens = len(record.output_token_ids)
 
 
 NodeFactory = Callable[[VirtualClock, EventQueue, Callable[[RequestOutput, float], None]], list[SimNode]]
@@ -81,13 +57,16 @@ def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: 
         if entry is None:
             return
         record, index, k = entry
-        apply_output(record, out, now)
+        record_output(record, out, now)
         if out.finished:
+            record.output_tokens = len(record.output_token_ids)
             del pending[out.request_id]
             next_turn(index, k, now)
 
     nodes = make_nodes(clock, events, on_output)
     router = FrontRouter(len(nodes))
+    history = trace.spec.history
+    previous: dict[int, RequestRecord] = {}           # session index -> its last turn's record
 
     def next_turn(index: int, k: int, now: float) -> None:
         turns = trace.sessions[index].turns
@@ -100,12 +79,19 @@ def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: 
         session = trace.sessions[index]
         turn = session.turns[k]
         now = clock()
+        last = previous.get(index)
+        prompt = next_prompt(turn, last.prompt_token_ids if last else None, last.output_token_ids if last else None,
+                             history)
         record = RequestRecord(session_id=session.session_id, turn_index=k, send_s=now, first_token_s=None,
-                               finish_s=None, prompt_tokens=len(turn.prompt_token_ids), cached_tokens=0,
-                               output_tokens=0, prompt_token_ids=list(turn.prompt_token_ids))
+                               finish_s=None, prompt_tokens=len(prompt), cached_tokens=0, output_tokens=0,
+                               prompt_token_ids=prompt)
         records.append(record)
-        request = Request(request_id=RequestId(f"{tag}-{session.session_id}-t{k}"),
-                          prompt_token_ids=list(turn.prompt_token_ids),
+        previous[index] = record
+        if last is not None and history == "closed" and not last.ok:
+            record.error = f"session ended: turn {k - 1} failed"      # as the bench's chat client does
+            remaining[0] -= 1
+            return
+        request = Request(request_id=RequestId(f"{tag}-{session.session_id}-t{k}"), prompt_token_ids=list(prompt),
                           sampling=SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True),
                           arrival_s=now, session_id=session.session_id)
         node = nodes[router.route(session.session_id, request.prompt_token_ids, [n.num_in_flight for n in nodes])]
@@ -113,7 +99,7 @@ def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: 
         pending[request.request_id] = (record, index, k)
         try:
             node.submit(request)
-        except MFSError as exc:          # refused (invalid for the pool, queue full): recorded, the session goes on
+        except MFSError as exc:          # refused (invalid for the pool, queue full): recorded
             record.error = f"{type(exc).__name__}: {exc}"
             del pending[request.request_id]
             node.executor.request_keys.pop(request.request_id, None)

@@ -44,15 +44,18 @@ class FamilyTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for messages (apply_chat_template tokenises it)."""
         if self._chat_template is None:
             raise TokenizerError("this family's tokenizer has no chat_template: use /v1/completions")
         try:
-            text = self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self._tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
