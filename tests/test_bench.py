@@ -114,7 +114,7 @@ def test_system_knobs():
         assert (sched.decode_reservation, sched.aging_steps, sched.victim_order, sched.decode_step_token_budget) == \
             ("block", None, "youngest", None)
     assert cfg["mfs_pre13"].router.session_bonus == 0.2 and cfg["mfs_pre13"].pool.static_split is None
-    assert (mfs.scheduler.decode_reservation, mfs.scheduler.victim_order) == ("remaining", "priority_progress")
+    assert (mfs.scheduler.decode_reservation, mfs.scheduler.victim_order) == ("peak", "priority_progress")
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
 

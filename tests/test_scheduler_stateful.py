@@ -95,6 +95,8 @@ class ReservationMachine(RuleBasedStateMachine):
         original = scheduler._preempt
 
         def checked_preempt(seq, now_s, plan=None):
+            if plan is None:      # drop_failed_loads: a tier block was lost, not a policy choice
+                return original(seq, now_s, plan)
             candidates = [s for s in scheduler._running.values() if scheduler._in_partition(s, seq.member)]
             assert seq is min(candidates, key=scheduler._victim_key), "victim out of policy order"
             if seq.num_escalations:

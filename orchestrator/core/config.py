@@ -49,7 +49,7 @@ class SchedulerConfig:
     preallocate_blocks: bool = True      # reserve a decoding request's next block one token early
     request_timeout_s: float | None = 600.0
     # --- issue 13: admission against demand, aging, preemption, stall-aware batching (docs/CONFIG.md)
-    decode_reservation: str = "remaining"   # remaining | block (pre-issue-13: pool.decode_reserve_blocks)
+    decode_reservation: str = "peak"      # peak | remaining | block (pre-issue-13: pool.decode_reserve_blocks)
     new_token_ratio_init: float = 0.7     # share of max_tokens reserved when the length is not fixed
     new_token_ratio_min: float = 0.1      # floor of that share as it decays
     new_token_ratio_decay: float = 0.001  # per step while no request runs short
@@ -144,8 +144,8 @@ class MFSConfig:
         _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
         sched = self.scheduler
-        _check(sched.decode_reservation in ("remaining", "block"), "scheduler.decode_reservation",
-               f"must be remaining or block, got {sched.decode_reservation!r}")
+        _check(sched.decode_reservation in ("peak", "remaining", "block"), "scheduler.decode_reservation",
+               f"must be peak, remaining or block, got {sched.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
                "needs 0 < new_token_ratio_min <= new_token_ratio_init <= 1")
         _check(sched.new_token_ratio_decay >= 0, "scheduler.new_token_ratio_decay", "must be >= 0")

@@ -85,3 +85,36 @@ def victim_key(order: str) -> Callable[[Sequence], tuple]:
         return lambda s: (-s.admit_order,)
     return lambda s: (not s.is_warmup, -s.request.priority, s.num_escalations > 0, s.num_generated,
                       s.num_computed_tokens, -s.admit_order)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeProfile:
+    """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token
+    per step (every decoding request decodes in every step) and ends after `steps_left` steps."""
+
+    steps_left: int               # steps until it ends
+    growth_pages: tuple[int, ...]  # growth_pages[t]: pages it will have allocated beyond now at step t
+    private_pages: int            # pages only it references: available again when it ends
+
+
+def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pages: int, private_pages: int,
+                   pages_for: Callable[[int], int], slack_tokens: int) -> DecodeProfile:
+    """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation)."""
+    growth = tuple(max(0, pages_for(min(final_tokens, tokens_now + t + slack_tokens)) - held_pages)
+                   for t in range(steps_left))
+    return DecodeProfile(steps_left, growth, private_pages)
+
+
+def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
+    """The most pages the requests will need beyond now at any future step: the growth of those still
+    running minus the private pages of those that ended. It only changes direction when one ends, so
+    the maximum is just before some end (or now)."""
+    profiles = list(profiles)
+    best = 0
+    for candidate in profiles:
+        t = candidate.steps_left - 1
+        total = 0
+        for p in profiles:
+            total += p.growth_pages[t] if t < p.steps_left else -p.private_pages
+        best = max(best, total)
+    return best

@@ -11,8 +11,8 @@ from collections import OrderedDict, deque
 
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.demand import (NewTokenRatio, RunningDemand, expected_final_tokens, steps_until_fit,
-                                      victim_key)
+from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
+                                      is_length_fixed, peak_growth, steps_until_fit, victim_key)
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
 from orchestrator.core.events import EventKind, EventLog, Stats
@@ -61,6 +61,7 @@ class Scheduler:
         self._victim_key = victim_key(config.scheduler.victim_order)
         self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
         self._last_busy_schedule_s: float | None = None
+        self._reserve_cache: dict[str | None, int] = {}  # partition -> reserved_pages; cleared on every change
 
     def _member_capacity(self, member: str) -> int:
         """Most pages one member can ever hold: its static slice, or the pool under its ceiling."""
@@ -177,10 +178,34 @@ class Scheduler:
         return max(0, self.kv.pages_for_tokens(seq.member, final) - seq.kv.num_blocks * self.kv.pages_per_block(seq.member))
 
     def reserved_pages(self, member: str) -> int:
-        """Pages reserved for the running requests' remaining decode in `member`'s pool (0 in block mode)."""
-        if self.config.scheduler.decode_reservation != "remaining":
+        """Pages reserved for the running requests' remaining decode in `member`'s pool (0 in block mode).
+        remaining: every request's pages to its (expected) end, summed. peak: decoding requests of fixed
+        length are followed step by step (their growth, then their private pages back when they end) and
+        the peak of the sum is reserved; the others count as in remaining. Cached until the state changes."""
+        mode = self.config.scheduler.decode_reservation
+        if mode == "block":
             return 0
-        return sum(self._future_pages(s) for s in self._running.values() if self._in_partition(s, member))
+        part = self._partition_of(member)
+        cached = self._reserve_cache.get(part)
+        if cached is not None:
+            return cached
+        constant, profiles = 0, []
+        slack = self.kv.tokens_per_block(member) if self.config.scheduler.preallocate_blocks else 1
+        for seq in self._running.values():
+            if not self._in_partition(seq, member):
+                continue
+            if mode == "peak" and seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
+                context = self.family.member(seq.member).context_tokens
+                final = expected_final_tokens(seq, 1.0, context)
+                held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
+                private = sum(1 for p in seq.kv.all_pages() if self.pool.refcount(p) == 1)
+                profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
+                                               lambda n, m=seq.member: self.kv.pages_for_tokens(m, n), slack))
+            else:
+                constant += self._future_pages(seq)
+        reserved = constant + peak_growth(profiles)
+        self._reserve_cache[part] = reserved
+        return reserved
 
     def _demand_pages(self, seq: Sequence) -> int:
         """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
@@ -263,14 +288,18 @@ class Scheduler:
             # The time between two schedule() calls around a busy step: what one step costs a waiting request.
             elapsed = now_s - self._last_busy_schedule_s
             self._step_cost_s = elapsed if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * elapsed
+        self._reserve_cache.clear()
         outputs = self._process_aborts(now_s)
         self._age_idle_sessions(now_s)
-        if self._ensure_decode_slots(plan, now_s):
+        preempted = self._ensure_decode_slots(plan, now_s)
+        self._reserve_cache.clear()
+        if preempted:
             self._ratio.on_shortage()    # hysteresis: a step that preempted admits nobody
         else:
             self._ratio.on_step()
             self._admit(plan, now_s)
         self._build_batches(plan)
+        self._reserve_cache.clear()
         self._last_busy_schedule_s = now_s if plan.batches else None
         evictions = self.pool.take_evictions()
         if evictions:
@@ -430,7 +459,7 @@ class Scheduler:
         # checked its whole length against the capacity), so it must never wait for a reserve.
         shared_with_others = any(self._in_partition(s, seq.member) for s in self._running.values())
         reserve = 0
-        if shared_with_others and self.config.scheduler.decode_reservation == "remaining":
+        if shared_with_others and self.config.scheduler.decode_reservation != "block":
             # Beside every running request's remaining decode, with room for this one's own.
             own = self._demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
             reserve = self.reserved_pages(seq.member) + max(0, own)
@@ -456,6 +485,7 @@ class Scheduler:
         if seq.num_admissions == 0 and not seq.is_warmup:
             self.stats.on_queue_wait(seq.member, now_s - seq.request.arrival_s)
         seq.num_admissions += 1
+        self._reserve_cache.clear()
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(match.num_full_tokens, seq.num_prompt_tokens)
         if seq.count_query:
@@ -531,6 +561,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
+        self._reserve_cache.clear()
+        try:
+            return self._update(plan, sampled, now_s)
+        finally:
+            self._reserve_cache.clear()
+
+    def _update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
         for batch in plan.batches:
             for chunk in batch.chunks:
                 seq = self._running.get(chunk.request_id)
