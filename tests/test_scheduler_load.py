@@ -189,3 +189,18 @@ def test_expected_delay_downgrade_fires_in_the_scheduler_and_is_counted():
     snap = h.scheduler.snapshot(h.now)
     assert snap["counters"]["downgrades"] == {"l->m": 1}
     assert any("downgraded to m" in r["reason"] for r in snap["recent_routes"])
+
+
+def test_peak_growth_counts_what_ends_before_the_peak():
+    from orchestrator.core.demand import decode_profile, peak_growth
+
+    def pages(n):               # 4 tokens a block, 2 pages a block
+        return -(-n // 4) * 2
+    # A: 8 tokens now (4 pages held, all private), ends after 4 steps at 12 tokens: grows 2 pages, then frees 4+2.
+    a = decode_profile(4, 8, 12, 4, 4, pages, slack_tokens=1)
+    # B: 4 tokens now, grows to 24 over 20 steps (10 more pages), nothing private (a shared prefix).
+    b = decode_profile(20, 4, 24, 2, 0, pages, slack_tokens=1)
+    assert a.growth_pages == (2, 2, 2, 2) and b.growth_pages[-1] == 10
+    # Summing both ends would reserve 12; A's 4 private pages are back before B needs its last ones.
+    assert peak_growth([a, b]) == max(2 + b.growth_pages[3], b.growth_pages[-1] - 4) == 6
+    assert peak_growth([]) == 0
