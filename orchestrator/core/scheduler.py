@@ -11,14 +11,14 @@ from collections import OrderedDict, deque
 
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
-                                      is_length_fixed, peak_growth, steps_until_fit, victim_key)
+from orchestrator.core.demand import victim_key
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.pool_demand import PoolDemand
 from orchestrator.core.router import MemberLoad, Router
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import TieredStore
@@ -56,12 +56,11 @@ class Scheduler:
         self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
                                for m in family.members}
         self._partitioned = config.pool.static_split is not None
+        self.demand = PoolDemand(family, config, pool, kv, self._running, self._waiting, self._capacity_pages)
         self._step = 0                                   # schedule() calls so far: the aging clock
-        self._ratio = NewTokenRatio(config.scheduler)
         self._victim_key = victim_key(config.scheduler.victim_order)
         self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
         self._last_busy_schedule_s: float | None = None
-        self._reserve_cache: dict[str | None, int] = {}  # partition -> reserved_pages; cleared on every change
 
     def _member_capacity(self, member: str) -> int:
         """Most pages one member can ever hold: its static slice, or the pool under its ceiling."""
@@ -160,89 +159,18 @@ class Scheduler:
         extra = {n: {} for n in running}
         if request is not None:
             for name in running:
-                extra[name] = self._delay_and_pressure(name, request)
+                extra[name] = self.demand.delay_and_pressure(name, request, self._step_cost_s)
         return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1], **extra[n]) for n in running}
 
     def _partition_of(self, member: str) -> str | None:
-        return member if self._partitioned else None
+        return self.demand.partition_of(member)
 
     def _in_partition(self, seq: Sequence, member: str) -> bool:
-        return not self._partitioned or seq.member == member
-
-    def _future_pages(self, seq: Sequence) -> int:
-        """Pages a running request will still allocate for its expected decode."""
-        if seq.kv is None:
-            return 0
-        context = self.family.member(seq.member).context_tokens
-        final = expected_final_tokens(seq, self._ratio.value, context)
-        return max(0, self.kv.pages_for_tokens(seq.member, final) - seq.kv.num_blocks * self.kv.pages_per_block(seq.member))
+        return self.demand.in_partition(seq, member)
 
     def reserved_pages(self, member: str) -> int:
-        """Pages reserved for the running requests' remaining decode in `member`'s pool (0 in block mode).
-        remaining: every request's pages to its (expected) end, summed. peak: decoding requests of fixed
-        length are followed step by step (their growth, then their private pages back when they end) and
-        the peak of the sum is reserved; the others count as in remaining. Cached until the state changes."""
-        mode = self.config.scheduler.decode_reservation
-        if mode == "block":
-            return 0
-        part = self._partition_of(member)
-        cached = self._reserve_cache.get(part)
-        if cached is not None:
-            return cached
-        constant, profiles = 0, []
-        slack = self.kv.tokens_per_block(member) if self.config.scheduler.preallocate_blocks else 1
-        for seq in self._running.values():
-            if not self._in_partition(seq, member):
-                continue
-            if mode == "peak" and seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
-                context = self.family.member(seq.member).context_tokens
-                final = expected_final_tokens(seq, 1.0, context)
-                held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
-                private = sum(1 for p in seq.kv.all_pages() if self.pool.refcount(p) == 1)
-                profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
-                                               lambda n, m=seq.member: self.kv.pages_for_tokens(m, n), slack))
-            else:
-                constant += self._future_pages(seq)
-        reserved = constant + peak_growth(profiles)
-        self._reserve_cache[part] = reserved
-        return reserved
-
-    def _demand_pages(self, seq: Sequence) -> int:
-        """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
-        context = self.family.member(seq.member).context_tokens
-        return self.kv.pages_for_tokens(seq.member, expected_final_tokens(seq, self._ratio.value, context))
-
-    def _delay_and_pressure(self, member: str, request: Request) -> dict:
-        spec = self.family.member(member)
-        ppb = self.kv.pages_per_block(member)
-        pages_per_token = ppb / self.kv.tokens_per_block(member)
-        reserved = self.reserved_pages(member)
-        capacity = max(1, self._capacity_pages[member])
-        used = self.pool.num_used_pages(member if self._partitioned else None)   # shared pages count once
-        pressure = min(1.0, (used + reserved) / capacity)
-        if len(request.prompt_token_ids) >= spec.context_tokens:
-            return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
-        need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
-        queued_tokens = 0
-        for queue in self._waiting.values():
-            for seq in queue:
-                # Ahead of it: its own member's queue (FCFS per member) and every held (aged) request;
-                # other members' waiting requests are bypassed (per-member head-of-line).
-                if not seq.is_warmup and self._in_partition(seq, member) and (seq.member == member or seq.held):
-                    need += self._demand_pages(seq)
-                    queued_tokens += len(seq.token_ids)
-        available = self.pool.num_available_pages(member) - reserved
-        demands = [RunningDemand(s.kv.num_blocks * self.kv.pages_per_block(s.member), self._future_pages(s),
-                                 max(0, expected_final_tokens(s, self._ratio.value, context_tokens=10**9)
-                                     - len(s.token_ids)) + 1)
-                   for s in self._running.values() if s.kv is not None and self._in_partition(s, member)]
-        steps = steps_until_fit(need, available, demands)
-        if steps is None:
-            steps = max((d.remaining_steps for d in demands), default=0)
-        budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
-        steps += queued_tokens / max(1, budget)
-        delay_s = steps * (self._step_cost_s or 0.0)
-        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}
+        """Pages reserved for the running requests' remaining decode in `member`'s pool (pool_demand.py)."""
+        return self.demand.reserved_pages(member)
 
     def _can_escalate(self, seq: Sequence) -> bool:
         return (self.config.escalation.enabled and not seq.is_warmup and seq.request.pinned_member is None
@@ -288,18 +216,18 @@ class Scheduler:
             # The time between two schedule() calls around a busy step: what one step costs a waiting request.
             elapsed = now_s - self._last_busy_schedule_s
             self._step_cost_s = elapsed if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * elapsed
-        self._reserve_cache.clear()
+        self.demand.clear()
         outputs = self._process_aborts(now_s)
         self._age_idle_sessions(now_s)
         preempted = self._ensure_decode_slots(plan, now_s)
-        self._reserve_cache.clear()
+        self.demand.clear()
         if preempted:
-            self._ratio.on_shortage()    # hysteresis: a step that preempted admits nobody
+            self.demand.ratio.on_shortage()    # hysteresis: a step that preempted admits nobody
         else:
-            self._ratio.on_step()
+            self.demand.ratio.on_step()
             self._admit(plan, now_s)
         self._build_batches(plan)
-        self._reserve_cache.clear()
+        self.demand.clear()
         self._last_busy_schedule_s = now_s if plan.batches else None
         evictions = self.pool.take_evictions()
         if evictions:
@@ -435,7 +363,7 @@ class Scheduler:
                         continue
                     blocked.add(seq.member)
                     if aging is not None and self._step - seq.enqueued_step >= aging:
-                        held[part] = held.get(part, 0) + self._demand_pages(seq)
+                        held[part] = held.get(part, 0) + self.demand.demand_pages(seq)
                         if not seq.held:
                             seq.held = True
                             self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
@@ -461,7 +389,7 @@ class Scheduler:
         reserve = 0
         if shared_with_others and self.config.scheduler.decode_reservation != "block":
             # Beside every running request's remaining decode, with room for this one's own.
-            own = self._demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
+            own = self.demand.demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
             reserve = self.reserved_pages(seq.member) + max(0, own)
         elif shared_with_others:
             reserve = self._reserve_pages[seq.member]
@@ -485,7 +413,7 @@ class Scheduler:
         if seq.num_admissions == 0 and not seq.is_warmup:
             self.stats.on_queue_wait(seq.member, now_s - seq.request.arrival_s)
         seq.num_admissions += 1
-        self._reserve_cache.clear()
+        self.demand.clear()
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(match.num_full_tokens, seq.num_prompt_tokens)
         if seq.count_query:
@@ -561,11 +489,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
-        self._reserve_cache.clear()
+        self.demand.clear()
         try:
             return self._update(plan, sampled, now_s)
         finally:
-            self._reserve_cache.clear()
+            self.demand.clear()
 
     def _update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
         for batch in plan.batches:
