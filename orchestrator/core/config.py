@@ -56,7 +56,7 @@ class SchedulerConfig:
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
     victim_order: str = "priority_progress"   # priority_progress | youngest (pre-issue-13)
     swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
-    decode_step_token_budget: int | None = 256  # tokens per step while requests decode (None = max_batch_tokens)
+    decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
     # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
     # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
     # orchestrator/core/deployments.py
