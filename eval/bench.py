@@ -68,6 +68,7 @@ class BenchSettings:
     slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
     slo_tpot_s: float | None = None
     baseline_split: str = "search"         # search | proportional | traffic (the baseline's static split)
+    record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
     @classmethod
     def quick_defaults(cls, **kwargs: Any) -> "BenchSettings":
@@ -226,6 +227,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
     baseline_split, about_split = None, {}
+    recorded = []          # every reply, for --record-confidences
     try:
         if "baseline" in settings.systems:
             def run_pilot(fractions: dict[str, float], rate: float):
@@ -238,8 +240,9 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, estimator,
                                                                 run_pilot, progress)
         for rate in rates:
-            _, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes, progress,
-                                 baseline_split)
+            records_by_system, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes,
+                                                 progress, baseline_split)
+            recorded += [r for records in records_by_system.values() for r in records]
             if rate == headline:
                 head = point
             points.append(point)
@@ -248,6 +251,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             progress.close()
     curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
              for p in points]
+    if settings.record_confidences:   # the simulator's escalation input (eval/simulate/confidence.py)
+        _record_confidences(settings, family, recorded, notes)
     result = {
         "workload": trace.at_rate(headline).summary(),
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
@@ -275,6 +280,14 @@ def slo_for(settings: BenchSettings, curve: list[dict[str, Any]]) -> SLO | None:
         return SLO(settings.slo_ttft_s, settings.slo_tpot_s,
                    rule=f"p90 TTFT <= {settings.slo_ttft_s:g} s and p90 TPOT <= {settings.slo_tpot_s:g} s (given)")
     return default_slo(curve, settings.slo_ttft_x, settings.slo_tpot_x)
+
+
+def _record_confidences(settings: BenchSettings, family: FamilySpec, records: list, notes: list[str]) -> None:
+    from eval.simulate.confidence import write_library
+
+    counts = write_library(records, settings.record_confidences, family.name,
+                           f"mfs bench systems {','.join(settings.systems)} seed {settings.seed}")
+    notes.append(f"per-token confidences written to {settings.record_confidences} (sequences per member: {counts})")
 
 
 def _reduction(systems: dict[str, Any], name: str) -> float | None:
@@ -365,6 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay a trace saved with --save-trace (no ShareGPT package needed; its workload, "
                              "sessions, rate and seed come from the file)")
     parser.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace this run replays")
+    parser.add_argument("--record-confidences", default=None, metavar="FILE",
+                        help="write every reply's per-token top-1 probabilities (the input mfs simulate's escalation uses)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every system, YAML value (e.g. escalation.threshold=0.15)")
 
@@ -401,8 +416,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
-                   history=args.history, baseline_split=args.baseline_split, slo_ttft_x=args.slo_ttft_x, slo_tpot_x=args.slo_tpot_x,
-                   slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s, **chosen)
+                   history=args.history, baseline_split=args.baseline_split, slo_ttft_x=args.slo_ttft_x,
+                   slo_tpot_x=args.slo_tpot_x, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
+                   record_confidences=getattr(args, "record_confidences", None), **chosen)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 from eval.metrics_calc import RequestRecord, counter_delta, percentile
 from eval.workloads import Trace, next_prompt
 from orchestrator.core.errors import MFSError
-from orchestrator.core.types import FinishReason, Request, RequestId, SamplingParams
+from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 
 STATS_INTERVAL_S = 0.5
 PROBE_TOKENS = 48          # decode steps timed per member before and after the replay (the decode floor's step costs)
@@ -73,33 +73,38 @@ async def replay(engine: Any, trace: Trace, tag: str, on_done=None) -> tuple[lis
 async def run_request(engine: Any, request: Request, record: RequestRecord, clock) -> None:
     try:
         async for out in engine.generate(request):
-            now = clock()
-            if out.new_token_ids:
-                if record.first_token_s is None:
-                    record.first_token_s = now
-                record.output_token_ids.extend(out.new_token_ids)
-            record.cached_tokens = max(record.cached_tokens, out.num_cached_prompt_tokens or 0)
-            if out.num_prompt_tokens:
-                record.prompt_tokens = out.num_prompt_tokens
-            if out.spans:
-                record.members = [span.member for span in out.spans if span.num_tokens > 0] or [out.member]
-                record.tokens_by_member = {}
-                for span in out.spans:
-                    if span.num_tokens > 0:
-                        record.tokens_by_member[span.member] = record.tokens_by_member.get(span.member, 0) + span.num_tokens
-            elif out.member and (not record.members or record.members[-1] != out.member):
-                record.members.append(out.member)
-            if out.route is not None:
-                record.route_reason = out.route.reason
-            if out.error:
-                record.error = out.error
-            if out.finished:
-                record.finish_s = now
-                if out.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) and record.error is None:
-                    record.error = out.finish_reason.value
+            record_output(record, out, clock())
     except Exception as exc:  # a rejected or failed request is recorded, the replay goes on
         record.error = f"{type(exc).__name__}: {exc}"
     record.output_tokens = len(record.output_token_ids)
+
+
+def record_output(record: RequestRecord, out: RequestOutput, now: float) -> None:
+    """One streamed RequestOutput into its record (the real replay and mfs simulate's both use this)."""
+    if out.new_token_ids:
+        if record.first_token_s is None:
+            record.first_token_s = now
+        record.output_token_ids.extend(out.new_token_ids)
+        record.output_logprobs.extend(out.new_logprobs)
+    record.cached_tokens = max(record.cached_tokens, out.num_cached_prompt_tokens or 0)
+    if out.num_prompt_tokens:
+        record.prompt_tokens = out.num_prompt_tokens
+    if out.spans:
+        record.members = [span.member for span in out.spans if span.num_tokens > 0] or [out.member]
+        record.tokens_by_member = {}
+        for span in out.spans:
+            if span.num_tokens > 0:
+                record.tokens_by_member[span.member] = record.tokens_by_member.get(span.member, 0) + span.num_tokens
+    elif out.member and (not record.members or record.members[-1] != out.member):
+        record.members.append(out.member)
+    if out.route is not None:
+        record.route_reason = out.route.reason
+    if out.error:
+        record.error = out.error
+    if out.finished:
+        record.finish_s = now
+        if out.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) and record.error is None:
+            record.error = out.finish_reason.value
 
 
 def pinned_request(request_id: str, member: str, max_tokens: int) -> Request:

@@ -28,6 +28,7 @@ class RequestRecord:
     route_reason: str | None = None            # the scheduler's RouteDecision.reason ("reroute..." = re-routed)
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)   # per output token (mfs bench --record-confidences)
 
     @property
     def ok(self) -> bool:

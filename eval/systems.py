@@ -11,7 +11,24 @@ from orchestrator.core.config import MFSConfig, load_config
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
-SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing")
+SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing",
+           "mfs_pre13")
+# The scheduler and router policies before issue 13. The baseline keeps them: they are what independent
+# vLLM-style servers do (no reservation of future decode pages beyond a watermark, preempt the newest,
+# one chunked-prefill token budget per step, FCFS per server). mfs_pre13 is MFS with them (an ablation).
+PRE13_POLICIES = {
+    "scheduler.decode_reservation": "block",
+    "scheduler.aging_steps": None,
+    "scheduler.victim_order": "youngest",
+    "scheduler.swap_preempted": False,
+    "scheduler.decode_step_token_budget": None,
+}
+PRE13_ROUTING = {
+    "router.session_bonus": 0.2,
+    "router.pressure_weight": 0.0,
+    "router.delay_saturation_s": 1e9,
+    "router.downgrade_delay_s": 1e9,
+}
 DEFAULT_SYSTEMS = ("mfs", "baseline")
 # A member with no routed traffic still needs pages: the baseline escalates into it (cold handover).
 MIN_SPLIT_FRACTION = 0.05
@@ -57,7 +74,10 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
             "escalation.cold_handover": True,
             "escalation.warmup": False,
             "escalation.reuse_shared_layers": False,   # separate deployments share no layers
+            **PRE13_POLICIES,
         })
+    elif name == "mfs_pre13":
+        base.update({**PRE13_POLICIES, **PRE13_ROUTING})
     elif name == "no_affinity":
         base["router.use_affinity"] = False
     elif name == "no_shared_pool":

@@ -119,6 +119,14 @@ def test_system_knobs():
     nls = cfg["no_layer_sharing"]
     assert not nls.pool.cross_member_sharing and not nls.escalation.reuse_shared_layers
     assert nls.pool.static_split is None and nls.router.use_affinity
+    # Issue 13: the baseline keeps the pre-issue scheduler policies (independent vLLM-style servers);
+    # mfs_pre13 is MFS with them and the pre-issue routing; mfs gets the new defaults.
+    for name in ("baseline", "mfs_pre13"):
+        sched = cfg[name].scheduler
+        assert (sched.decode_reservation, sched.aging_steps, sched.victim_order, sched.decode_step_token_budget) == \
+            ("block", None, "youngest", None)
+    assert cfg["mfs_pre13"].router.session_bonus == 0.2 and cfg["mfs_pre13"].pool.static_split is None
+    assert (mfs.scheduler.decode_reservation, mfs.scheduler.victim_order) == ("peak", "priority_progress")
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
 

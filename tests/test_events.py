@@ -38,7 +38,8 @@ def test_subscribers_see_every_event_until_unsubscribed() -> None:
 
 def test_event_kinds_are_complete() -> None:
     assert {k.name for k in EventKind} == {"ADMIT", "ROUTE", "PREFIX_HIT", "PREFIX_MISS", "ESCALATE", "PREEMPT",
-                                           "EVICT", "OFFLOAD", "LOAD", "FINISH", "CANCEL", "REJECT", "WARMUP"}
+                                           "EVICT", "OFFLOAD", "LOAD", "FINISH", "CANCEL", "REJECT", "WARMUP",
+                                           "HOLD"}
 
 
 def empty_snapshot(stats: Stats) -> dict:
@@ -59,9 +60,11 @@ def test_empty_snapshot_has_zeros_everywhere() -> None:
             "prefix_query_tokens": {m: 0 for m in MEMBERS},
             "prefix_hit_tokens": {m: {"arena": 0, "host": 0, "disk": 0} for m in MEMBERS},
             "escalations": {"s->m": 0, "s->l": 0, "m->l": 0},
-            "preemptions": 0, "evictions": 0, "offloads": {"host": 0, "disk": 0},
+            "preemptions": 0, "preemptions_by_kind": {"swap": 0, "recompute": 0}, "downgrades": {},
+            "evictions": 0, "offloads": {"host": 0, "disk": 0},
             "warmups": {"issued": 0, "hit": 0},
             "generated_tokens": {m: 0 for m in MEMBERS}, "prompt_tokens": {m: 0 for m in MEMBERS}},
+        "queue_wait_s": {m: {"count": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0} for m in MEMBERS},
         "recent_routes": []}
     json.dumps(snap)
 
@@ -77,6 +80,11 @@ def test_counters_accumulate() -> None:
     stats.on_prefix_query("m", 50, {Tier.HOST: 8})   # Tier enums are accepted too
     stats.on_escalation("s", "l")
     stats.on_preemption()
+    stats.on_preemption("swap")
+    with pytest.raises(ValueError):
+        stats.on_preemption("teleport")
+    for wait_s in (0.4, 0.1, 0.2, 0.3):
+        stats.on_queue_wait("l", wait_s)
     stats.on_eviction(5)
     stats.on_offload("host", 3)
     stats.on_offload(Tier.DISK, 2)
@@ -94,7 +102,11 @@ def test_counters_accumulate() -> None:
     assert c["prefix_query_tokens"] == {"s": 0, "m": 150, "l": 0}
     assert c["prefix_hit_tokens"]["m"] == {"arena": 32, "host": 8, "disk": 16}
     assert c["escalations"] == {"s->m": 0, "s->l": 1, "m->l": 0}
-    assert (c["preemptions"], c["evictions"]) == (1, 5)
+    assert (c["preemptions"], c["evictions"]) == (2, 5)
+    assert c["preemptions_by_kind"] == {"swap": 1, "recompute": 1}
+    assert snap["queue_wait_s"]["l"] == {"count": 4, "p50": pytest.approx(0.25), "p90": pytest.approx(0.37),
+                                         "p99": pytest.approx(0.397)}
+    assert snap["queue_wait_s"]["s"]["count"] == 0
     assert c["offloads"] == {"host": 3, "disk": 2} and c["warmups"] == {"issued": 2, "hit": 1}
     assert c["prompt_tokens"]["s"] == 10 and c["generated_tokens"] == {"s": 5, "m": 0, "l": 0}
     assert snap["pages"]["by_state"] == {"free": 5, "used": 3, "cached": 0, "host": 0, "disk": 0}

@@ -84,13 +84,55 @@ def test_affinity_never_pulls_to_a_too_small_member(router):
     assert decision.member == "tiny-l"
 
 
-def test_session_bonus_breaks_a_near_tie(router):
+def test_session_bonus_breaks_a_near_tie():
+    # Issue 13: the bonus is off by default for nested families; set explicitly it still works.
+    router = Router(FAMILY, RouterConfig(session_bonus=0.2))
     without = _route(router, _request(500), 0.62, matched={"tiny-l": 70})
     with_session = _route(router, _request(500), 0.62, matched={"tiny-l": 70}, session="tiny-l")
     assert without.member == "tiny-m"
     assert with_session.member == "tiny-l"
-    assert with_session.components["tiny-l"]["session"] == pytest.approx(RouterConfig().session_bonus)
+    assert with_session.components["tiny-l"]["session"] == pytest.approx(0.2)
     assert "session" in with_session.reason
+
+
+def test_session_bonus_defaults_to_zero_for_nested_and_applies_to_independent_families(router):
+    from tests.fakes import independent_family
+    decision = _route(router, _request(500), 0.62, matched={"tiny-l": 70}, session="tiny-l")
+    assert router.session_bonus == 0.0
+    assert decision.member == "tiny-m" and decision.components["tiny-l"]["session"] == 0.0
+    assert Router(independent_family(), RouterConfig()).session_bonus == 0.2
+
+
+def _delayed(router, large_delay_s: float, medium_delay_s: float = 0.0) -> dict:
+    return {"tiny-s": IDLE, "tiny-m": MemberLoad(1, 0, 10, 0, expected_delay_s=medium_delay_s),
+            "tiny-l": MemberLoad(2, 3, 100, 300, expected_delay_s=large_delay_s)}
+
+
+def test_expected_delay_downgrade_fires_within_the_complexity_gap_and_says_so(router):
+    trigger = router.config.downgrade_delay_s
+    decision = _route(router, _request(500), 0.75, loads=_delayed(router, trigger))   # band of m ends at 0.7
+    assert decision.member == "tiny-m" and decision.downgraded_from == "tiny-l"
+    assert "expected wait" in decision.reason and "downgraded to tiny-m" in decision.reason
+
+
+def test_expected_delay_downgrade_respects_the_quality_guard_and_the_trigger(router):
+    trigger = router.config.downgrade_delay_s
+    far = _route(router, _request(500), 0.7 + router.config.downgrade_max_gap + 0.01, loads=_delayed(router, trigger))
+    assert far.member == "tiny-l" and far.downgraded_from is None        # too far above tiny-m's band
+    below = _route(router, _request(500), 0.75, loads=_delayed(router, trigger * 0.99))
+    assert below.member == "tiny-l" and below.downgraded_from is None    # wait under the trigger
+    both = _route(router, _request(500), 0.75, loads=_delayed(router, trigger, medium_delay_s=trigger))
+    assert both.member == "tiny-l" and both.downgraded_from is None      # the smaller one is no better
+
+
+def test_expected_delay_and_pool_pressure_enter_the_score(router):
+    loads = {"tiny-s": MemberLoad(0, 0, 0, 0, pool_pressure=0.5, pages_per_token=0.25),
+             "tiny-m": MemberLoad(0, 0, 0, 0, expected_delay_s=0.5, pool_pressure=0.5, pages_per_token=0.5)}
+    decision = _route(router, _request(500), 0.5, loads=loads)
+    cfg = router.config
+    assert decision.components["tiny-m"]["load"] == pytest.approx(-0.6 * 0.5 / cfg.delay_saturation_s)
+    assert decision.components["tiny-m"]["pressure"] == pytest.approx(-cfg.pressure_weight * 0.5)
+    assert decision.components["tiny-s"]["pressure"] == pytest.approx(-cfg.pressure_weight * 0.5 * 0.5)
 
 
 def _saturated_large_loads(config: RouterConfig) -> dict[str, MemberLoad]:
@@ -166,7 +208,7 @@ def test_components_and_scores_are_complete_and_consistent(router):
                       loads=_saturated_large_loads(router.config))
     assert set(decision.scores) == set(decision.components) == set(FAMILY.member_names)
     for name, parts in decision.components.items():
-        assert set(parts) == {"complexity", "affinity", "load", "session"}
+        assert set(parts) == {"complexity", "affinity", "load", "session", "pressure"}
         assert decision.scores[name] == pytest.approx(sum(parts.values()))
     assert decision.reason.startswith("complexity 0.62 -> tiny-m")
     assert decision.complexity == 0.62

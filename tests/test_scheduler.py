@@ -31,9 +31,9 @@ class Harness:
         self.now = 0.0
         self.outputs: dict[str, list] = {}
 
-    def submit(self, rid, prompt, max_tokens=8, **kw):
+    def submit(self, rid, prompt, max_tokens=8, ignore_eos=True, **kw):
         request = Request(request_id=RequestId(rid), prompt_token_ids=list(prompt),
-                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=self.now, **kw)
+                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), arrival_s=self.now, **kw)
         return self.scheduler.add_request(request, self.now)
 
     def step(self):
@@ -145,14 +145,17 @@ def test_preemption_under_page_pressure_gives_identical_output():
     for i in range(4):
         reference.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
     reference.run()
-    tight = Harness(**{"pool.num_pages": 84})   # l: 6 pages per block, 14 blocks; each request grows to 11
-    for i in range(4):
-        tight.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
-    tight.run(2000)
-    assert tight.scheduler.snapshot(tight.now)["counters"]["preemptions"] > 0
-    for i in range(4):
-        assert tight.tokens(f"r{i}") == reference.tokens(f"r{i}")
-    assert tight.pool.counts()["used"] == 0
+    # Issue 13: with exact lengths (ignore_eos) the default reservation never overcommits, so this
+    # test forces the pre-issue-13 one-block reserve to get preemptions; the default must get none.
+    for reservation, preempts in (("block", True), ("remaining", False), ("peak", False)):
+        tight = Harness(**{"pool.num_pages": 84, "scheduler.decode_reservation": reservation})
+        for i in range(4):   # l: 6 pages per block, 14 blocks; each request grows to 11
+            tight.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
+        tight.run(2000)
+        assert (tight.scheduler.snapshot(tight.now)["counters"]["preemptions"] > 0) is preempts
+        for i in range(4):
+            assert tight.tokens(f"r{i}") == reference.tokens(f"r{i}")
+        assert tight.pool.counts()["used"] == 0
 
 
 def test_abort_returns_pages():

@@ -48,6 +48,15 @@ class SchedulerConfig:
     max_queue: int = 512                 # waiting requests beyond this are refused (HTTP 429)
     preallocate_blocks: bool = True      # reserve a decoding request's next block one token early
     request_timeout_s: float | None = 600.0
+    # --- issue 13: admission against demand, aging, preemption, stall-aware batching (docs/CONFIG.md)
+    decode_reservation: str = "peak"      # peak | remaining | block (pre-issue-13: pool.decode_reserve_blocks)
+    new_token_ratio_init: float = 0.7     # share of max_tokens reserved when the length is not fixed
+    new_token_ratio_min: float = 0.1      # floor of that share as it decays
+    new_token_ratio_decay: float = 0.001  # per step while no request runs short
+    aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
+    victim_order: str = "priority_progress"   # priority_progress | youngest (pre-issue-13)
+    swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
+    decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
     # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
     # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
     # orchestrator/core/deployments.py
@@ -75,10 +84,15 @@ class RouterConfig:
     profiles: dict[str, RouterWeights] = field(default_factory=_default_profiles)
     complexity_thresholds: list[float] = field(default_factory=lambda: [0.4, 0.7])  # boundaries between members
     affinity_min_tokens: int = 32         # matches shorter than this earn no affinity
-    session_bonus: float = 0.2            # added to the session's last member
+    session_bonus: float | None = None    # added to the session's last member; None = 0 nested, 0.2 otherwise
     load_saturation_tokens: int = 4096    # queued+running tokens at which a member counts as saturated
     use_affinity: bool = True
     use_load: bool = True
+    # --- issue 13: whole-device routing (docs/CONFIG.md)
+    delay_saturation_s: float = 1.0       # expected wait at which a member's load term is full
+    pressure_weight: float = 0.3          # global pool pressure x the member's pages per token
+    downgrade_delay_s: float = 0.25       # the winner's expected wait that triggers a downgrade
+    downgrade_max_gap: float = 0.15       # quality guard: complexity at most this far above the smaller band
 
 
 @dataclass(slots=True)
@@ -129,6 +143,19 @@ class MFSConfig:
         _check(self.scheduler.max_running_requests > 0, "scheduler.max_running_requests", "must be positive")
         _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
+        sched = self.scheduler
+        _check(sched.decode_reservation in ("peak", "remaining", "block"), "scheduler.decode_reservation",
+               f"must be peak, remaining or block, got {sched.decode_reservation!r}")
+        _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
+               "needs 0 < new_token_ratio_min <= new_token_ratio_init <= 1")
+        _check(sched.new_token_ratio_decay >= 0, "scheduler.new_token_ratio_decay", "must be >= 0")
+        _check(sched.aging_steps is None or sched.aging_steps > 0, "scheduler.aging_steps", "must be positive or null")
+        _check(sched.victim_order in ("priority_progress", "youngest"), "scheduler.victim_order",
+               f"must be priority_progress or youngest, got {sched.victim_order!r}")
+        _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
+               "scheduler.decode_step_token_budget", "must be positive or null")
+        _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
+        _check(self.router.downgrade_max_gap >= 0, "router.downgrade_max_gap", "must be >= 0")
         _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,
                "scheduler.independent_deployments", "needs pool.static_split (each deployment's slice)")
         _check(self.router.profile in self.router.profiles, "router.profile",

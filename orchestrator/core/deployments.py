@@ -92,11 +92,11 @@ class DeploymentsScheduler(Scheduler):
         super()._escalate(seq, now_s)
 
     # ------------------------------------------------------------------ per-deployment caps and turns
-    def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float) -> bool:
+    def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
         running_here = sum(1 for s in self._running.values() if s.member == seq.member)
         if running_here >= self._member_cap:
             return False
-        return super()._try_admit(seq, plan, now_s)
+        return super()._try_admit(seq, plan, now_s, held_pages)
 
     def _build_batches(self, plan: StepPlan) -> None:
         """One deployment per step (the next with running requests after the last one served), with its

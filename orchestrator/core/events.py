@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,8 @@ OFFLOAD_TIERS = ("host", "disk")
 PAGE_STATES = ("free", "used", "cached", "host", "disk")
 MEMBER_PAGE_STATES = ("used", "cached", "host", "disk")
 RECENT_ROUTES = 100
+PREEMPTION_KINDS = ("swap", "recompute")
+QUEUE_WAIT_WINDOW = 4096        # queue-wait percentiles cover this many recent admissions per member
 
 
 class EventKind(enum.Enum):
@@ -32,6 +35,7 @@ class EventKind(enum.Enum):
     CANCEL = "cancel"
     REJECT = "reject"
     WARMUP = "warmup"
+    HOLD = "hold"            # a request aged past scheduler.aging_steps: its pages are now held for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,9 @@ class Stats:
         self._prefix_hit_tokens: dict[str, dict[str, int]] = {}
         self._escalations: dict[str, int] = {}
         self._preemptions = 0
+        self._preemptions_by_kind = {kind: 0 for kind in PREEMPTION_KINDS}
+        self._downgrades: dict[str, int] = {}
+        self._queue_wait_s: dict[str, deque[float]] = {}
         self._evictions = 0
         self._offloads = _zeros(OFFLOAD_TIERS)
         self._warmups = {"issued": 0, "hit": 0}
@@ -131,9 +138,17 @@ class Stats:
             pair = f"{src}->{dst}"
             self._escalations[pair] = self._escalations.get(pair, 0) + 1
 
-    def on_preemption(self) -> None:
+    def on_preemption(self, kind: str = "recompute") -> None:
+        if kind not in PREEMPTION_KINDS:
+            raise ValueError(f"preemption kind must be one of {PREEMPTION_KINDS}, got {kind!r}")
         with self._lock:
             self._preemptions += 1
+            self._preemptions_by_kind[kind] += 1
+
+    def on_queue_wait(self, member: str, wait_s: float) -> None:
+        """Arrival to first admission of one request (the most recent QUEUE_WAIT_WINDOW per member)."""
+        with self._lock:
+            self._queue_wait_s.setdefault(member, deque(maxlen=QUEUE_WAIT_WINDOW)).append(max(0.0, wait_s))
 
     def on_eviction(self, num_pages: int) -> None:
         with self._lock:
@@ -160,6 +175,9 @@ class Stats:
                  "matched_prefix_tokens": dict(decision.matched_prefix_tokens)}
         with self._lock:
             self._routes.append(route)
+            if decision.downgraded_from is not None:
+                pair = f"{decision.downgraded_from}->{decision.member}"
+                self._downgrades[pair] = self._downgrades.get(pair, 0) + 1
 
     def snapshot(self, *, time_s: float, family: str, members: Sequence[str], pages: Mapping[str, Any],
                  queue_depth: int, running: Mapping[str, int], waiting: Mapping[str, int]) -> dict[str, Any]:
@@ -179,6 +197,8 @@ class Stats:
                 "escalations": {**{f"{a}->{b}": 0 for i, a in enumerate(members) for b in members[i + 1:]},
                                 **self._escalations},
                 "preemptions": self._preemptions,
+                "preemptions_by_kind": dict(self._preemptions_by_kind),
+                "downgrades": dict(self._downgrades),
                 "evictions": self._evictions,
                 "offloads": dict(self._offloads),
                 "warmups": dict(self._warmups),
@@ -186,6 +206,7 @@ class Stats:
                                      for m in _union(members, self._generated_tokens)},
                 "prompt_tokens": {m: self._prompt_tokens.get(m, 0) for m in _union(members, self._prompt_tokens)},
             }
+            waits = {m: sorted(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
             routes = [{**r, "scores": dict(r["scores"]), "matched_prefix_tokens": dict(r["matched_prefix_tokens"])}
                       for r in self._routes]
         by_member = pages.get("by_member", {})
@@ -204,8 +225,20 @@ class Stats:
             "running": {m: running.get(m, 0) for m in _union(members, running)},
             "waiting": {m: waiting.get(m, 0) for m in _union(members, waiting)},
             "counters": counters,
+            "queue_wait_s": {m: {"count": len(v), "p50": percentile(v, 50), "p90": percentile(v, 90),
+                                 "p99": percentile(v, 99)} for m, v in waits.items()},
             "recent_routes": routes,
         }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolation percentile of an ascending list (q in [0, 100]); 0.0 for an empty list."""
+    if not sorted_values:
+        return 0.0
+    pos = (len(sorted_values) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
 
 
 def _union(members: list[str], extra: Mapping[str, Any]) -> list[str]:

@@ -9,7 +9,8 @@ from orchestrator.core.config import RouterConfig, RouterWeights
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.types import MemberName, Request, RouteDecision
 
-COMPONENTS = ("complexity", "affinity", "load", "session")
+COMPONENTS = ("complexity", "affinity", "load", "session", "pressure")
+SESSION_BONUS_INDEPENDENT = 0.2   # router.session_bonus: null means this for independent families, 0 for nested
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,9 @@ class MemberLoad:
     num_waiting: int
     running_tokens: int       # prompt + generated tokens of its running requests
     queued_tokens: int        # prompt tokens of requests waiting for it
+    expected_delay_s: float = 0.0   # expected wait before this request could be admitted there (scheduler's estimate)
+    pool_pressure: float = 0.0      # share of its pool's pages held or reserved by running requests
+    pages_per_token: float = 0.0    # KV pages one token costs on this member
 
     @property
     def total_tokens(self) -> int:
@@ -72,14 +76,20 @@ class Router:
       fit             see FitPenalties (thresholds from config.complexity_thresholds)
       cached_fraction matched_prefix_tokens[member] / prompt tokens, 0 below config.affinity_min_tokens
       session         config.session_bonus for the session's last member
-      load_fraction   min(1, (running + queued tokens) / config.load_saturation_tokens)
-    Affinity and session are 0 when config.use_affinity is False, load when config.use_load is False.
-    components[member] holds the weighted contributions (load is negative), so they sum to scores[member].
-    The highest total wins, ties go to the smaller member. A saturated winner (tokens >= saturation) is
-    downgraded to the largest smaller unsaturated member when the profile allows it and load is in use.
+      load_fraction   min(1, max((running + queued tokens) / config.load_saturation_tokens,
+                                 expected_delay_s / config.delay_saturation_s))
+      pressure        config.pressure_weight * pool_pressure * pages_per_token / the largest pages_per_token
+                      (a full pool makes page-hungry members dearer)
+    Affinity and session are 0 when config.use_affinity is False, load and pressure when config.use_load
+    is False. components[member] holds the weighted contributions (load and pressure are negative), so
+    they sum to scores[member]. The highest total wins, ties go to the smaller member.
+    Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation) or
+    whose expected delay is at least config.downgrade_delay_s moves to the largest smaller member that
+    is neither, and (delay rule) whose complexity band ends at most config.downgrade_max_gap below the
+    request's complexity: the quality guard.
     """
 
-    __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds")
+    __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus")
 
     def __init__(self, family: FamilySpec, config: RouterConfig, fit: FitPenalties | None = None) -> None:
         if not family.members:
@@ -90,6 +100,10 @@ class Router:
         self._names: tuple[str, ...] = tuple(family.member_names)
         self._num_members = len(self._names)
         self._thresholds = tuple(config.complexity_thresholds)
+        # Nested family: a smaller member already reuses the larger one's lower-layer pages, so pulling
+        # a follow-up turn to the session's last (often larger) member buys little and costs its step time.
+        self.session_bonus = (config.session_bonus if config.session_bonus is not None
+                              else 0.0 if family.is_nested() else SESSION_BONUS_INDEPENDENT)
 
     def adequate_index(self, complexity: float) -> int:
         """Index of the smallest member whose complexity band holds `complexity` (thresholds are lower bounds)."""
@@ -117,6 +131,7 @@ class Router:
         scores: dict[str, float] = {}
         components: dict[str, dict[str, float]] = {}
         best_index, best_total = 0, float("-inf")
+        max_ppt = max((loads.get(n, _IDLE).pages_per_token for n in names), default=0.0) or 1.0
         for index, name in enumerate(names):
             steps = index - adequate
             if steps >= 0:
@@ -124,20 +139,23 @@ class Router:
             else:
                 fit_value = 1.0 + fit.smaller_per_step * steps
             complexity_part = weights.complexity * fit_value
-            affinity_part = session_part = load_part = 0.0
+            affinity_part = session_part = load_part = pressure_part = 0.0
             if use_affinity:
                 matched = matched_prefix_tokens.get(name, 0)
                 if matched >= config.affinity_min_tokens:
                     affinity_part = weights.affinity * min(1.0, matched / prompt_tokens)
                 if name == session_member:
-                    session_part = config.session_bonus
+                    session_part = self.session_bonus
             if use_load:
                 load = loads.get(name, _IDLE)
-                load_part = -weights.load * min(1.0, (load.running_tokens + load.queued_tokens) / saturation_tokens)
-            total = complexity_part + affinity_part + session_part + load_part
+                fraction = max((load.running_tokens + load.queued_tokens) / saturation_tokens,
+                               load.expected_delay_s / config.delay_saturation_s)
+                load_part = -weights.load * min(1.0, fraction)
+                pressure_part = -config.pressure_weight * load.pool_pressure * load.pages_per_token / max_ppt
+            total = complexity_part + affinity_part + session_part + load_part + pressure_part
             scores[name] = total
             components[name] = {"complexity": complexity_part, "affinity": affinity_part,
-                                "load": load_part, "session": session_part}
+                                "load": load_part, "session": session_part, "pressure": pressure_part}
             if total > best_total + fit.tie_epsilon:   # strict: ties keep the smaller member
                 best_index, best_total = index, total
 
@@ -156,10 +174,18 @@ class Router:
             winner, reason = request.pinned_member, "pinned"
         elif use_load and weights.allow_downgrade:
             target = self._downgrade_target(best_index, loads, saturation_tokens)
+            why = None
             if target is not None:
                 tokens = loads.get(winner, _IDLE).total_tokens
-                reason += (f"; {winner} saturated ({tokens} >= {config.load_saturation_tokens} tokens), "
-                           f"downgraded to {names[target]}")
+                why = f"{winner} saturated ({tokens} >= {config.load_saturation_tokens} tokens)"
+            else:
+                target = self._delay_downgrade_target(best_index, complexity, loads)
+                if target is not None:
+                    delay = loads.get(winner, _IDLE).expected_delay_s
+                    why = (f"{winner} expected wait {delay * 1000:.0f} ms >= {config.downgrade_delay_s * 1000:.0f} ms, "
+                           f"{names[target]} within the complexity gap")
+            if target is not None:
+                reason += f"; {why}, downgraded to {names[target]}"
                 downgraded_from, winner = MemberName(winner), names[target]
 
         return RouteDecision(
@@ -177,6 +203,21 @@ class Router:
             if loads.get(names[index], _IDLE).total_tokens < saturation_tokens:
                 return index
         return None   # everyone is saturated: stay put, the queue absorbs it
+
+    def _delay_downgrade_target(self, winner_index: int, complexity: float,
+                                loads: dict[str, MemberLoad]) -> int | None:
+        """Largest smaller member whose expected delay is under the trigger, when the winner's is not and
+        the request's complexity is at most downgrade_max_gap above that member's band (else None)."""
+        config, names = self.config, self._names
+        if loads.get(names[winner_index], _IDLE).expected_delay_s < config.downgrade_delay_s:
+            return None
+        for index in range(winner_index - 1, -1, -1):
+            band_top = self._thresholds[index] if index < len(self._thresholds) else 1.0
+            if complexity - band_top > config.downgrade_max_gap:
+                return None          # smaller ones are further below: the guard only tightens
+            if loads.get(names[index], _IDLE).expected_delay_s < config.downgrade_delay_s:
+                return index
+        return None
 
     @staticmethod
     def _why_not_adequate(adequate: str, winner: str, components: dict[str, dict[str, float]],

@@ -11,12 +11,14 @@ from collections import OrderedDict, deque
 
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
+from orchestrator.core.demand import victim_key
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, handover_target, in_warmup_band
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
+from orchestrator.core.pool_demand import PoolDemand
 from orchestrator.core.router import MemberLoad, Router, SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import TieredStore
@@ -54,6 +56,12 @@ class Scheduler:
         self._capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
                                for m in family.members}
+        self._partitioned = config.pool.static_split is not None
+        self.demand = PoolDemand(family, config, pool, kv, self._running, self._waiting, self._capacity_pages)
+        self._step = 0                                   # schedule() calls so far: the aging clock
+        self._victim_key = victim_key(config.scheduler.victim_order)
+        self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
+        self._last_busy_schedule_s: float | None = None
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
@@ -123,9 +131,12 @@ class Scheduler:
                 matched[name] = self.kv.estimate_cached_tokens(name, by_block_size[size])
         session_member = self._sessions.get(request.session_id) if request.session_id else None
         return self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
-                                 loads=self.loads(), session_member=session_member, now_s=now_s)
+                                 loads=self.loads(request), session_member=session_member, now_s=now_s)
 
-    def loads(self) -> dict[str, MemberLoad]:
+    def loads(self, request: Request | None = None) -> dict[str, MemberLoad]:
+        """Each member's load; with `request`, also the expected wait before it could be admitted there
+        (pages: the queue ahead in its pool and the running requests' demand; prefill budget; the
+        measured step time) and its pool's pressure."""
         running = {n: [0, 0] for n in self.family.member_names}
         waiting = {n: [0, 0] for n in self.family.member_names}
         for seq in self._running.values():
@@ -135,7 +146,21 @@ class Scheduler:
             for seq in queue:
                 waiting[seq.member][0] += 1
                 waiting[seq.member][1] += len(seq.token_ids)
-        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1]) for n in running}
+        extra = {n: {} for n in running}
+        if request is not None:
+            for name in running:
+                extra[name] = self.demand.delay_and_pressure(name, request, self._step_cost_s)
+        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1], **extra[n]) for n in running}
+
+    def _partition_of(self, member: str) -> str | None:
+        return self.demand.partition_of(member)
+
+    def _in_partition(self, seq: Sequence, member: str) -> bool:
+        return self.demand.in_partition(seq, member)
+
+    def reserved_pages(self, member: str) -> int:
+        """Pages reserved for the running requests' remaining decode in `member`'s pool (pool_demand.py)."""
+        return self.demand.reserved_pages(member)
 
     def _can_escalate(self, seq: Sequence) -> bool:
         return (self.config.escalation.enabled and not seq.is_warmup and seq.request.pinned_member is None
@@ -164,6 +189,7 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
         seq.state = RequestState.WAITING if seq.state is not RequestState.PREEMPTED else seq.state
+        seq.enqueued_step = self._step
         queue = self._waiting.setdefault(seq.request.priority, deque())
         if front:
             queue.appendleft(seq)
@@ -175,11 +201,24 @@ class Scheduler:
         """Plans one step. Also returns outputs produced without running anything (cancellations)."""
         plan = StepPlan(released_requests=self._released)
         self._released = []
+        self._step += 1
+        if self._last_busy_schedule_s is not None:
+            # The time between two schedule() calls around a busy step: what one step costs a waiting request.
+            elapsed = now_s - self._last_busy_schedule_s
+            self._step_cost_s = elapsed if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * elapsed
+        self.demand.clear()
         outputs = self._process_aborts(now_s)
         self._age_idle_sessions(now_s)
-        self._ensure_decode_slots(now_s)
-        self._admit(plan, now_s)
+        preempted = self._ensure_decode_slots(plan, now_s)
+        self.demand.clear()
+        if preempted:
+            self.demand.ratio.on_shortage()    # hysteresis: a step that preempted admits nobody
+        else:
+            self.demand.ratio.on_step()
+            self._admit(plan, now_s)
         self._build_batches(plan)
+        self.demand.clear()
+        self._last_busy_schedule_s = now_s if plan.batches else None
         evictions = self.pool.take_evictions()
         if evictions:
             self.stats.on_eviction(len(evictions))
@@ -223,26 +262,42 @@ class Scheduler:
                 self._finish(warm, now_s, outcome=None)
         return outputs
 
-    def _ensure_decode_slots(self, now_s: float) -> None:
+    def _ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs;
-        when pages are short the youngest running request (of the same slice, under a static split)
-        is preempted, possibly the requester itself."""
-        partitioned = self.config.pool.static_split is not None
+        when pages are short, escalation pins are given up before a request would preempt itself, and
+        victims are taken in scheduler.victim_order from the same pool (slice, under a static split).
+        Returns whether anything was preempted."""
+        preempted = False
         for seq in list(self._running.values()):
             if seq.request_id not in self._running or not seq.is_decoding():
                 continue
             if self.config.scheduler.preallocate_blocks and self.kv.grow(seq.kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not self.kv.grow(seq.kv, len(seq.token_ids)):
-                victim = next(s for s in reversed(self._running.values())
-                              if not partitioned or s.member == seq.member)
-                self._preempt(victim, now_s)
+                victim = min((s for s in self._running.values() if self._in_partition(s, seq.member)),
+                             key=self._victim_key)
+                if victim is seq and self._release_pins(seq.member, now_s):
+                    continue
+                self._preempt(victim, now_s, plan)
+                preempted = True
                 if victim is seq:
                     break
+        return preempted
 
-    def _preempt(self, seq: Sequence, now_s: float) -> None:
-        """Recompute-style preemption: pages go back (full blocks stay cached, and reach the host tier
-        on eviction when it is on), the request waits at the queue front and resumes identically."""
+    def _preempt(self, seq: Sequence, now_s: float, plan: StepPlan | None = None) -> None:
+        """Pages go back (full blocks stay cached under their keys), the request waits at the queue front
+        and resumes identically. Swap: when the host tier has room for the victim's full blocks they
+        are copied there now (plan.page_saves), so its resume reloads them instead of recomputing even
+        if the arena evicts them meanwhile; recompute: they stay only as long as the arena keeps them.
+        The last, partial block is recomputed either way."""
+        kind = "recompute"
+        host = self.tiers.host if self.tiers is not None else None
+        if (plan is not None and seq.kv is not None and host is not None and self.config.scheduler.swap_preempted
+                and not seq.is_warmup):
+            keyed = [(p, k) for p in seq.kv.all_pages() if (k := self.pool.key_of(p)) is not None]
+            if keyed and len(keyed) * self.config.pool.page_bytes <= host.capacity_bytes - host.bytes_used:
+                plan.page_saves.extend(keyed)
+                kind = "swap"
         self._drop_kv(seq)
         del self._running[seq.request_id]
         if seq.is_warmup:
@@ -251,8 +306,23 @@ class Scheduler:
         seq.state = RequestState.PREEMPTED
         seq.count_query = False
         self._enqueue(seq, front=True)
-        self.stats.on_preemption()
-        self.events.emit(EventKind.PREEMPT, now_s, seq.request_id, seq.member)
+        self.stats.on_preemption(kind)
+        self.events.emit(EventKind.PREEMPT, now_s, seq.request_id, seq.member, preemption=kind)
+
+    def _release_pin(self, seq: Sequence) -> None:
+        if seq.pinned_kv is not None:
+            self.kv.release(seq.pinned_kv)
+            seq.pinned_kv = None
+
+    def _release_pins(self, member: str, now_s: float) -> bool:
+        """Gives up the escalation pins in `member`'s pool; True if any were held."""
+        released = False
+        for queue in self._waiting.values():
+            for seq in queue:
+                if seq.pinned_kv is not None and self._in_partition(seq, member):
+                    self._release_pin(seq)
+                    released = True
+        return released
 
     def _drop_kv(self, seq: Sequence) -> None:
         if seq.kv is not None:
@@ -263,22 +333,39 @@ class Scheduler:
         seq.shared_depth = 0
 
     def _admit(self, plan: StepPlan, now_s: float) -> None:
+        """FCFS within a priority with per-member head-of-line blocking (one member's full pool never
+        blocks another), except that a request waiting scheduler.aging_steps or longer has its pages
+        held: later requests in its pool are admitted only if they fit beside them (no starvation)."""
         max_running = self.config.scheduler.max_running_requests
-        blocked: set[str] = set()   # per-member head-of-line: one member's full pool never blocks another
+        aging = self.config.scheduler.aging_steps
+        blocked: set[str] = set()
+        held: dict[str | None, int] = {}
         for priority in sorted(self._waiting):
             queue = self._waiting[priority]
             kept: deque[Sequence] = deque()
             while queue:
                 seq = queue.popleft()
-                if len(self._running) >= max_running or seq.member in blocked or not self._try_admit(seq, plan, now_s):
+                part = self._partition_of(seq.member)
+                if (len(self._running) >= max_running or seq.member in blocked
+                        or not self._try_admit(seq, plan, now_s, held.get(part, 0))):
                     if seq.is_warmup:
                         self._forget(seq)   # a warm-up that cannot run now is worthless later
                         continue
                     blocked.add(seq.member)
+                    if aging is not None and self._step - seq.enqueued_step >= aging:
+                        held[part] = held.get(part, 0) + self.demand.demand_pages(seq)
+                        if not seq.held:
+                            seq.held = True
+                            self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
+                                             waited_steps=self._step - seq.enqueued_step)
                     kept.append(seq)
             self._waiting[priority] = kept
+        if not self._running and any(self._waiting.values()):
+            # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
+            for name in self.family.member_names:
+                self._release_pins(name, now_s)
 
-    def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float) -> bool:
+    def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
         if seq.is_warmup and self.loads()[seq.member].num_running:
             return False
         cfg = self.config.escalation
@@ -288,9 +375,16 @@ class Scheduler:
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
         # Headroom matters only when others share the pages: alone, a request always fits (add_request
         # checked its whole length against the capacity), so it must never wait for a reserve.
-        partitioned = self.config.pool.static_split is not None
-        shared_with_others = any(not partitioned or s.member == seq.member for s in self._running.values())
-        reserve = self._reserve_pages[seq.member] if shared_with_others else 0
+        shared_with_others = any(self._in_partition(s, seq.member) for s in self._running.values())
+        reserve = 0
+        if shared_with_others and self.config.scheduler.decode_reservation != "block":
+            # Beside every running request's remaining decode, with room for this one's own.
+            own = self.demand.demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
+            reserve = self.reserved_pages(seq.member) + max(0, own)
+        elif shared_with_others:
+            reserve = self._reserve_pages[seq.member]
+        if not seq.held:
+            reserve += held_pages   # an aged request's pages are not for later arrivals
         # Warm-ups never evict: they use idle memory only.
         attached = self.kv.attach(seq.member, match, seq.hashes, len(seq.token_ids),
                                   reserve_pages=reserve, evict=not seq.is_warmup)
@@ -304,6 +398,12 @@ class Scheduler:
         seq.state = RequestState.RUNNING
         seq.admit_order = next(self._admit_counter)
         self._running[seq.request_id] = seq
+        self._release_pin(seq)     # the target holds what it reuses now
+        seq.held = False
+        if seq.num_admissions == 0 and not seq.is_warmup:
+            self.stats.on_queue_wait(seq.member, now_s - seq.request.arrival_s)
+        seq.num_admissions += 1
+        self.demand.clear()
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(match.num_full_tokens, seq.num_prompt_tokens)
         if seq.count_query:
@@ -319,8 +419,13 @@ class Scheduler:
         return True
 
     def _build_batches(self, plan: StepPlan) -> None:
-        budget = self.config.scheduler.max_batch_tokens
-        chunk_limit = self.config.scheduler.prefill_chunk_tokens
+        cfg = self.config.scheduler
+        budget = cfg.max_batch_tokens
+        chunk_limit = cfg.prefill_chunk_tokens
+        if cfg.decode_step_token_budget is not None and any(s.is_decoding() for s in self._running.values()):
+            # Stall-aware: while requests decode, prefill chunks fill the step only up to this budget,
+            # so a long prompt costs the decoders a few slightly longer steps, not one very long one.
+            budget = min(budget, cfg.decode_step_token_budget)
         batches: dict[str, list[SeqChunk]] = {}
         prefills = []
         for seq in self._running.values():
@@ -374,6 +479,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
+        self.demand.clear()
+        try:
+            return self._update(plan, sampled, now_s)
+        finally:
+            self.demand.clear()
+
+    def _update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
         for batch in plan.batches:
             for chunk in batch.chunks:
                 seq = self._running.get(chunk.request_id)
@@ -416,8 +528,14 @@ class Scheduler:
         if seq.roll_back_for_handover():
             seq.hashes = seq.hashes[:len(seq.token_ids) // self.kv.tokens_per_block(seq.member)]
         source = seq.member
+        cfg = self.config.escalation
+        if cfg.reuse_shared_layers and not cfg.cold_handover:
+            # Keep the source's pages until the target admits the request: under pressure they would
+            # otherwise be evicted before the handover reuses them.
+            seq.pinned_kv, seq.kv = seq.kv, None
         self._drop_kv(seq)
         del self._running[seq.request_id]
+        seq.num_escalations += 1
         if self.kv.tokens_per_block(target) != self.kv.tokens_per_block(source):
             seq.hashes = []
         seq.member = MemberName(target)
@@ -448,6 +566,7 @@ class Scheduler:
             self._session_pages[session] = (now_s, [(p, k) for p, k in pages if k is not None])
             self._session_pages.move_to_end(session)
         self._drop_kv(seq)
+        self._release_pin(seq)
         self._forget(seq)
         seq.state = RequestState.CANCELLED if seq.finish_reason is FinishReason.CANCELLED else RequestState.FINISHED
         if outcome is None:

@@ -40,6 +40,11 @@ class Sequence:
     count_query: bool = True                   # next admission reports a prefix query (not after preemption)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    enqueued_step: int = 0                     # scheduler step it (last) joined the queue: aging
+    num_admissions: int = 0                    # first admission records the queue wait
+    num_escalations: int = 0                   # escalated requests are preempted after fresh ones
+    pinned_kv: SeqKV | None = None             # source member's pages, kept until the target admits it
+    held: bool = False                         # aged past scheduler.aging_steps: its pages are held
 
     @property
     def request_id(self) -> RequestId:

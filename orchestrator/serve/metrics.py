@@ -45,6 +45,11 @@ class EngineStatsCollector(Collector):
                                         for k, n in counters.get("escalations", {}).items() if "->" in k])
         yield _counter("mfs_preemptions", "requests preempted to free pages", [],
                        [((), counters.get("preemptions", 0))])
+        yield _counter("mfs_preemptions_by_kind", "preemptions by kind (swap: blocks saved to the host tier)",
+                       ["kind"], _flat(counters.get("preemptions_by_kind", {})))
+        yield _counter("mfs_downgrades", "requests routed to a smaller member than scored best, under load",
+                       ["from", "to"], [(tuple(k.split("->", 1)), n)
+                                        for k, n in counters.get("downgrades", {}).items() if "->" in k])
         yield _counter("mfs_evictions", "cached pages evicted from the arena", [],
                        [((), counters.get("evictions", 0))])
         yield _counter("mfs_offloads", "pages copied to a lower tier", ["tier"],
@@ -73,6 +78,10 @@ class EngineStatsCollector(Collector):
                      [((m,), running.get(m, 0)) for m in members or running])
         yield _gauge("mfs_waiting_requests", "queued requests by routed member", ["member"],
                      [((m,), waiting.get(m, 0)) for m in members or waiting])
+        waits = s.get("queue_wait_s", {})
+        yield _gauge("mfs_queue_wait_seconds", "arrival to first admission, recent requests, by member and quantile",
+                     ["member", "quantile"], [((m, q), w.get(q, 0.0)) for m, w in waits.items()
+                                              for q in ("p50", "p90", "p99")])
 
 
 def _flat(by_key: dict[str, Any]) -> list[tuple[tuple[str, ...], float]]:

@@ -1,0 +1,231 @@
+"""`mfs simulate`: the bench's trace, systems and metrics, with the real core in virtual time on a cost model.
+
+    mfs simulate --family tiny --cost-model measured --quick --rate 1            # this machine, validated below
+    mfs simulate --family qwen3 --gpu h200_sxm --placement colocated --sessions 400 --rate 2
+    mfs simulate --family qwen3 --gpu h200_sxm --placement fleet:8 --sessions 10000 --rate 20
+
+Output: the bench JSON (systems, reductions, paired figures, hit rates by tier, pages timeline) plus
+`simulated: {cost_model, gpu, placement, ...}`; every figure in it is SIMULATED.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
+                        curve_rates, format_table, settings_from_args, slo_for, static_split_for)
+from eval.curve import summarize_curve
+from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summarize
+from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
+from eval.simulate.driver import STATS_INTERVAL_S, SimRun, simulate
+from eval.simulate.executor import SimExecutor
+from eval.simulate.families import DEFAULT_BLOCK_TOKENS, PRESETS, TOKENIZER_NOTE
+from eval.simulate.fleet import PlacementError, parse_placement
+from eval.simulate.node import SimNode
+from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
+from eval.simulate.step_table import StepTableError
+from eval.systems import needs_split, system_config
+from eval.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
+from orchestrator.core.config import ConfigError, config_to_dict, load_config
+from orchestrator.core.family import FamilyError, load_family
+from orchestrator.serve.tokenizer import FamilyTokenizer
+
+# Paper-scale traces: ShareGPT conversations as they are (long histories, real reply lengths).
+PAPER = dict(max_prompt_tokens=8192, max_output_tokens=1024, max_turns=6, think_s=5.0, kv_pages=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_bench_arguments(parser)
+    parser.set_defaults(out="sim.json")
+    parser.add_argument("--cost-model", choices=("measured", "aiconfigurator"), default=None,
+                        help="measured: step table of the local engine on this machine (tiny family); "
+                             "aiconfigurator: NVIDIA's TensorRT-LLM performance database (paper-scale families)")
+    parser.add_argument("--step-table", default=None, metavar="FILE", help="an mfs-step-table/1 file to use")
+    parser.add_argument("--gpu", default="h200_sxm", help="aiconfigurator system: h200_sxm, h100_sxm, a100_sxm, l40s, ...")
+    parser.add_argument("--backend", default="trtllm", help="aiconfigurator backend: trtllm, vllm, sglang")
+    parser.add_argument("--placement", default="colocated", help="colocated | per-member | fleet:N")
+    parser.add_argument("--node-placement", default="colocated", help="inside a fleet: colocated | per-member")
+    parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS, help="tokens per KV block (GPU)")
+    parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
+                        help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None)
+    parser.add_argument("--max-output-tokens", type=int, default=None)
+    parser.add_argument("--max-turns", type=int, default=None)
+    parser.add_argument("--think-s", type=float, default=None)
+
+
+def sim_settings(args: argparse.Namespace) -> BenchSettings:
+    settings = settings_from_args(args)
+    paper = is_paper_family(args.family)
+    chosen = {k: v for k, v in (("max_prompt_tokens", args.max_prompt_tokens), ("max_output_tokens", args.max_output_tokens),
+                                ("max_turns", args.max_turns), ("think_s", args.think_s)) if v is not None}
+    if paper and not args.quick:
+        chosen = {**{k: v for k, v in PAPER.items() if k != "kv_pages"}, **chosen}
+    return replace(settings, score_quality=False, **chosen)
+
+
+def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
+    placement = parse_placement(args.placement, args.node_placement)
+    if is_paper_family(args.family):
+        if args.cost_model == "measured":
+            raise PlacementError(f"--cost-model measured times this machine's engine; {args.family} runs on "
+                                 "--cost-model aiconfigurator")
+        return paper_setup(args.family, args.gpu, args.backend, placement, args.step_table, args.block_tokens)
+    if args.cost_model == "aiconfigurator":
+        raise PlacementError(f"--cost-model aiconfigurator covers {', '.join(PRESETS)}; {args.family} uses measured")
+    return tiny_setup(args.family, args.step_table, placement, settings.kv_pages)
+
+
+def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyTokenizer, tokenizer_hash: str) -> Trace:
+    if settings.trace_file:
+        trace = load_trace(settings.trace_file, tokenizer_hash)
+        if settings.history:
+            trace = with_history(trace, settings.history)
+    else:
+        context = min(4 * settings.max_prompt_tokens, 40960) if setup.family is not None else min(
+            m.context_tokens for m in load_family(settings.family).members)
+        spec = WorkloadSpec(name=settings.workload, num_sessions=settings.sessions, rate_sessions_per_s=settings.rate,
+                            seed=settings.seed, context_tokens=context,
+                            max_prompt_tokens=min(settings.max_prompt_tokens, context),
+                            max_output_tokens=settings.max_output_tokens, max_turns=settings.max_turns,
+                            mean_think_time_s=settings.think_s, conversation_pool=max(1500, 3 * settings.sessions),
+                            history=settings.history or "closed")
+        trace = build_trace(spec, tokenizer)
+    if settings.save_trace:
+        save_trace(trace, settings.save_trace, tokenizer_hash)
+    return trace
+
+
+def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, tokenizer) -> tuple[dict, Any]:
+    extra = {**setup.overrides, **settings.extra_overrides}
+    split = None
+    if setup.split is not None:
+        split = setup.split           # per-member: the GPUs split the memory for every system alike
+        extra["pool.static_split"] = dict(split)
+    elif needs_split(settings.systems):     # the bench's own split search, on this deployment's pages
+        family = setup.family or load_family(settings.family)
+        split = static_split_for(trace, family, tokenizer,
+                                 replace(settings, kv_pages=setup.num_pages, extra_overrides=extra))
+    configs = {name: system_config(name, settings.family, setup.num_pages,
+                                   split.fractions if split is not None and hasattr(split, "fractions") else split,
+                                   extra)
+               for name in settings.systems}
+    return configs, split
+
+
+def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
+               vocab_size: int, stats_interval_s: float) -> tuple[SimRun, dict[str, Any]]:
+    def make_executor(family, num_pages, page_bytes):
+        return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
+                           members_in_parallel=setup.members_in_parallel)
+
+    def make_nodes(clock, events, on_output):
+        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output)
+                for i in range(setup.placement.num_nodes)]
+
+    run = simulate(name, make_nodes, trace, stats_interval_s)
+    metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples))
+    step_s = setup.solo_decode_step_s()
+    metrics["solo_decode_step_s"] = step_s
+    metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(run.records, step_s)
+    metrics["counters"] = run.counters
+    metrics["quality_mean_logprob"] = None
+    metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
+                             "wall_s": round(run.wall_s, 2), "front_router": run.router_decisions}
+    return run, metrics
+
+
+def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
+              interval_s: float) -> dict[str, Any]:
+    """Every system on `trace` (one rate): the point's JSON block, as eval.bench.run_point builds it."""
+    records_by_system, systems = {}, {}
+    for name, config in configs.items():
+        run, metrics = run_system(name, config, setup, trace, confidences, vocab_size, interval_s)
+        records_by_system[name], systems[name] = run.records, metrics
+    return {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
+            "reduction_mean_token_latency": _reduction(systems, "mfs"),
+            "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
+            "paired_vs_baseline": _paired(records_by_system), "reduction_ceiling": _ceilings(systems)}
+
+
+def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
+    settings = sim_settings(args)
+    setup = build_setup(args, settings)
+    tiny = load_family("tiny") if setup.family is not None else load_family(settings.family)
+    tokenizer = FamilyTokenizer(tiny.members[0].checkpoint_dir)
+    started = time.perf_counter()
+    trace = build_trace_for(settings, setup, tokenizer, tiny.members[0].tokenizer_hash)
+    trace_s = time.perf_counter() - started
+    rates = curve_rates(settings, trace)
+    headline = trace.spec.rate_sessions_per_s if trace.spec.rate_sessions_per_s in rates else rates[0]
+    confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
+    confidences.map_members(setup.member_names, tiny.member_names)
+    configs, split = system_configs(setup, settings, trace, tokenizer)
+    sim_started = time.perf_counter()
+    points = []
+    for rate in rates:
+        at_rate = trace.at_rate(rate)
+        interval = max(STATS_INTERVAL_S, (at_rate.arrival_times_s[-1] if at_rate.arrival_times_s else 0.0) / 2000)
+        points.append(run_point(setup, configs, at_rate, confidences, tokenizer.vocab_size, interval))
+    sim_s = time.perf_counter() - sim_started
+    head = next(p for p in points if p["rate"] == headline)
+    curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
+             for p in points]
+    notes = list(trace.notes) + list(setup.notes) + (list(split.notes) if hasattr(split, "notes") else [])
+    notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
+                 "is a measurement")
+    notes.append("quality_mean_logprob: not simulated (tokens come from a seeded stream)")
+    return {
+        "workload": trace.at_rate(headline).summary(),
+        "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),
+                     "static_split_traffic_share": getattr(split, "traffic_share", None),
+                     "configs": {n: config_to_dict(c) for n, c in configs.items()}},
+        "headline_rate": headline,
+        "systems": head["systems"],
+        "reduction_mean_token_latency": head["reduction_mean_token_latency"],
+        "reductions_vs_baseline": head["reductions_vs_baseline"],
+        "paired_vs_baseline": head["paired_vs_baseline"],
+        "reduction_ceiling": head["reduction_ceiling"],
+        "rates": list(rates),
+        "curve": curve,
+        **summarize_curve(curve, slo_for(settings, curve)),
+        "notes": notes,
+        "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu, "placement": setup.placement.label,
+                      "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,
+                      "memory": setup.memory, "num_pages_per_node": setup.num_pages, "page_bytes": setup.page_bytes,
+                      "confidences": confidences.describe(),
+                      "tokenizer": ("the shipped tiny family's tokenizer (the simulated family's own)" if
+                                    setup.family is None else TOKENIZER_NOTE),
+                      "trace_build_s": round(trace_s, 1), "simulate_s": round(sim_s, 1)},
+    }
+
+
+def _settings(settings: BenchSettings) -> dict[str, Any]:
+    d = asdict(settings)
+    d["systems"] = list(settings.systems)
+    d["rates"] = list(settings.rates) if settings.rates else None
+    return d
+
+
+def main(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        result = run_simulation(args)
+    except (TraceFileError, ConfigError, StepTableError, PlacementError, ConfidenceFileError, FamilyError) as exc:
+        raise SystemExit(f"mfs simulate: {exc}") from None
+    result["settings"]["command"] = ("mfs simulate " + " ".join(sys.argv[2:])) if sys.argv[1:2] == ["simulate"] else None
+    result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    sim = result["simulated"]
+    print(f"SIMULATED ({sim['cost_model']['source']}; placement {sim['placement']})")
+    print(format_table(result))
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print(f"wrote {args.out} (trace {sim['trace_build_s']} s, simulation {sim['simulate_s']} s, "
+          f"total {result['settings']['wall_s']} s)")
+    return 0

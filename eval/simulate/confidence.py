@@ -1,0 +1,122 @@
+"""Per-token confidences for simulated replies, taken from the real tiny family rather than invented.
+
+`mfs bench --record-confidences FILE` writes, for every served reply, the top-1 probability of each generated
+token on each member (greedy decoding: the sampled token is the top-1, so its probability is exp(logprob)), one
+sequence per (request, member) span: an `mfs-confidences/1` file. The simulator looks a value up by
+(request key, member, position):
+  - the request's own recorded sequence on that member when the file has one (a replay of the same trace);
+  - otherwise a recorded sequence of that member picked by a hash of (seed, request key, member);
+and reads position p of it (wrapping around a shorter sequence). Whole sequences keep the runs of low confidence
+that make the rolling-window monitor fire; independent draws per token would average them away. The lookup
+depends on nothing a system decides, so every system sees the same value for the same request, member and
+position. For a family other than the recorded one, member i of n borrows the recorded member at the same
+relative size (smallest -> smallest, largest -> largest): the assumption is stated in the result JSON.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIDENCE_FORMAT = "mfs-confidences/1"
+DEFAULT_LIBRARY = Path(__file__).resolve().parent / "data" / "tiny_confidences.json"
+
+
+class ConfidenceFileError(ValueError):
+    """A confidences file that cannot be used (unreadable, another format, a member with no sequence)."""
+
+
+def request_key(session_id: str, turn_index: int) -> str:
+    """The system-independent name of one trace request (the bench's request ids add a system tag)."""
+    return f"{session_id}-t{turn_index}"
+
+
+def spans_of(logprobs: Sequence[float], tokens_by_member: dict[str, int]) -> list[tuple[str, list[float]]]:
+    """Splits a reply's logprobs by member, in generation order (escalation only moves to larger members, so
+    each member's tokens are one contiguous span and dict order is generation order)."""
+    import math
+
+    out, start = [], 0
+    for member, n in tokens_by_member.items():
+        out.append((member, [math.exp(lp) for lp in logprobs[start:start + n]]))
+        start += n
+    return out
+
+
+def write_library(records: Iterable[Any], path: str | Path, family: str, note: str) -> dict[str, int]:
+    """Writes the confidences of bench RequestRecords (those with output_logprobs). Returns sequences per member."""
+    members: dict[str, list[list[float]]] = {}
+    by_request: dict[str, int] = {}
+    for r in records:
+        if not r.ok or not getattr(r, "output_logprobs", None) or len(r.output_logprobs) != r.output_tokens:
+            continue
+        for member, values in spans_of(r.output_logprobs, r.tokens_by_member or {r.member: r.output_tokens}):
+            if not values:
+                continue
+            key = f"{request_key(r.session_id, r.turn_index)}|{member}"
+            if key not in by_request:
+                by_request[key] = len(members.setdefault(member, []))
+                members[member].append([round(v, 5) for v in values])
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"format": CONFIDENCE_FORMAT, "family": family, "source": note,
+                                      "members": members, "by_request": by_request}))
+    return {m: len(v) for m, v in members.items()}
+
+
+@dataclass(slots=True)
+class ConfidenceLibrary:
+    family: str
+    source: str
+    members: dict[str, list[list[float]]]          # recorded member -> sequences
+    by_request: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+    _mapping: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | Path = DEFAULT_LIBRARY, seed: int = 0) -> "ConfidenceLibrary":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfidenceFileError(f"confidences file {path}: cannot read it as JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != CONFIDENCE_FORMAT:
+            raise ConfidenceFileError(f"confidences file {path}: not an {CONFIDENCE_FORMAT} file")
+        members = {m: [list(map(float, s)) for s in seqs if s] for m, seqs in data.get("members", {}).items()}
+        members = {m: s for m, s in members.items() if s}
+        if not members:
+            raise ConfidenceFileError(f"confidences file {path}: no recorded sequence")
+        return cls(family=str(data.get("family")), source=str(data.get("source", "")), members=members,
+                   by_request=dict(data.get("by_request", {})), seed=seed)
+
+    def map_members(self, simulated: Sequence[str], recorded_order: Sequence[str]) -> dict[str, str]:
+        """Simulated member i of n -> the recorded member at the same relative size (recorded_order small to large,
+        limited to members that have sequences; a tie goes to the larger)."""
+        have = [m for m in recorded_order if m in self.members] or sorted(self.members)
+        n, k = len(simulated), len(have)
+        self._mapping = {name: have[int(i * (k - 1) / (n - 1) + 0.5) if n > 1 else k - 1]
+                         for i, name in enumerate(simulated)}
+        return dict(self._mapping)
+
+    def value(self, key: str, member: str, position: int) -> float:
+        recorded = self._mapping.get(member, member)
+        sequences = self.members.get(recorded)
+        if sequences is None:
+            raise ConfidenceFileError(f"no recorded confidences for member {member!r} (recorded: {', '.join(self.members)})")
+        index = self.by_request.get(f"{key}|{recorded}")
+        if index is None or index >= len(sequences):
+            index = zlib.crc32(f"{self.seed}|{key}|{recorded}".encode()) % len(sequences)
+        seq = sequences[index]
+        return seq[position % len(seq)]
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.family, "source": self.source,
+                "sequences_by_member": {m: len(s) for m, s in self.members.items()},
+                "member_mapping": dict(self._mapping),
+                "assumption": ("per-token top-1 probabilities replayed from the real tiny family's replies: the "
+                               "request's own recorded sequence on that member when recorded, else a recorded "
+                               "sequence of the mapped member chosen by hash(seed, request, member); the same "
+                               "request, member and position get the same value in every system. For a family "
+                               "other than the recorded one this assumes its members are as (un)sure as the tiny "
+                               "members of the same rank.")}

@@ -1,0 +1,192 @@
+"""The cost-model interface: what a step's shape costs in seconds. Everything the simulator knows about speed
+comes through here, so a fake cost model gives exactly predictable timelines (tests) and a step table gives
+measured ones (the local engine on this machine, or aiconfigurator's TensorRT-LLM database for a GPU).
+
+A step runs one batch per member (the core's StepPlan); how member batches combine is the placement's business
+(members on one device run one after the other; members on their own devices run side by side).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from eval.simulate.step_table import StepTable
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.types import MemberBatch, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """One member's share of a step, as a cost model sees it."""
+
+    member: str
+    decode_contexts: tuple[int, ...]                 # per decoding request: tokens attended (its position)
+    prefills: tuple[tuple[int, int], ...]            # per prefill chunk: (new tokens, tokens before it)
+    layer_fraction: float = 1.0                      # share of the member's layers computed (nested handover)
+    own_forward: bool = True                         # False: rows join a larger nested member's forward (merged)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_contexts) + sum(n for n, _ in self.prefills)
+
+
+def plan_shapes(plan: StepPlan, family: FamilySpec) -> list[BatchShape]:
+    """Shapes of a plan's member batches. As the local engine merges them (engines/local/executor.py), a batch
+    whose member nests in a larger member of the same plan (its layers are that member's lower layers) rides in
+    that member's forward; only the outermost batch of such a group pays a forward of its own."""
+    present = [b.member for b in plan.batches if b.chunks]
+    shapes = []
+    for batch in plan.batches:
+        if not batch.chunks:
+            continue
+        spec = family.member(batch.member)
+        nested = any(family.member(other).index > spec.index and family.shared_depth(batch.member, other) == spec.num_layers
+                     for other in present)
+        shapes.append(batch_shape(batch, spec.num_layers, own_forward=not nested))
+    return shapes
+
+
+def batch_shape(batch: MemberBatch, num_layers: int, own_forward: bool = True) -> BatchShape:
+    """The shape of a core MemberBatch: a one-token chunk that samples is a decode, anything else a prefill."""
+    decodes: list[int] = []
+    prefills: list[tuple[int, int]] = []
+    layers_computed = 0
+    for chunk in batch.chunks:
+        n = len(chunk.token_ids)
+        if n == 1 and chunk.sample and chunk.start_pos > 0:
+            decodes.append(chunk.start_pos)
+        else:
+            prefills.append((n, chunk.start_pos))
+        layers_computed += (num_layers - chunk.start_layer) * n
+    total = sum(len(c.token_ids) for c in batch.chunks)
+    fraction = layers_computed / (num_layers * total) if total else 1.0
+    return BatchShape(batch.member, tuple(decodes), tuple(prefills), fraction, own_forward)
+
+
+class CostModel(Protocol):
+    """Seconds for a member batch, the serving loop's fixed cost per step, and tier copies."""
+
+    name: str
+
+    def batch_s(self, shape: BatchShape) -> float: ...
+
+    def step_overhead_s(self) -> float: ...
+
+    def copy_s(self, num_bytes: int) -> float: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class TableCostModel:
+    """Costs read from an `mfs-step-table/1` (see step_table.py).
+
+    A batch's decodes cost D = decode_ms(batch size, mean context); its prefill chunks cost
+    P = prefill_ms(total new tokens, mean tokens before them); both in one step cost
+    max(P, D) + mix_overlap * min(P, D). Chunks resuming at a layer > 0 (nested handover) scale by the
+    share of layers computed.
+    """
+
+    def __init__(self, table: StepTable, name: str = "table") -> None:
+        self.table = table
+        self.name = name
+
+    def batch_s(self, shape: BatchShape) -> float:
+        costs = self.table.member(shape.member)
+        decode_ms = prefill_ms = 0.0
+        if shape.decode_contexts:
+            n = len(shape.decode_contexts)
+            decode_ms = costs.decode_ms(n, sum(shape.decode_contexts) / n)
+        if shape.prefills:
+            tokens = sum(n for n, _ in shape.prefills)
+            prefix = sum(p for _, p in shape.prefills) / len(shape.prefills)
+            prefill_ms = costs.prefill_ms(tokens, prefix)
+        total_ms = max(decode_ms, prefill_ms) + costs.mix_overlap * min(decode_ms, prefill_ms)
+        return total_ms * shape.layer_fraction / 1e3
+
+    def step_overhead_s(self) -> float:
+        return self.table.step_overhead_ms / 1e3
+
+    def copy_s(self, num_bytes: int) -> float:
+        return num_bytes / (self.table.copy_gb_s * 1e9)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.table.source, "gpu": self.table.gpu, "backend": self.table.backend,
+                "step_overhead_ms": self.table.step_overhead_ms, "copy_gb_s": self.table.copy_gb_s,
+                "members": {n: {"model": m.model, "tp": m.tp} for n, m in self.table.members.items()},
+                "notes": list(self.table.notes)}
+
+
+# ----------------------------------------------------------------------------- fitted linear model
+FIT_FORMAT = "mfs-step-fit/1"
+FEATURES = ("forward", "decodes", "decode_context_k", "prefill_tokens", "prefill_attention_m")
+
+
+def features(shape: BatchShape) -> tuple[float, ...]:
+    """Per member batch: 1 when it runs its own forward (0 when merged into a larger member's), decode rows, their summed context (thousands of tokens), prefill tokens,
+    prefill attention work (new tokens x tokens attended, millions)."""
+    return (1.0 if shape.own_forward else 0.0, float(len(shape.decode_contexts)), sum(shape.decode_contexts) / 1e3,
+            float(sum(n for n, _ in shape.prefills)), sum(n * (p + n / 2) for n, p in shape.prefills) / 1e6)
+
+
+class LinearCostModel:
+    """batch_s = layer_fraction * sum_k coef[member][k] * features_k (seconds), fitted by least squares on step
+    durations observed in a real run (eval.simulate.validate); overhead = the run's mean gap between steps."""
+
+    def __init__(self, coefficients: dict[str, tuple[float, ...]], overhead_s: float, source: str,
+                 copy_gb_s: float = 5.0, name: str = "measured") -> None:
+        self.coefficients = {m: tuple(c) for m, c in coefficients.items()}
+        self.overhead_s = overhead_s
+        self.source = source
+        self.copy_gb_s = copy_gb_s
+        self.name = name
+
+    def batch_s(self, shape: BatchShape) -> float:
+        coef = self.coefficients[shape.member]
+        return max(0.0, sum(c * f for c, f in zip(coef, features(shape)))) * shape.layer_fraction
+
+    def step_overhead_s(self) -> float:
+        return self.overhead_s
+
+    def copy_s(self, num_bytes: int) -> float:
+        return num_bytes / (self.copy_gb_s * 1e9)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "gpu": None, "backend": "local",
+                "step_overhead_ms": self.overhead_s * 1e3, "features": list(FEATURES),
+                "coefficients_s": {m: list(c) for m, c in self.coefficients.items()}}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FIT_FORMAT, **self.describe(), "copy_gb_s": self.copy_gb_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LinearCostModel":
+        return cls({m: tuple(c) for m, c in data["coefficients_s"].items()}, data["step_overhead_ms"] / 1e3,
+                   data["source"], data.get("copy_gb_s", 5.0))
+
+
+def fit_linear(observations: list[tuple[list[BatchShape], float]], members: list[str]) -> dict[str, tuple[float, ...]]:
+    """Least squares of step seconds on per-member features (a step's time = the sum of its member batches);
+    coefficients forced non-negative by dropping negative ones and refitting (a cost cannot be negative)."""
+    import numpy as np
+
+    width = len(FEATURES)
+    columns = {(m, k) for m in members for k in range(width)}
+    while True:
+        order = sorted(columns)
+        index = {c: i for i, c in enumerate(order)}
+        x = np.zeros((len(observations), len(order)))
+        y = np.array([seconds for _, seconds in observations])
+        for row, (shapes, _) in enumerate(observations):
+            for shape in shapes:
+                for k, value in enumerate(features(shape)):
+                    if (shape.member, k) in index:
+                        x[row, index[(shape.member, k)]] += value * shape.layer_fraction
+        used = x.any(axis=0)
+        solution = np.zeros(len(order))
+        if used.any():
+            solution[used] = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
+        negative = {order[i] for i in range(len(order)) if solution[i] < 0}
+        if not negative:
+            break
+        columns -= negative
+    return {m: tuple(float(solution[index[(m, k)]]) if (m, k) in index else 0.0 for k in range(width)) for m in members}

@@ -1,0 +1,138 @@
+"""Replays a bench trace through simulated nodes in virtual time and returns what `mfs bench` measures.
+
+The session logic is the bench's (eval/driver.py): sessions start at their arrival times; each turn is sent when
+the previous one finished plus its think time, its prompt built by eval.workloads.next_prompt (closed history:
+the reply this system generated goes back); every request is greedy with ignore_eos and max_tokens = the
+trace's reply length; a refused request is recorded and, with closed history, ends its session. Records are the
+bench's RequestRecords filled by the bench's own record_output, so eval.metrics_calc.summarize gives the same
+metrics block.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from eval.metrics_calc import RequestRecord
+from eval.simulate.clock import EventQueue, VirtualClock
+from eval.simulate.confidence import request_key
+from eval.simulate.fleet import FrontRouter
+from eval.simulate.node import SimNode
+from eval.driver import record_output
+from eval.workloads import Trace, next_prompt
+from orchestrator.core.errors import MFSError
+from orchestrator.core.types import Request, RequestId, RequestOutput, SamplingParams
+
+STATS_INTERVAL_S = 0.5          # the bench samples the stats snapshot every 0.5 s
+
+
+@dataclass(slots=True)
+class SimRun:
+    records: list[RequestRecord]
+    samples: list[dict]
+    counters: dict
+    duration_s: float
+    num_steps: int
+    busy_s: float
+    num_events: int
+    wall_s: float
+    router_decisions: dict[str, int] = field(default_factory=dict)
+
+
+NodeFactory = Callable[[VirtualClock, EventQueue, Callable[[RequestOutput, float], None]], list[SimNode]]
+
+
+def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float = STATS_INTERVAL_S) -> SimRun:
+    started = time.perf_counter()
+    clock = VirtualClock()
+    events = EventQueue(clock)
+    records: list[RequestRecord] = []
+    pending: dict[str, tuple[RequestRecord, int, int]] = {}      # request id -> (record, session index, turn)
+    samples: list[dict] = []
+    remaining = [len(trace.sessions)]
+
+    def on_output(out: RequestOutput, now: float) -> None:
+        entry = pending.get(out.request_id)
+        if entry is None:
+            return
+        record, index, k = entry
+        record_output(record, out, now)
+        if out.finished:
+            record.output_tokens = len(record.output_token_ids)
+            del pending[out.request_id]
+            next_turn(index, k, now)
+
+    nodes = make_nodes(clock, events, on_output)
+    router = FrontRouter(len(nodes))
+    history = trace.spec.history
+    previous: dict[int, RequestRecord] = {}           # session index -> its last turn's record
+
+    def next_turn(index: int, k: int, now: float) -> None:
+        turns = trace.sessions[index].turns
+        if k + 1 < len(turns):
+            events.push(now + turns[k + 1].think_time_s, lambda: send(index, k + 1))
+        else:
+            remaining[0] -= 1
+
+    def send(index: int, k: int) -> None:
+        session = trace.sessions[index]
+        turn = session.turns[k]
+        now = clock()
+        last = previous.get(index)
+        prompt = next_prompt(turn, last.prompt_token_ids if last else None, last.output_token_ids if last else None,
+                             history)
+        record = RequestRecord(session_id=session.session_id, turn_index=k, send_s=now, first_token_s=None,
+                               finish_s=None, prompt_tokens=len(prompt), cached_tokens=0, output_tokens=0,
+                               prompt_token_ids=prompt)
+        records.append(record)
+        previous[index] = record
+        if last is not None and history == "closed" and not last.ok:
+            record.error = f"session ended: turn {k - 1} failed"      # as the bench's chat client does
+            remaining[0] -= 1
+            return
+        request = Request(request_id=RequestId(f"{tag}-{session.session_id}-t{k}"), prompt_token_ids=list(prompt),
+                          sampling=SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True),
+                          arrival_s=now, session_id=session.session_id)
+        node = nodes[router.route(session.session_id, request.prompt_token_ids, [n.num_in_flight for n in nodes])]
+        node.executor.request_keys[request.request_id] = request_key(session.session_id, k)
+        pending[request.request_id] = (record, index, k)
+        try:
+            node.submit(request)
+        except MFSError as exc:          # refused (invalid for the pool, queue full): recorded
+            record.error = f"{type(exc).__name__}: {exc}"
+            del pending[request.request_id]
+            node.executor.request_keys.pop(request.request_id, None)
+            next_turn(index, k, now)
+
+    def sample() -> None:
+        samples.append({"t_s": clock(), "stats": {"pages": _sum_pages([n.scheduler.snapshot(clock())["pages"]
+                                                                      for n in nodes])}})
+        if remaining[0] > 0 or pending:
+            events.push(clock() + stats_interval_s, sample)
+
+    for index, arrival_s in enumerate(trace.arrival_times_s):
+        events.push(arrival_s, lambda index=index: send(index, 0))
+    events.push(0.0, sample)
+    events.run()
+    duration = max((r.finish_s for r in records if r.finish_s is not None), default=0.0)
+    counters = _sum_counters([n.stats().get("counters", {}) for n in nodes])
+    return SimRun(records=records, samples=samples, counters=counters, duration_s=duration,
+                  num_steps=sum(n.executor.num_steps for n in nodes), busy_s=sum(n.executor.busy_s for n in nodes),
+                  num_events=events.num_events, wall_s=time.perf_counter() - started,
+                  router_decisions=dict(router.decisions))
+
+
+def _sum_counters(items: list[Any]) -> Any:
+    """Element-wise sum of nested counter dicts (the fleet's counters are its nodes' together)."""
+    first = items[0]
+    if isinstance(first, dict):
+        keys = list(dict.fromkeys(k for item in items for k in item))
+        return {k: _sum_counters([item[k] for item in items if k in item]) for k in keys}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(items)
+    return first
+
+
+def _sum_pages(pages: list[dict]) -> dict:
+    return pages[0] if len(pages) == 1 else _sum_counters(pages)

@@ -1,0 +1,86 @@
+"""SimExecutor: stands where the local engine stands (the StepExecutor protocol), computes nothing, and says how
+long the step would have taken.
+
+Durations: the cost model's fixed per-step overhead, plus the member batches (one after the other when the
+members share a device, side by side when each has its own), plus the tier copies made before the step.
+Tokens: a seeded stream, token = hash(request key, position), the same in every system. Confidences: the
+recorded library (confidence.py). Page contents are not simulated: read_page returns one shared block of
+page_bytes zeros, so the host tier's byte accounting is exact while holding no real memory per page.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from eval.simulate.confidence import ConfidenceLibrary
+from eval.simulate.cost_model import CostModel, plan_shapes
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan
+
+FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (pad, bos, eos)
+
+
+class SimExecutor:
+    def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, cost: CostModel,
+                 confidences: ConfidenceLibrary, vocab_size: int, members_in_parallel: bool = False,
+                 request_keys: dict[str, str] | None = None) -> None:
+        self.family = family
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.cost = cost
+        self.confidences = confidences
+        self.vocab_size = vocab_size
+        self.members_in_parallel = members_in_parallel
+        self.request_keys = request_keys if request_keys is not None else {}
+        self._zero_page = bytes(page_bytes)
+        self._copy_bytes = 0
+        self.last_step_s = 0.0
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    def key_of(self, request_id: str) -> str:
+        return self.request_keys.get(request_id, request_id)
+
+    def token_id(self, key: str, position: int) -> int:
+        return FIRST_TOKEN_ID + zlib.crc32(f"{key}:{position}".encode()) % (self.vocab_size - FIRST_TOKEN_ID)
+
+    def step_s(self, plan: StepPlan) -> float:
+        """What the plan costs (also the tier copies made since the last step)."""
+        costs = [self.cost.batch_s(shape) for shape in plan_shapes(plan, self.family)]
+        compute = (max(costs) if self.members_in_parallel else sum(costs)) if costs else 0.0
+        return self.cost.step_overhead_s() + compute + self.cost.copy_s(self._copy_bytes)
+
+    def execute(self, plan: StepPlan) -> list[SampledToken]:
+        self.release(plan.released_requests)
+        self.last_step_s = self.step_s(plan)
+        self._copy_bytes = 0
+        self.num_steps += 1
+        self.busy_s += self.last_step_s
+        out = []
+        for batch in plan.batches:
+            for chunk in batch.chunks:
+                if not chunk.sample:
+                    continue
+                key = self.key_of(chunk.request_id)
+                position = chunk.num_generated
+                p = self.confidences.value(key, batch.member, position)
+                out.append(SampledToken(request_id=chunk.request_id, token_id=self.token_id(key, position),
+                                        logprob=_log(p), top1_prob=p))
+        return out
+
+    def read_page(self, page: PageId) -> bytes:
+        self._copy_bytes += self.page_bytes
+        return self._zero_page
+
+    def write_page(self, page: PageId, data: bytes) -> None:
+        self._copy_bytes += len(data)
+
+    def release(self, request_ids: Sequence[RequestId]) -> None:
+        for request_id in request_ids:
+            self.request_keys.pop(request_id, None)
+
+
+def _log(p: float) -> float:
+    import math
+
+    return math.log(p) if p > 0 else -1e9

@@ -1,0 +1,107 @@
+"""Families to simulate: the shipped tiny family as it is, or a paper-scale family described by its members' HF
+configs (from aiconfigurator's model_configs, carried in the step table), and how GPU memory becomes KV pages.
+
+A paper-scale member is a MemberSpec built from its HF config: its real layer count and KV shape (so pages and
+tokens per block follow the real model), lineages of its own (the members are separately trained models: no
+page is shared between them), and the shipped tiny tokenizer (no other tokenizer is on disk and none may be
+downloaded; token counts of ShareGPT text under it are what the trace holds, see TOKENIZER_NOTE).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.core.family import FamilySpec, MemberSpec, load_family
+from orchestrator.core.types import MemberName
+
+# name -> members (simulated name, HF model id), small to large
+PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen3": (("qwen3-0.6b", "Qwen/Qwen3-0.6B"), ("qwen3-1.7b", "Qwen/Qwen3-1.7B"), ("qwen3-8b", "Qwen/Qwen3-8B")),
+    "qwen3-large": (("qwen3-1.7b", "Qwen/Qwen3-1.7B"), ("qwen3-8b", "Qwen/Qwen3-8B"), ("qwen3-32b", "Qwen/Qwen3-32B")),
+    "llama3.1": (("llama3.1-8b", "meta-llama/Meta-Llama-3.1-8B"), ("llama3.1-70b", "meta-llama/Meta-Llama-3.1-70B")),
+}
+KV_DTYPE_BYTES = 2                  # bf16 KV cache (TensorRT-LLM's default for bf16 models)
+WEIGHT_DTYPE_BYTES = 2              # bf16 weights
+DEFAULT_BLOCK_TOKENS = 32           # TensorRT-LLM KvCacheConfig.tokens_per_block default
+FREE_GPU_MEMORY_FRACTION = 0.9      # TensorRT-LLM KvCacheConfig.free_gpu_memory_fraction default
+WEIGHT_FIT_FRACTION = 0.8           # a member whose weights exceed this share of its GPUs gets more GPUs (TP)
+TOKENIZER_NOTE = ("token counts come from the shipped tiny family's tokenizer (a 4096-token BPE trained on "
+                  "ShareGPT); no tokenizer of the simulated family is on disk. Its vocabulary is ~37x smaller "
+                  "than Qwen3's (151,936) or Llama 3.1's (128,256), so the same text is likely MORE tokens here "
+                  "(roughly 1.2-1.5x): prompts, replies and KV footprints are biased long, step costs slightly high.")
+
+
+def weight_bytes(hf: dict[str, Any]) -> int:
+    """bf16 weight bytes of a dense decoder from its HF config (embeddings, attention, MLP, norms)."""
+    hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hidden // heads
+    embed = hf["vocab_size"] * hidden * (1 if hf.get("tie_word_embeddings") else 2)
+    attention = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2
+    mlp = 3 * hidden * hf["intermediate_size"]
+    return (embed + layers * (attention + mlp + 2 * hidden) + hidden) * WEIGHT_DTYPE_BYTES
+
+
+def kv_bytes_per_token_per_layer(hf: dict[str, Any]) -> int:
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return 2 * (hf.get("num_key_value_heads") or heads) * head_dim * KV_DTYPE_BYTES
+
+
+def page_bytes_for(hf_configs: list[dict[str, Any]], block_tokens: int) -> int:
+    """One page = one layer's K and V for block_tokens tokens of the widest member (narrower members fit more)."""
+    return block_tokens * max(kv_bytes_per_token_per_layer(hf) for hf in hf_configs)
+
+
+def tensor_parallel(weights: int, gpu_memory_bytes: int) -> int:
+    """GPUs a member needs (a power of two) so its weights take at most WEIGHT_FIT_FRACTION of their memory."""
+    tp = 1
+    while weights / tp > WEIGHT_FIT_FRACTION * gpu_memory_bytes:
+        tp *= 2
+    return tp
+
+
+def paper_family(name: str, members: list[tuple[str, dict[str, Any]]]) -> FamilySpec:
+    """FamilySpec for (member name, HF config) pairs, small to large, with the shipped tokenizer."""
+    tiny = load_family("tiny")
+    tokenizer_member = tiny.members[0]
+    specs = []
+    for index, (member, hf) in enumerate(members):
+        heads = hf["num_attention_heads"]
+        layers = hf["num_hidden_layers"]
+        lineages = tuple(hashlib.blake2b(f"{member}|layer{l}".encode(), digest_size=16).hexdigest()
+                         for l in range(layers))
+        specs.append(MemberSpec(
+            name=MemberName(member), index=index, checkpoint_dir=tokenizer_member.checkpoint_dir,
+            architecture="llama", num_layers=layers, hidden_size=hf["hidden_size"], num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab_size=tokenizer_member.vocab_size, context_tokens=int(hf.get("max_position_embeddings", 32768)),
+            layer_lineages=lineages, tokenizer_hash=tokenizer_member.tokenizer_hash,
+            eos_token_ids=tokenizer_member.eos_token_ids))
+    return FamilySpec(name=name, members=tuple(specs))
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """How one device group's memory becomes pages (all figures in bytes)."""
+
+    gpus: int
+    memory_bytes: int
+    weight_bytes: int
+    free_fraction: float
+    page_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return max(0, int((self.memory_bytes - self.weight_bytes) * self.free_fraction))
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_bytes // self.page_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "memory_gib": round(self.memory_bytes / 2**30, 2),
+                "weights_gib": round(self.weight_bytes / 2**30, 2), "free_fraction": self.free_fraction,
+                "kv_gib": round(self.kv_bytes / 2**30, 2), "page_bytes": self.page_bytes, "num_pages": self.num_pages}

@@ -1,0 +1,110 @@
+"""Placements (where the members run) and the front router of a fleet.
+
+colocated    every member on one device (one GPU, or this machine): one arena chopped between the members, one
+             step runs the member batches one after the other (separate deployments time-share the device, as
+             separate processes do; MFS runs them in one loop).
+per-member   each member on its own GPUs (tensor parallel when its weights need more than one): each member's
+             pages live on its own GPUs, so both systems get a fixed per-member slice sized by that memory; the
+             member batches of a step run side by side and the step lasts as long as the slowest (lock-step:
+             the core plans one step for all members).
+fleet:N      N identical nodes, each holding the family as `--node-placement` says, behind a front router.
+
+The front router is modelled on what is deployed today (sglang-router's cache_aware policy, Dynamo's KV
+router): a session sticks to its node while that node is not overloaded; otherwise the node whose routed
+prompts share the longest prefix with this one wins when the match covers at least CACHE_THRESHOLD of the
+prompt and the nodes are balanced; otherwise the least loaded node. Load = requests in flight on the node.
+"""
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+# sglang-router defaults: --cache-threshold 0.5, --balance-abs-threshold 32, --balance-rel-threshold 1.5 (1.0001
+# in newer releases; 1.5 keeps more affinity)
+CACHE_THRESHOLD = 0.5
+BALANCE_ABS_THRESHOLD = 32
+BALANCE_REL_THRESHOLD = 1.5
+ROUTER_BLOCK_TOKENS = 64            # the router's prefix granularity (it does not know the nodes' block sizes)
+ROUTER_BLOCKS_PER_NODE = 200_000    # bounded approximate tree per node (LRU), like the router's max tree size
+
+
+class PlacementError(ValueError):
+    """A placement that cannot hold the family (memory) or a malformed --placement."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    kind: str                       # colocated | per-member
+    num_nodes: int = 1              # > 1: a fleet of nodes of `kind`
+
+    @property
+    def label(self) -> str:
+        return f"fleet:{self.num_nodes}" if self.num_nodes > 1 else self.kind
+
+
+def parse_placement(text: str, node_placement: str = "colocated") -> Placement:
+    if text in ("colocated", "per-member"):
+        return Placement(text)
+    if text.startswith("fleet:"):
+        try:
+            n = int(text.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise PlacementError(f"--placement {text!r}: fleet:N needs a positive node count")
+        if node_placement not in ("colocated", "per-member"):
+            raise PlacementError(f"--node-placement {node_placement!r}: expected colocated or per-member")
+        return Placement(node_placement, n)
+    raise PlacementError(f"--placement {text!r}: expected colocated, per-member or fleet:N")
+
+
+class FrontRouter:
+    """Session affinity, then approximate prefix affinity under a balance check, then least load."""
+
+    def __init__(self, num_nodes: int) -> None:
+        self.num_nodes = num_nodes
+        self._sessions: dict[str, int] = {}
+        self._trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_nodes)]
+        self.decisions = {"session": 0, "prefix": 0, "load": 0}
+
+    @staticmethod
+    def prefix_keys(token_ids: list[int]) -> list[int]:
+        keys, parent = [], 0
+        for start in range(0, len(token_ids) - ROUTER_BLOCK_TOKENS + 1, ROUTER_BLOCK_TOKENS):
+            parent = zlib.crc32(repr(token_ids[start:start + ROUTER_BLOCK_TOKENS]).encode(), parent)
+            keys.append(parent)
+        return keys
+
+    def route(self, session_id: str | None, token_ids: list[int], loads: list[int]) -> int:
+        if self.num_nodes == 1:
+            return 0
+        low, high = min(loads), max(loads)
+        balanced = not (high - low > BALANCE_ABS_THRESHOLD and high > BALANCE_REL_THRESHOLD * max(low, 1))
+        keys = self.prefix_keys(token_ids)
+        node = self._sessions.get(session_id) if session_id else None
+        reason = "session"
+        if node is None or (not balanced and loads[node] == high):
+            node, reason = None, "load"
+            if balanced and keys:
+                best, best_len = 0, -1
+                for i, tree in enumerate(self._trees):
+                    n = 0
+                    while n < len(keys) and keys[n] in tree:
+                        n += 1
+                    if n > best_len or (n == best_len and loads[i] < loads[best]):
+                        best, best_len = i, n
+                if best_len / len(keys) >= CACHE_THRESHOLD:
+                    node, reason = best, "prefix"
+            if node is None:
+                node = min(range(self.num_nodes), key=lambda i: (loads[i], i))
+        self.decisions[reason] += 1
+        if session_id:
+            self._sessions[session_id] = node
+        tree = self._trees[node]
+        for key in keys:
+            tree[key] = None
+            tree.move_to_end(key)
+        while len(tree) > ROUTER_BLOCKS_PER_NODE:
+            tree.popitem(last=False)
+        return node

@@ -1,0 +1,142 @@
+"""Builds a step table by timing the local engine on this machine (`--cost-model measured`).
+
+For each member: decode steps of `batch` requests at `context` tokens and prefill chunks of `tokens` after
+`prefix` cached tokens, each a real LocalExecutor.execute() on a StepPlan built here (page contents do not
+change the time: the pages are whatever the arena holds), the median of REPEATS runs after one warm-up. Then a
+short real LocalServing run (pinned requests streamed through the engine thread and asyncio, as the bench
+drives it) gives the serving loop's cost between back-to-back steps (step_overhead_ms), measured the way
+eval.step_profile measures it.
+
+    python -m eval.simulate.measure --out eval/simulate/tables/tiny_measured.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import time
+from typing import Any
+
+from eval.simulate.step_table import Grid2D, MemberCosts, StepTable, save_table
+
+DECODE_BATCH = (1, 2, 4, 8, 16, 32)
+DECODE_CONTEXT = (16, 128, 256, 512, 1000)
+PREFILL_TOKENS = (16, 64, 128, 256, 512)
+PREFIX = (0, 128, 256, 480)
+MIX_POINTS = ((64, 4, 256), (128, 8, 256), (256, 4, 512))
+REPEATS = 3
+ARENA_PAGES = 4096
+
+
+def _plan(member, tokens_per_block: int, chunks: list[tuple[int, int, bool]], num_pages: int):
+    """StepPlan of one member batch; chunks = (start position, new tokens, sample). Pages cycle through the arena."""
+    from orchestrator.core.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
+
+    out, next_page = [], 0
+    for i, (start, n, sample) in enumerate(chunks):
+        blocks = -(-(start + n) // tokens_per_block)
+        tables = []
+        for _ in range(member.num_layers):
+            tables.append([PageId((next_page + b) % num_pages) for b in range(blocks)])
+            next_page = (next_page + blocks) % num_pages
+        out.append(SeqChunk(request_id=RequestId(f"p{i}"), token_ids=[5] * n, start_pos=start, block_tables=tables,
+                            sample=sample, sampling=SamplingParams(max_tokens=1)))
+    return StepPlan(batches=[MemberBatch(member.name, out)])
+
+
+def _time(executor, plan) -> float:
+    executor.execute(plan)                     # warm-up: allocations, caches
+    runs = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        executor.execute(plan)
+        runs.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(runs)
+
+
+def profile_members(family, config) -> dict[str, MemberCosts]:
+    from engines.local.executor import LocalExecutor
+    from orchestrator.core.family import dtype_bytes
+    from orchestrator.serve.serving import engine_threads
+
+    page_bytes = config.pool.page_bytes
+    executor = LocalExecutor(family, num_pages=ARENA_PAGES, page_bytes=page_bytes, dtype=config.engine.dtype,
+                             device="cpu", num_threads=engine_threads(config.engine.num_threads))
+    size = dtype_bytes(config.engine.dtype)
+    members = {}
+    for member in family.members:
+        tpb = member.tokens_per_block(page_bytes, size)
+        decode = [[_time(executor, _plan(member, tpb, [(c, 1, True)] * b, ARENA_PAGES)) for c in DECODE_CONTEXT]
+                  for b in DECODE_BATCH]
+        prefill = [[_time(executor, _plan(member, tpb, [(p, t, True)], ARENA_PAGES)) for p in PREFIX]
+                   for t in PREFILL_TOKENS]
+        overlaps = []
+        for tokens, batch, context in MIX_POINTS:
+            mixed = _time(executor, _plan(member, tpb, [(0, tokens, True)] + [(context, 1, True)] * batch, ARENA_PAGES))
+            p = _time(executor, _plan(member, tpb, [(0, tokens, True)], ARENA_PAGES))
+            d = _time(executor, _plan(member, tpb, [(context, 1, True)] * batch, ARENA_PAGES))
+            overlaps.append(max(0.0, (mixed - max(p, d)) / min(p, d)))
+        members[member.name] = MemberCosts(
+            decode_ms=Grid2D(DECODE_BATCH, DECODE_CONTEXT, tuple(map(tuple, decode))),
+            prefill_ms=Grid2D(PREFILL_TOKENS, PREFIX, tuple(map(tuple, prefill))),
+            mix_overlap=statistics.median(overlaps), model=str(member.checkpoint_dir.name))
+    return members
+
+
+async def _serving_gaps(config, num_requests: int = 4, tokens: int = 48) -> float:
+    """Mean gap (ms) between back-to-back execute() calls of a real LocalServing streaming pinned requests."""
+    from eval.bench import pinned_request
+    from eval.step_profile import BACK_TO_BACK_S, timed
+    from orchestrator.serve.serving import LocalServing
+
+    engine = LocalServing(config)
+    await engine.start()
+    timings: list = []
+    try:
+        engine._executor.execute = timed(engine._executor.execute, timings)
+        members = engine.family.member_names
+
+        async def one(i: int) -> None:
+            async for _ in engine.generate(pinned_request(f"gap-{i}", members[i % len(members)], tokens)):
+                pass
+        await asyncio.gather(*(one(i) for i in range(num_requests)))
+    finally:
+        await engine.stop()
+    gaps = [b.start_s - (a.start_s + a.seconds) for a, b in zip(timings, timings[1:])]
+    between = [g for g in gaps if 0 <= g < BACK_TO_BACK_S]
+    return statistics.mean(between) * 1e3 if between else 0.0
+
+
+def measure_table(family_name: str = "tiny", overrides: dict[str, Any] | None = None) -> StepTable:
+    from orchestrator.core.config import load_config
+    from orchestrator.core.family import load_family
+
+    config = load_config(overrides={"family": family_name, "engine.device": "cpu", **(overrides or {})})
+    family = load_family(family_name)
+    started = time.perf_counter()
+    members = profile_members(family, config)
+    overhead_ms = asyncio.run(_serving_gaps(config))
+    return StepTable(source=f"measured: local engine, {family.name} family, {config.engine.dtype}, {platform.machine()} "
+                            f"CPU, {time.strftime('%Y-%m-%d')}", members=members, gpu=None, backend="local",
+                     step_overhead_ms=round(overhead_ms, 3), copy_gb_s=5.0,
+                     notes=[f"profiled in {time.perf_counter() - started:.0f} s; median of {REPEATS} runs per point",
+                            "step_overhead_ms: mean gap between back-to-back steps of a real LocalServing run (the "
+                            "serving loop outside execute(): scheduling, tier copies, streaming, the GIL)",
+                            "copy_gb_s 5: host-memory copy of one page (assumed)"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.simulate.measure", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="tiny")
+    parser.add_argument("--out", default="eval/simulate/tables/tiny_measured.json")
+    args = parser.parse_args(argv)
+    table = measure_table(args.family)
+    save_table(table, args.out)
+    print(f"wrote {args.out}: step overhead {table.step_overhead_ms:.2f} ms; decode batch 1 @128: " + ", ".join(
+        f"{n} {m.decode_ms(1, 128):.2f} ms" for n, m in table.members.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""What a simulation runs on: the family, its cost model, the memory each device gives the KV arena, and each
+system's config (the bench's own system definitions, eval.systems, plus the settings a GPU deployment needs).
+
+Paper-scale families take their member configs and step costs from an aiconfigurator step table; the table is
+built once per (family, GPU, backend, tensor-parallel sizes) and kept in eval/simulate/tables/ (so a run needs
+aiconfigurator only when no table exists yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
+from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, PRESETS, DeviceMemory,
+                                    page_bytes_for, paper_family, tensor_parallel, weight_bytes)
+from eval.simulate.fleet import Placement, PlacementError
+from eval.simulate.step_table import StepTable, load_table, save_table
+from orchestrator.core.family import FamilySpec, load_family
+
+TABLES_DIR = Path(__file__).resolve().parent / "tables"
+MEASURED_TABLE = TABLES_DIR / "tiny_measured.json"
+# A GPU deployment's scheduler: TensorRT-LLM's defaults are max_batch_size 2048 and max_num_tokens 8192; MFS's
+# defaults are sized for the 2-core CPU engine. These apply to paper-scale families (docs/CONFIG.md, simulate).
+GPU_SCHEDULER = {"scheduler.max_running_requests": 256, "scheduler.max_batch_tokens": 8192,
+                 "scheduler.prefill_chunk_tokens": 2048, "scheduler.max_queue": 4096, "engine.dtype": "bfloat16"}
+SOLO_DECODE_CONTEXT = 64        # the bench's decode probe: a 4-token prompt, up to 48 generated tokens
+
+
+@dataclass(slots=True)
+class SimSetup:
+    family_name: str
+    family: FamilySpec | None             # None: LocalServing loads it per system (the shipped tiny, as the bench)
+    member_names: list[str]
+    cost: CostModel
+    placement: Placement
+    num_pages: int                        # per node
+    page_bytes: int
+    split: dict[str, float] | None        # per-member placement: the physical split both systems get
+    overrides: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    gpu: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def members_in_parallel(self) -> bool:
+        return self.placement.kind == "per-member"
+
+    def solo_decode_step_s(self) -> dict[str, float]:
+        """What the bench's decode probe would measure: one request decoding alone at short context."""
+        return {m: self.cost.step_overhead_s() + self.cost.batch_s(BatchShape(m, (SOLO_DECODE_CONTEXT,), ()))
+                for m in self.member_names}
+
+
+def is_paper_family(name: str) -> bool:
+    return name in PRESETS
+
+
+def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pages: int) -> SimSetup:
+    """The shipped family (or a family directory) on the measured step table of this machine."""
+    if placement.kind != "colocated":
+        raise PlacementError("the measured cost model describes this machine's one local engine: use --placement "
+                             "colocated or fleet:N (nodes of this machine)")
+    path = Path(table_path) if table_path else MEASURED_TABLE
+    notes = []
+    if not path.is_file():
+        from eval.simulate.measure import measure_table
+
+        save_table(measure_table(family), path)
+        notes.append(f"step table measured now on this machine and saved to {path}")
+    table = load_table(path)
+    spec = load_family(family)
+    from orchestrator.core.config import load_config
+
+    page_bytes = load_config(overrides={"family": family}).pool.page_bytes
+    return SimSetup(family_name=spec.name, family=None, member_names=spec.member_names,
+                    cost=TableCostModel(table, "measured"), placement=placement, num_pages=kv_pages,
+                    page_bytes=page_bytes, split=None, notes=notes)
+
+
+def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table_path: str | None,
+                block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION) -> SimSetup:
+    from eval.simulate.aic_table import build_aic_table
+
+    preset = PRESETS[family]
+    notes: list[str] = []
+    if table_path:
+        table = load_table(table_path)
+    else:
+        # Configs (and GPU memory) first, from any table of this family and GPU, else a tp=1 build: TP depends on them.
+        probe = _cached_table(family, gpu, backend, None) or StepTable.from_dict(
+            build_aic_table([(n, m, 1) for n, m in preset], gpu, backend))
+        configs = {n: probe.member(n).hf_config for n, _ in preset}
+        tps = _tensor_parallel(configs, probe.gpu_memory_bytes, placement)
+        table = _cached_table(family, gpu, backend, tps)
+        if table is None:
+            table = StepTable.from_dict(build_aic_table([(n, m, tps[n]) for n, m in preset], gpu, backend))
+            save_table(table, _table_path(family, gpu, backend, tps))
+            notes.append(f"aiconfigurator step table built and saved to {_table_path(family, gpu, backend, tps)}")
+    configs = [(n, table.member(n).hf_config) for n, _ in preset]
+    spec = paper_family(family, configs)
+    page_bytes = page_bytes_for([c for _, c in configs], block_tokens)
+    gpu_mem = int(table.gpu_memory_bytes)
+    weights = {n: weight_bytes(c) for n, c in configs}
+    split = None
+    if placement.kind == "colocated":
+        gpus = table.member(preset[0][0]).tp
+        device = DeviceMemory(gpus, gpu_mem * gpus, sum(weights.values()), free_fraction, page_bytes)
+        if device.num_pages <= 0:
+            raise PlacementError(f"{family} does not fit on {gpus} x {gpu} ({device.to_dict()})")
+        memory = {"device": device.to_dict()}
+        num_pages = device.num_pages
+    else:
+        devices = {n: DeviceMemory(table.member(n).tp, gpu_mem * table.member(n).tp, weights[n], free_fraction,
+                                   page_bytes) for n, _ in preset}
+        memory = {n: d.to_dict() for n, d in devices.items()}
+        num_pages = sum(d.num_pages for d in devices.values())
+        split = {n: d.num_pages / num_pages for n, d in devices.items()}
+    overrides = {**GPU_SCHEDULER, "pool.page_bytes": page_bytes}
+    return SimSetup(family_name=family, family=spec, member_names=spec.member_names,
+                    cost=TableCostModel(table, "aiconfigurator"), placement=placement, num_pages=num_pages,
+                    page_bytes=page_bytes, split=split, overrides=overrides, gpu=gpu,
+                    memory={**memory, "block_tokens": block_tokens, "weights_gib": {n: round(w / 2**30, 2)
+                                                                                   for n, w in weights.items()}},
+                    notes=notes)
+
+
+def _tensor_parallel(configs: dict[str, dict], gpu_memory_bytes: int, placement: Placement) -> dict[str, int]:
+    if placement.kind == "colocated":     # every member sharded over the same GPUs
+        tp = tensor_parallel(sum(weight_bytes(c) for c in configs.values()), gpu_memory_bytes)
+        return {n: tp for n in configs}
+    return {n: tensor_parallel(weight_bytes(c), gpu_memory_bytes) for n, c in configs.items()}
+
+
+def _table_path(family: str, gpu: str, backend: str, tps: dict[str, int]) -> Path:
+    return TABLES_DIR / f"{family}_{gpu}_{backend}_tp{'-'.join(str(t) for t in tps.values())}.json"
+
+
+def _cached_table(family: str, gpu: str, backend: str, tps: dict[str, int] | None) -> StepTable | None:
+    if tps is not None:
+        path = _table_path(family, gpu, backend, tps)
+        return load_table(path) if path.is_file() else None
+    found = sorted(TABLES_DIR.glob(f"{family}_{gpu}_{backend}_tp*.json"))
+    return load_table(found[0]) if found else None

@@ -1,0 +1,171 @@
+"""Validation: the CPU bench's load curve run for real and in simulation on the same traces, and the errors.
+
+For each rate: one trace (the bench's), run by `mfs bench`'s own run_system for every system with the engine's
+execute() timed (shapes and seconds of every step, and the gaps between back-to-back steps), and the replies'
+per-token confidences recorded. Then a linear cost model is fitted to the observed steps of the OTHER rates
+(leave-one-rate-out: the simulated rate's own steps never set its costs; the in-sample fit is reported too), and
+the same trace is simulated with the bench's configs and the recorded confidences. Reported per system and
+rate: mean token latency, TTFT p50/p90, TPOT p50 and throughput, simulated / real - 1, and whether the systems
+are ordered the same way.
+
+    python -m eval.simulate.validate --quick --rates 0.5,1,2 --out validation.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from eval.bench import BenchSettings, config_for, prepare, run_system as run_real
+from eval.metrics_calc import percentile
+from eval.simulate.confidence import ConfidenceLibrary, write_library
+from eval.simulate.cost_model import LinearCostModel, fit_linear, plan_shapes
+from eval.simulate.fleet import Placement
+from eval.simulate.setup import SimSetup
+from eval.step_profile import BACK_TO_BACK_S
+
+METRICS = (("mean_token_latency_s", "mean token latency"), ("ttft_p50_s", "TTFT p50"), ("ttft_p90_s", "TTFT p90"),
+           ("tpot_p50_s", "TPOT p50"), ("throughput_tok_s", "throughput"))
+TARGET_ERROR = 0.15
+
+
+def _instrument(log: list):
+    """run_system's instrument hook: every execute() appended as (start, seconds, [BatchShape])."""
+    def attach(engine):
+        execute = engine._executor.execute
+
+        def timed(plan):
+            started = time.perf_counter()
+            out = execute(plan)
+            shapes = plan_shapes(plan, engine.family)
+            log.append((started, time.perf_counter() - started, shapes))
+            return out
+        engine._executor.execute = timed
+
+        def detach():
+            engine._executor.execute = execute
+        return detach
+    return attach
+
+
+def _with_p90(metrics: dict[str, Any]) -> dict[str, Any]:
+    ttft = [r["ttft_s"] for r in metrics["per_request"] if r["ttft_s"] is not None and r["error"] is None]
+    return {**metrics, "ttft_p90_s": percentile(ttft, 90)}
+
+
+def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
+    family, trace, split, notes = prepare(settings)
+    out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}}
+    records_all = []
+    for name in settings.systems:
+        log: list = []
+        records, metrics = asyncio.run(run_real(name, config_for(name, settings, split), trace, instrument=_instrument(log)))
+        records_all += records
+        out["systems"][name] = _with_p90(metrics)
+        gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
+        out["steps"][name] = {"observations": [(shapes, seconds) for _, seconds, shapes in log],
+                              "gaps_s": [g for g in gaps if 0 <= g < BACK_TO_BACK_S]}
+    write_library(records_all, conf_path, family.name, f"validation rate {settings.rate} seed {settings.seed}")
+    return out
+
+
+def fit(real: dict[float, dict], rates: list[float], members: list[str]) -> LinearCostModel:
+    observations, gaps = [], []
+    for rate in rates:
+        for steps in real[rate]["steps"].values():
+            observations += steps["observations"]
+            gaps += steps["gaps_s"]
+    coefficients = fit_linear(observations, members)
+    overhead = sum(gaps) / len(gaps) if gaps else 0.0
+    return LinearCostModel(coefficients, overhead, f"fitted to {len(observations)} steps of real bench runs at rates "
+                                                   f"{', '.join(map(str, rates))} on this machine")
+
+
+def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostModel, conf_path: Path) -> dict[str, Any]:
+    from eval.simulate.cli import run_system as run_sim
+    from orchestrator.core.family import load_family
+    from orchestrator.serve.tokenizer import FamilyTokenizer
+
+    family = load_family(settings.family)
+    tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
+    library = ConfidenceLibrary.load(conf_path, seed=settings.seed)
+    library.map_members(family.member_names, family.member_names)
+    setup = SimSetup(family_name=family.name, family=None, member_names=family.member_names, cost=cost,
+                     placement=Placement("colocated"), num_pages=settings.kv_pages, page_bytes=0, split=None)
+    out = {}
+    for name in settings.systems:
+        _, metrics = run_sim(name, config_for(name, settings, real_rate["split"]), setup, real_rate["trace"], library,
+                             tokenizer.vocab_size, 0.5)
+        out[name] = _with_p90(metrics)
+    return out
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    errors = {name: {key: (sim[name][key] / real[name][key] - 1.0) if real[name].get(key) and sim[name].get(key) is not None
+                     else None for key, _ in METRICS} for name in real}
+    order_real = sorted(real, key=lambda n: real[n]["mean_token_latency_s"] or 0)
+    order_sim = sorted(sim, key=lambda n: sim[n]["mean_token_latency_s"] or 0)
+    return {"errors": errors, "order_real": order_real, "order_sim": order_sim, "same_order": order_real == order_sim,
+            "real": {n: {k: real[n].get(k) for k, _ in METRICS} for n in real},
+            "simulated": {n: {k: sim[n].get(k) for k, _ in METRICS} for n in sim}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.simulate.validate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="0.5,1,2")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default="mfs,baseline")
+    parser.add_argument("--work-dir", default=".cache/mfs/validation")
+    parser.add_argument("--out", default="validation.json")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
+    systems = tuple(s for s in args.systems.split(",") if s)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    real, results = {}, {}
+    for rate in rates:
+        settings = replace(base, rate=rate, seed=args.seed, systems=systems, score_quality=False, progress=False)
+        real[rate] = (settings, run_real_rate(settings, work / f"confidences_r{rate}.json"))
+    from orchestrator.core.family import load_family
+
+    members = load_family(base.family).member_names
+    for rate in rates:
+        settings, real_rate = real[rate]
+        others = [r for r in rates if r != rate] or [rate]
+        held_out = fit({r: real[r][1] for r in rates}, others, members)
+        in_sample = fit({r: real[r][1] for r in rates}, rates, members)
+        conf = work / f"confidences_r{rate}.json"
+        results[str(rate)] = {
+            "held_out": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out, conf)),
+                         "cost_model": held_out.describe()},
+            "in_sample": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, in_sample, conf)),
+                          "cost_model": in_sample.describe()}}
+    worst = max((abs(e) for r in results.values() for n in r["held_out"]["errors"].values()
+                 for k, e in n.items() if k == "mean_token_latency_s" and e is not None), default=None)
+    summary = {"rates": rates, "systems": list(systems), "target_error": TARGET_ERROR,
+               "worst_abs_error_mean_token_latency_held_out": worst,
+               "same_order_every_rate_held_out": all(r["held_out"]["same_order"] for r in results.values()),
+               "by_rate": results, "command": "python -m eval.simulate.validate " + " ".join(argv or [])}
+    Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
+    for rate, r in results.items():
+        for variant in ("held_out", "in_sample"):
+            for name, errs in r[variant]["errors"].items():
+                real_v = r[variant]["real"][name]["mean_token_latency_s"]
+                sim_v = r[variant]["simulated"][name]["mean_token_latency_s"]
+                print(f"rate {rate} {variant:<9} {name:<9} tok-lat real {real_v * 1e3:7.2f} sim {sim_v * 1e3:7.2f} ms | " +
+                      "  ".join(f"{label} {e * 100:+.0f}%" for (key, label) in METRICS if (e := errs[key]) is not None) +
+                      f" | order {'same' if r[variant]['same_order'] else 'DIFFERENT'}")
+    print(f"worst |error| of mean token latency (held out): {worst * 100:.1f}% (target {TARGET_ERROR * 100:.0f}%)"
+          if worst is not None else "no figure")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

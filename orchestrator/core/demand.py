@@ -1,0 +1,120 @@
+"""Future page demand of admitted requests: what admission reserves beside them, and how long a new
+request would wait for pages (the router's expected-delay estimate).
+
+A running request will grow to prompt + max_tokens tokens. Under `ignore_eos` (or `min_tokens` up to
+`max_tokens`) that length is exact, so its remaining decode pages are reserved exactly; otherwise a
+share `ratio` of the remaining tokens is reserved, where the ratio decays step by step while nobody
+runs short and jumps back to its initial value when one does (the retract-on-shortage scheme of
+SGLang's new-token ratio). Pure: no clock, no I/O.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from orchestrator.core.config import SchedulerConfig
+from orchestrator.core.sequence import Sequence
+
+
+class NewTokenRatio:
+    """The share of a request's remaining max_tokens expected to be generated when its length is open."""
+
+    __slots__ = ("init", "minimum", "decay", "value")
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.init = config.new_token_ratio_init
+        self.minimum = config.new_token_ratio_min
+        self.decay = config.new_token_ratio_decay
+        self.value = self.init
+
+    def on_step(self) -> None:
+        self.value = max(self.minimum, self.value - self.decay)
+
+    def on_shortage(self) -> None:
+        """A decode ran short of pages: the estimate was too optimistic, start again from the top."""
+        self.value = self.init
+
+
+def is_length_fixed(seq: Sequence) -> bool:
+    sampling = seq.request.sampling
+    return sampling.ignore_eos or sampling.min_tokens >= sampling.max_tokens
+
+
+def expected_final_tokens(seq: Sequence, ratio: float, context_tokens: int) -> int:
+    """Tokens this request is expected to hold when it ends (prompt + generated so far + expected rest)."""
+    if seq.is_warmup:
+        return len(seq.token_ids)          # a warm-up only prefills
+    remaining = max(0, seq.request.sampling.max_tokens - seq.num_generated)
+    if not is_length_fixed(seq):
+        remaining = math.ceil(remaining * ratio)
+    return min(context_tokens, len(seq.token_ids) + remaining)
+
+
+@dataclass(frozen=True, slots=True)
+class RunningDemand:
+    """One admitted request as the delay estimate sees it."""
+
+    held_pages: int          # pages it holds now (returned when it ends)
+    future_pages: int        # pages reserved for its remaining decode
+    remaining_steps: int     # decode steps until it ends (expected)
+
+
+def steps_until_fit(need_pages: int, available_pages: int, running: Iterable[RunningDemand]) -> int | None:
+    """Decode steps until `need_pages` fit, if the running requests end in order of their remaining
+    steps and nothing else arrives: 0 when they fit now, None when they never do."""
+    if need_pages <= available_pages:
+        return 0
+    free = available_pages
+    for demand in sorted(running, key=lambda d: d.remaining_steps):
+        free += demand.held_pages + demand.future_pages
+        if need_pages <= free:
+            return demand.remaining_steps
+    return None
+
+
+def victim_key(order: str) -> Callable[[Sequence], tuple]:
+    """Sort key over running requests: the smallest key is preempted first.
+
+    priority_progress: warm-ups and lower priorities (larger numbers) first; a fresh request before
+    an escalated one (it already paid for a handover and a user is watching it stream); then the
+    least progress (fewest generated tokens), then the cheapest recompute (fewest computed tokens),
+    then the youngest. youngest: the most recently admitted (the pre-issue-13 rule, the baseline's).
+    """
+    if order == "youngest":
+        return lambda s: (-s.admit_order,)
+    return lambda s: (not s.is_warmup, -s.request.priority, s.num_escalations > 0, s.num_generated,
+                      s.num_computed_tokens, -s.admit_order)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeProfile:
+    """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token
+    per step (every decoding request decodes in every step) and ends after `steps_left` steps."""
+
+    steps_left: int               # steps until it ends
+    growth_pages: tuple[int, ...]  # growth_pages[t]: pages it will have allocated beyond now at step t
+    private_pages: int            # pages only it references: available again when it ends
+
+
+def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pages: int, private_pages: int,
+                   pages_for: Callable[[int], int], slack_tokens: int) -> DecodeProfile:
+    """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation)."""
+    growth = tuple(max(0, pages_for(min(final_tokens, tokens_now + t + slack_tokens)) - held_pages)
+                   for t in range(steps_left))
+    return DecodeProfile(steps_left, growth, private_pages)
+
+
+def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
+    """The most pages the requests will need beyond now at any future step: the growth of those still
+    running minus the private pages of those that ended. It only changes direction when one ends, so
+    the maximum is just before some end (or now)."""
+    profiles = list(profiles)
+    best = 0
+    for candidate in profiles:
+        t = candidate.steps_left - 1
+        total = 0
+        for p in profiles:
+            total += p.growth_pages[t] if t < p.steps_left else -p.private_pages
+        best = max(best, total)
+    return best

@@ -1,0 +1,119 @@
+"""Future page demand in the scheduler's pools: the pages reserved for the running requests' remaining
+decode (what admission must leave free), what a waiting request needs, and the expected wait before a new
+request could be admitted on a member (the router's delay estimate). Reads the scheduler's running and
+waiting requests; changes nothing but its own cache. Pure: no clock, no I/O.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
+                                      is_length_fixed, peak_growth, steps_until_fit)
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.page_pool import PagePool
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.types import Request, RequestId
+
+
+class PoolDemand:
+    def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
+                 running: OrderedDict[RequestId, Sequence], waiting: dict[int, deque[Sequence]],
+                 capacity_pages: dict[str, int]) -> None:
+        self.family = family
+        self.config = config
+        self.pool = pool
+        self.kv = kv
+        self._running = running          # the scheduler's own containers (read only here)
+        self._waiting = waiting
+        self._capacity_pages = capacity_pages
+        self._partitioned = config.pool.static_split is not None
+        self.ratio = NewTokenRatio(config.scheduler)
+        self._cache: dict[str | None, int] = {}   # partition -> reserved_pages; cleared on every change
+
+    def clear(self) -> None:
+        """The running set or a request's pages changed: reservations must be recomputed."""
+        self._cache.clear()
+
+    def partition_of(self, member: str) -> str | None:
+        return member if self._partitioned else None
+
+    def in_partition(self, seq: Sequence, member: str) -> bool:
+        return not self._partitioned or seq.member == member
+
+    def future_pages(self, seq: Sequence) -> int:
+        """Pages a running request will still allocate for its expected decode."""
+        if seq.kv is None:
+            return 0
+        context = self.family.member(seq.member).context_tokens
+        final = expected_final_tokens(seq, self.ratio.value, context)
+        return max(0, self.kv.pages_for_tokens(seq.member, final) - seq.kv.num_blocks * self.kv.pages_per_block(seq.member))
+
+    def reserved_pages(self, member: str) -> int:
+        """Pages reserved for the running requests' remaining decode in `member`'s pool (0 in block mode).
+        remaining: every request's pages to its (expected) end, summed. peak: decoding requests of fixed
+        length are followed step by step (their growth, then their private pages back when they end) and
+        the peak of the sum is reserved; the others count as in remaining. Cached until the state changes."""
+        mode = self.config.scheduler.decode_reservation
+        if mode == "block":
+            return 0
+        part = self.partition_of(member)
+        cached = self._cache.get(part)
+        if cached is not None:
+            return cached
+        constant, profiles = 0, []
+        slack = self.kv.tokens_per_block(member) if self.config.scheduler.preallocate_blocks else 1
+        for seq in self._running.values():
+            if not self.in_partition(seq, member):
+                continue
+            if mode == "peak" and seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
+                context = self.family.member(seq.member).context_tokens
+                final = expected_final_tokens(seq, 1.0, context)
+                held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
+                private = sum(1 for p in seq.kv.all_pages() if self.pool.refcount(p) == 1)
+                profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
+                                               lambda n, m=seq.member: self.kv.pages_for_tokens(m, n), slack))
+            else:
+                constant += self.future_pages(seq)
+        reserved = constant + peak_growth(profiles)
+        self._cache[part] = reserved
+        return reserved
+
+    def demand_pages(self, seq: Sequence) -> int:
+        """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
+        context = self.family.member(seq.member).context_tokens
+        return self.kv.pages_for_tokens(seq.member, expected_final_tokens(seq, self.ratio.value, context))
+
+    def delay_and_pressure(self, member: str, request: Request, step_cost_s: float | None) -> dict:
+        """MemberLoad's expected_delay_s, pool_pressure and pages_per_token for `request` on `member`."""
+        spec = self.family.member(member)
+        ppb = self.kv.pages_per_block(member)
+        pages_per_token = ppb / self.kv.tokens_per_block(member)
+        reserved = self.reserved_pages(member)
+        capacity = max(1, self._capacity_pages[member])
+        used = self.pool.num_used_pages(member if self._partitioned else None)   # shared pages count once
+        pressure = min(1.0, (used + reserved) / capacity)
+        if len(request.prompt_token_ids) >= spec.context_tokens:
+            return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
+        need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
+        queued_tokens = 0
+        for queue in self._waiting.values():
+            for seq in queue:
+                # Ahead of it: its own member's queue (FCFS per member) and every held (aged) request;
+                # other members' waiting requests are bypassed (per-member head-of-line).
+                if not seq.is_warmup and self.in_partition(seq, member) and (seq.member == member or seq.held):
+                    need += self.demand_pages(seq)
+                    queued_tokens += len(seq.token_ids)
+        available = self.pool.num_available_pages(member) - reserved
+        demands = [RunningDemand(s.kv.num_blocks * self.kv.pages_per_block(s.member), self.future_pages(s),
+                                 max(0, expected_final_tokens(s, self.ratio.value, context_tokens=self.family.member(s.member).context_tokens)
+                                     - len(s.token_ids)) + 1)
+                   for s in self._running.values() if s.kv is not None and self.in_partition(s, member)]
+        steps = steps_until_fit(need, available, demands)
+        if steps is None:
+            steps = max((d.remaining_steps for d in demands), default=0)
+        budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
+        steps += queued_tokens / max(1, budget)
+        delay_s = steps * (step_cost_s or 0.0)
+        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}

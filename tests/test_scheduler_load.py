@@ -1,0 +1,206 @@
+"""Issue 13: the global scheduler under load, exact states over the fakes (fake clock: 0.01 s per step).
+
+Starvation and aging, demand reservation, victim order, escalated requests protected, no admission in a
+preempting step, swap vs recompute, escalation pins, stall-aware prefill budget, delay-aware downgrade.
+"""
+from __future__ import annotations
+
+from orchestrator.core.demand import victim_key
+from orchestrator.core.events import EventKind
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.tiers import HostTier, TieredStore
+from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
+from tests.test_scheduler import PROMPT, Harness
+
+BIG_PROMPT = list(range(3, 103))     # 100 tokens: 25 blocks x 6 pages on l = 150 pages of 256
+
+
+def _admitted_step(h: Harness, rid: str) -> float | None:
+    times = [e.time_s for e in h.scheduler.events.recent() if e.kind is EventKind.ADMIT and e.request_id == rid]
+    return round(times[0] / 0.01) if times else None
+
+
+def _starvation(stop_step: int = 270, **overrides) -> Harness:
+    """The issue's scenario: 256 pages, a small-member request every 3 steps until stop_step, one
+    100-token large-member request arriving at step 20."""
+    h = Harness(**{"pool.num_pages": 256, **overrides})
+    for step in range(1, 400):
+        if step < stop_step and step % 3 == 0:
+            h.submit(f"s{step}", [step % 40 + 3] + PROMPT, max_tokens=16, pinned_member=MemberName("s"))
+        if step == 20:
+            h.submit("big", BIG_PROMPT, max_tokens=8, pinned_member=MemberName("l"))
+        h.step()
+    return h
+
+
+def test_pre_issue_policy_starves_the_large_member_until_the_small_stream_stops():
+    # Reproduction (the pre-issue-13 code on main gives the same 272): per-member head-of-line bypass
+    # lets every freed page go to the small stream.
+    h = _starvation(**{"scheduler.aging_steps": None, "scheduler.decode_reservation": "block"})
+    assert _admitted_step(h, "big") == 272
+    assert _admitted_step(_starvation(stop_step=330, **{"scheduler.aging_steps": None}), "big") == 335
+
+
+def test_aging_holds_pages_for_the_starved_request_and_admits_it_within_the_bound():
+    h = _starvation()
+    aging = h.config.scheduler.aging_steps
+    holds = [e for e in h.scheduler.events.recent() if e.kind is EventKind.HOLD]
+    assert [(e.request_id, e.data["waited_steps"]) for e in holds] == [("big", aging)]
+    # Held at step 20 + 64; the small requests running then need at most 18 more steps to drain.
+    assert _admitted_step(h, "big") == 89 <= 20 + aging + 18
+    waits = h.scheduler.snapshot(h.now)["queue_wait_s"]
+    assert waits["l"]["count"] == 1 and abs(waits["l"]["p50"] - 0.70) < 1e-9    # arrived 0.19 s, admitted 0.89 s
+    assert waits["s"]["count"] > 50 and waits["s"]["p99"] >= waits["s"]["p50"]
+
+
+def test_aging_bound_is_configurable():
+    assert _admitted_step(_starvation(**{"scheduler.aging_steps": 16}), "big") == 41
+
+
+def _seq(rid, priority=0, generated=0, computed=0, escalations=0, admit_order=0, warmup=False) -> Sequence:
+    request = Request(request_id=RequestId(rid), prompt_token_ids=[5] * 8, sampling=SamplingParams(),
+                      arrival_s=0.0, priority=priority)
+    seq = Sequence(request=request, member=MemberName("m"), token_ids=[5] * (8 + generated), num_prompt_tokens=8,
+                   num_computed_tokens=computed, admit_order=admit_order, num_escalations=escalations,
+                   is_warmup=warmup)
+    return seq
+
+
+def test_victim_order_priority_then_fresh_before_escalated_then_least_progress():
+    seqs = [_seq("escalated", generated=1, computed=4, escalations=1, admit_order=9),
+            _seq("much", generated=30, computed=40, admit_order=1),
+            _seq("little", generated=2, computed=30, admit_order=2),
+            _seq("little-cheap", generated=2, computed=10, admit_order=3),
+            _seq("important", priority=-1, generated=0, computed=0, admit_order=8),
+            _seq("unimportant", priority=3, generated=50, computed=60, admit_order=0),
+            _seq("warmup", priority=100, warmup=True, admit_order=4)]
+    order = [s.request_id for s in sorted(seqs, key=victim_key("priority_progress"))]
+    assert order == ["warmup", "unimportant", "little-cheap", "little", "much", "escalated", "important"]
+    assert [s.request_id for s in sorted(seqs, key=victim_key("youngest"))][:2] == ["escalated", "important"]
+
+
+def _preempt_events(h):
+    return [e for e in h.scheduler.events.recent() if e.kind is EventKind.PREEMPT]
+
+
+def _contention(victim_order: str, tiers=None, host_room=True) -> Harness:
+    """An older low-priority request on l, then a fresh important one: the one-block reserve
+    overcommits 84 pages, so one must be preempted."""
+    h = Harness(tiers=tiers, **{"pool.num_pages": 84, "scheduler.decode_reservation": "block",
+                                "scheduler.victim_order": victim_order})
+    h.submit("old-low", [3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"), priority=1)
+    for _ in range(3):
+        h.step()
+    h.submit("new-high", [4] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
+    h.submit("queued", [5] + PROMPT, max_tokens=4, pinned_member=MemberName("l"))
+    h.run(2000)
+    return h
+
+
+def test_victims_by_priority_not_age_and_no_admission_in_a_preempting_step():
+    h = _contention("priority_progress")
+    assert {e.request_id for e in _preempt_events(h)} == {"old-low"}
+    old = _contention("youngest")
+    assert _preempt_events(old)[0].request_id == "new-high"     # the pre-issue rule
+    for run in (h, old):
+        events = run.scheduler.events.recent()
+        preempting = {e.time_s for e in events if e.kind is EventKind.PREEMPT}
+        assert preempting and not any(e.kind is EventKind.ADMIT and e.time_s in preempting for e in events)
+
+
+def test_escalated_request_is_preempted_after_a_fresh_one():
+    overrides = {"pool.num_pages": 110, "scheduler.decode_reservation": "block", "escalation.min_tokens": 4,
+                 "escalation.window_tokens": 4, "escalation.warmup": False,
+                 "router.complexity_thresholds": [0.99, 0.995]}
+    victims = {}
+    for order in ("priority_progress", "youngest"):
+        h = Harness(low_confidence=("s",), **{**overrides, "scheduler.victim_order": order})
+        h.submit("fresh", [9] + PROMPT, max_tokens=40, pinned_member=MemberName("m"))
+        h.submit("esc", PROMPT, max_tokens=40)
+        h.run(3000)
+        assert [s.member for s in h.final("esc").spans][:2] == ["s", "m"]
+        victims[order] = _preempt_events(h)[0].request_id
+    assert victims == {"priority_progress": "fresh", "youngest": "esc"}
+
+
+def test_preemption_swaps_to_the_host_tier_when_it_has_room_else_recomputes():
+    reference = _contention("priority_progress")
+    kinds = {}
+    for name, capacity in (("room", 1 << 20), ("none", 1)):
+        h = _contention("priority_progress", tiers=TieredStore(HostTier(capacity), None))
+        counters = h.scheduler.snapshot(h.now)["counters"]
+        kinds[name] = counters["preemptions_by_kind"]
+        assert counters["preemptions"] == sum(kinds[name].values()) > 0
+        for rid in ("old-low", "new-high", "queued"):
+            assert h.tokens(rid) == reference.tokens(rid)
+    assert kinds["room"]["recompute"] == 0 and kinds["none"]["swap"] == 0
+    assert reference.scheduler.snapshot(reference.now)["counters"]["preemptions_by_kind"]["swap"] == 0  # no tier
+
+
+def test_escalation_keeps_the_source_pages_pinned_until_the_target_admits():
+    h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                          "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+    h.submit("e", PROMPT, max_tokens=12)
+    while not any(e.kind is EventKind.ESCALATE for e in h.scheduler.events.recent()):
+        h.step()
+    seq = h.scheduler._by_id["e"]
+    assert seq.member == "m" and seq.kv is None and seq.pinned_kv is not None
+    pinned = seq.pinned_kv.all_pages()
+    assert all(h.pool.refcount(p) >= 1 for p in pinned) and h.pool.num_used_pages("s") == len(pinned)
+    h.step()                               # the target admits it, reusing the pinned lower layers
+    kept = set(seq.kv.all_pages())
+    assert seq.pinned_kv is None and set(pinned) & kept             # the shared layers moved to the target
+    assert all(h.pool.refcount(p) == 0 for p in pinned if p not in kept)   # the rest is released now
+    handover = [c for m, c in h.executor.chunks_seen if c.request_id == "e" and m == "m"][0]
+    assert handover.start_layer == 2
+
+
+def test_stall_aware_budget_caps_prefill_while_requests_decode():
+    chunks = {}
+    for budget in (None, 20):
+        h = Harness(**{"scheduler.max_batch_tokens": 64, "scheduler.prefill_chunk_tokens": 64,
+                       "scheduler.decode_step_token_budget": budget})
+        h.submit("decoding", PROMPT, max_tokens=30, pinned_member=MemberName("m"))
+        h.step()
+        h.step()
+        h.submit("long", list(range(3, 103)), max_tokens=2, pinned_member=MemberName("m"))
+        h.step()
+        chunks[budget] = [len(c.token_ids) for m, c in h.executor.chunks_seen if c.request_id == "long"]
+    assert chunks == {None: [63], 20: [19]}     # the budget minus the one decode token
+
+
+def test_expected_delay_downgrade_fires_in_the_scheduler_and_is_counted():
+    # A long l request holds most of the pool and another waits behind it; a request of complexity
+    # 0.75 (l's band, 0.05 above m's) would wait for pages on l but fits on m now.
+    h = Harness(**{"router.complexity_thresholds": [0.4, 0.7], "router.downgrade_delay_s": 0.05,
+                   "escalation.enabled": False})
+    h.submit("hog", BIG_PROMPT, max_tokens=44, pinned_member=MemberName("l"))      # 36 blocks = 216 pages
+    for _ in range(3):
+        h.step()
+    h.submit("behind", [4] * 100, max_tokens=4, pinned_member=MemberName("l"))      # does not fit beside it
+    h.step()
+    loads = h.scheduler.loads(Request(RequestId("probe"), list(PROMPT), SamplingParams(max_tokens=8), h.now))
+    assert loads["l"].expected_delay_s >= 0.05 > loads["m"].expected_delay_s
+    decision = h.submit("mid", PROMPT, max_tokens=8, complexity_hint=0.75)
+    assert decision.member == "m" and decision.downgraded_from == "l"
+    assert "downgraded to m" in decision.reason
+    far = h.submit("far", [8] * 20, max_tokens=8, complexity_hint=0.9)      # outside the gap
+    assert far.member == "l" and far.downgraded_from is None
+    snap = h.scheduler.snapshot(h.now)
+    assert snap["counters"]["downgrades"] == {"l->m": 1}
+    assert any("downgraded to m" in r["reason"] for r in snap["recent_routes"])
+
+
+def test_peak_growth_counts_what_ends_before_the_peak():
+    from orchestrator.core.demand import decode_profile, peak_growth
+
+    def pages(n):               # 4 tokens a block, 2 pages a block
+        return -(-n // 4) * 2
+    # A: 8 tokens now (4 pages held, all private), ends after 4 steps at 12 tokens: grows 2 pages, then frees 4+2.
+    a = decode_profile(4, 8, 12, 4, 4, pages, slack_tokens=1)
+    # B: 4 tokens now, grows to 24 over 20 steps (10 more pages), nothing private (a shared prefix).
+    b = decode_profile(20, 4, 24, 2, 0, pages, slack_tokens=1)
+    assert a.growth_pages == (2, 2, 2, 2) and b.growth_pages[-1] == 10
+    # Summing both ends would reserve 12; A's 4 private pages are back before B needs its last ones.
+    assert peak_growth([a, b]) == max(2 + b.growth_pages[3], b.growth_pages[-1] - 4) == 6
+    assert peak_growth([]) == 0

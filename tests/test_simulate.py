@@ -1,0 +1,322 @@
+"""mfs simulate: the virtual clock, the cost-model interface, the simulated executor, and the real core driven
+by them. A fake cost model (fixed seconds per decode row / prefill batch) gives timelines computed by hand."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from eval.simulate.clock import EventQueue, VirtualClock
+from eval.simulate.confidence import ConfidenceLibrary
+from eval.simulate.cost_model import (BatchShape, LinearCostModel, TableCostModel, batch_shape, features, fit_linear,
+                                      plan_shapes)
+from eval.simulate.executor import SimExecutor
+from eval.simulate.fleet import FrontRouter, PlacementError, parse_placement
+from eval.simulate.step_table import Grid2D, MemberCosts, StepTable, StepTableError, load_table, save_table
+from orchestrator.core.types import MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
+from tests.fakes import nested_family
+
+PREFILL_S = 0.5
+DECODE_S = 0.1
+OVERHEAD_S = 0.01
+
+
+class FakeCost:
+    """Exactly predictable: a member batch with any prefill costs PREFILL_S, a decode-only batch DECODE_S."""
+
+    name = "fake"
+
+    def batch_s(self, shape: BatchShape) -> float:
+        return PREFILL_S if shape.prefills else DECODE_S
+
+    def step_overhead_s(self) -> float:
+        return OVERHEAD_S
+
+    def copy_s(self, num_bytes: int) -> float:
+        return num_bytes * 1e-9
+
+    def describe(self) -> dict:
+        return {"name": self.name, "source": "test"}
+
+
+def library(values=(0.9,), members=("tiny-s", "tiny-m", "tiny-l"), by_request=None) -> ConfidenceLibrary:
+    lib = ConfidenceLibrary(family="tiny", source="test", members={m: [list(values)] for m in members},
+                            by_request=by_request or {})
+    lib.map_members(list(members), list(members))
+    return lib
+
+
+def chunk(request: str, start: int, n: int, sample: bool = True, start_layer: int = 0, generated: int = 0) -> SeqChunk:
+    return SeqChunk(request_id=RequestId(request), token_ids=[5] * n, start_pos=start, block_tables=[[0]], sample=sample,
+                    sampling=SamplingParams(), start_layer=start_layer, num_generated=generated)
+
+
+# ----------------------------------------------------------------------------- virtual clock
+def test_event_queue_runs_in_time_order_then_push_order_and_moves_the_clock():
+    clock = VirtualClock()
+    events = EventQueue(clock)
+    seen = []
+    events.push(2.0, lambda: seen.append(("b", clock())))
+    events.push(1.0, lambda: seen.append(("a", clock())))
+    events.push(2.0, lambda: seen.append(("c", clock())))
+    events.push(1.0, lambda: events.push(clock() + 0.5, lambda: seen.append(("d", clock()))))
+    events.run()
+    assert seen == [("a", 1.0), ("d", 1.5), ("b", 2.0), ("c", 2.0)]
+    assert clock() == 2.0 and events.num_events == 5
+
+
+def test_event_queue_stops_at_until_and_refuses_the_past():
+    clock = VirtualClock()
+    events = EventQueue(clock)
+    seen = []
+    for t in (1.0, 3.0):
+        events.push(t, lambda t=t: seen.append(t))
+    events.run(until_s=2.0)
+    assert seen == [1.0] and len(events) == 1 and clock() == 1.0
+    with pytest.raises(ValueError):
+        events.push(0.5, lambda: None)
+    with pytest.raises(ValueError):
+        clock.advance_to(0.0)
+
+
+# ----------------------------------------------------------------------------- step tables and cost models
+def grid() -> Grid2D:
+    return Grid2D((1.0, 3.0), (0.0, 10.0), ((1.0, 2.0), (3.0, 6.0)))
+
+
+def test_grid_is_exact_on_points_linear_between_clamped_below_extrapolated_above():
+    g = grid()
+    assert g(1, 0) == 1.0 and g(3, 10) == 6.0
+    assert g(2, 5) == pytest.approx((1.5 + 4.5) / 2)
+    assert g(0, -5) == 1.0                       # clamped below on both axes
+    assert g(5, 10) == pytest.approx(10.0)       # extrapolated: 2 -> 6 over x 1 -> 3, so x=5 gives 10
+    with pytest.raises(StepTableError):
+        Grid2D((1.0, 2.0), (0.0,), ((1.0,),))
+
+
+def test_table_cost_model_combines_decode_and_prefill_with_the_overlap(tmp_path):
+    member = MemberCosts(decode_ms=Grid2D((1.0, 2.0), (0.0, 100.0), ((1.0, 1.0), (2.0, 2.0))),
+                         prefill_ms=Grid2D((10.0, 20.0), (0.0, 100.0), ((10.0, 10.0), (20.0, 20.0))), mix_overlap=0.5)
+    table = StepTable(source="test", members={"m": member}, step_overhead_ms=0.5, copy_gb_s=1.0)
+    save_table(table, tmp_path / "t.json")
+    model = TableCostModel(load_table(tmp_path / "t.json"))
+    assert model.batch_s(BatchShape("m", (50, 50), ())) == pytest.approx(2e-3)
+    assert model.batch_s(BatchShape("m", (), ((20, 0),))) == pytest.approx(20e-3)
+    assert model.batch_s(BatchShape("m", (50,), ((10, 0),))) == pytest.approx((10 + 0.5 * 1) / 1e3)
+    assert model.batch_s(BatchShape("m", (50,), (), layer_fraction=0.5)) == pytest.approx(0.5e-3)
+    assert model.step_overhead_s() == pytest.approx(5e-4) and model.copy_s(10**9) == pytest.approx(1.0)
+    with pytest.raises(StepTableError, match="no member"):
+        model.batch_s(BatchShape("other", (1,), ()))
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(StepTableError, match="not an mfs-step-table/1"):
+        load_table(tmp_path / "bad.json")
+
+
+def test_batch_shape_tells_decodes_from_prefill_chunks_and_counts_layers():
+    batch = MemberBatch("m", [chunk("a", 40, 1), chunk("b", 0, 16), chunk("c", 8, 8, start_layer=2)])
+    shape = batch_shape(batch, num_layers=4)
+    assert shape.decode_contexts == (40,) and shape.prefills == ((16, 0), (8, 8))
+    assert shape.layer_fraction == pytest.approx((4 * 1 + 4 * 16 + 2 * 8) / (4 * 25))
+
+
+def test_plan_shapes_merge_a_nested_member_into_the_larger_forward():
+    family = nested_family()
+    plan = StepPlan(batches=[MemberBatch("s", [chunk("a", 9, 1)]), MemberBatch("l", [chunk("b", 9, 1)])])
+    assert [s.own_forward for s in plan_shapes(plan, family)] == [False, True]
+    alone = StepPlan(batches=[MemberBatch("s", [chunk("a", 9, 1)])])
+    assert [s.own_forward for s in plan_shapes(alone, family)] == [True]
+
+
+def test_linear_fit_recovers_known_coefficients():
+    truth = {"s": (0.002, 0.001, 0.0005, 0.0001, 0.0), "l": (0.004, 0.002, 0.001, 0.0002, 0.0)}
+    observations = []
+    for member in ("s", "l"):
+        for rows in (1, 2, 4, 8):
+            for context in (10, 100, 500):
+                for prefill in (0, 32, 128):
+                    shape = BatchShape(member, (context,) * rows, ((prefill, 0),) if prefill else ())
+                    observations.append(([shape], sum(c * f for c, f in zip(truth[member], features(shape)))))
+    fitted = fit_linear(observations, ["s", "l"])
+    for member in truth:
+        assert fitted[member] == pytest.approx(truth[member], abs=1e-9)
+    model = LinearCostModel(fitted, 0.001, "test")
+    assert LinearCostModel.from_dict(model.to_dict()).batch_s(BatchShape("l", (100,), ())) == pytest.approx(0.0061)
+
+
+# ----------------------------------------------------------------------------- simulated executor
+def test_sim_executor_steps_cost_the_sum_on_one_device_and_the_max_side_by_side():
+    family = nested_family()
+    lib = library(members=("s", "m", "l"))
+    plan = StepPlan(batches=[MemberBatch("s", [chunk("a", 9, 1)]), MemberBatch("m", [chunk("b", 0, 8)])])
+    serial = SimExecutor(family, 64, 1024, FakeCost(), lib, vocab_size=50)
+    assert serial.step_s(plan) == pytest.approx(OVERHEAD_S + DECODE_S + PREFILL_S)
+    parallel = SimExecutor(family, 64, 1024, FakeCost(), lib, vocab_size=50, members_in_parallel=True)
+    assert parallel.step_s(plan) == pytest.approx(OVERHEAD_S + PREFILL_S)
+    data = serial.read_page(3)                                     # tier copies add to the next step
+    serial.write_page(4, data)
+    assert len(data) == 1024 and serial.step_s(plan) == pytest.approx(OVERHEAD_S + DECODE_S + PREFILL_S + 2048e-9)
+
+
+def test_sim_executor_tokens_and_confidences_depend_only_on_request_member_and_position():
+    family = nested_family()
+    lib = ConfidenceLibrary(family="x", source="t", members={"s": [[0.1, 0.2, 0.3]], "l": [[0.7, 0.8]]})
+    lib.map_members(["s", "m", "l"], ["s", "l"])                   # m (middle) borrows the larger recorded member
+    one = SimExecutor(family, 64, 1024, FakeCost(), lib, vocab_size=50, request_keys={"sysA-x": "x"})
+    two = SimExecutor(family, 64, 1024, FakeCost(), lib, vocab_size=50, request_keys={"sysB-x": "x"})
+    a = one.execute(StepPlan(batches=[MemberBatch("s", [chunk("sysA-x", 5, 1, generated=4)])]))
+    b = two.execute(StepPlan(batches=[MemberBatch("s", [chunk("sysB-x", 7, 1, generated=4)])]))
+    assert a[0].token_id == b[0].token_id and 3 <= a[0].token_id < 50
+    assert a[0].top1_prob == b[0].top1_prob == 0.2                 # position 4 of a 3-long sequence wraps to 1
+    assert math.exp(a[0].logprob) == pytest.approx(0.2)
+    m = one.execute(StepPlan(batches=[MemberBatch("m", [chunk("sysA-x", 5, 1, generated=0)])]))
+    assert m[0].top1_prob == 0.7
+    assert one.execute(StepPlan(batches=[MemberBatch("s", [chunk("sysA-x", 0, 5, sample=False)])])) == []
+
+
+def test_confidence_library_prefers_the_requests_own_recorded_sequence():
+    lib = ConfidenceLibrary(family="tiny", source="t", members={"tiny-s": [[0.1], [0.2], [0.3]]},
+                            by_request={"s1-t0|tiny-s": 2})
+    lib.map_members(["tiny-s"], ["tiny-s"])
+    assert lib.value("s1-t0", "tiny-s", 0) == 0.3
+    drawn = {lib.value(f"s{i}-t0", "tiny-s", 0) for i in range(2, 40)}
+    assert drawn <= {0.1, 0.2, 0.3} and len(drawn) > 1
+    assert lib.value("s9-t0", "tiny-s", 0) == lib.value("s9-t0", "tiny-s", 0)
+
+
+# ----------------------------------------------------------------------------- front router and placements
+def test_front_router_sticks_sessions_follows_prefixes_and_balances():
+    router = FrontRouter(3)
+    prompt = list(range(200))
+    first = router.route("a", prompt, [0, 0, 0])
+    assert first == 0 and router.decisions["load"] == 1
+    assert router.route("a", prompt, [1, 0, 0]) == 0                     # session affinity
+    assert router.route("b", prompt + [7] * 64, [1, 0, 0]) == 0          # shares 3 of 4 blocks with node 0's prompts
+    assert router.route("c", [9] * 200, [2, 0, 1]) == 1                  # no match: least loaded
+    assert router.route("a", prompt, [40, 0, 2]) == 1                    # imbalanced and node 0 is the busiest
+    assert router.decisions == {"session": 1, "prefix": 1, "load": 3}
+
+
+def test_parse_placement():
+    assert parse_placement("colocated").label == "colocated"
+    fleet = parse_placement("fleet:8", "per-member")
+    assert (fleet.kind, fleet.num_nodes, fleet.label) == ("per-member", 8, "fleet:8")
+    for bad in ("fleet:0", "fleet:x", "ring"):
+        with pytest.raises(PlacementError):
+            parse_placement(bad)
+
+
+# ----------------------------------------------------------------------------- the real core in virtual time
+def tiny_config(**overrides):
+    from orchestrator.core.config import load_config
+    from tests.fakes_serving import family_dir
+
+    return load_config(overrides={"family": str(family_dir()), "pool.num_pages": 512, "pool.host_tier_mb": 0,
+                                  "escalation.enabled": False, **overrides})
+
+
+def trace_of(sessions, arrivals, history="dataset"):
+    """turns = (prompt, max_tokens, think_s): with `dataset` history the prompt is sent as it is; with `closed`
+    history it is the user part that follows the previous prompt and the reply this system generated."""
+    from eval.workloads import Session, Trace, Turn, WorkloadSpec
+
+    return Trace(spec=WorkloadSpec(history=history), arrival_times_s=list(arrivals),
+                 sessions=[Session(f"s{i}", "multiturn", f"c{i}",
+                                   [Turn(list(p), n, think, user_token_ids=list(p)) for p, n, think in turns])
+                           for i, turns in enumerate(sessions)])
+
+
+def run_nodes(trace, num_nodes=1, config=None):
+    from eval.simulate.driver import simulate
+    from eval.simulate.node import SimNode
+
+    config = config or tiny_config()
+
+    def make_nodes(clock, events, on_output):
+        def make_executor(family, num_pages, page_bytes):
+            return SimExecutor(family, num_pages, page_bytes, FakeCost(), library(), vocab_size=4096)
+        return [SimNode(f"n{i}", config, None, clock, events, make_executor, on_output) for i in range(num_nodes)]
+    return simulate("t", make_nodes, trace)
+
+
+PROMPT = list(range(3, 23))                       # 20 tokens: one full 16-token block on every tiny member
+
+
+def test_one_session_timeline_is_exactly_the_fake_costs():
+    turns = [(PROMPT, 3, 0.0), (PROMPT + list(range(30, 40)), 2, 2.0)]
+    # thresholds at 1: every request is adequate for tiny-s, so both turns run there and the second finds the first
+    run = run_nodes(trace_of([turns], [1.0]), config=tiny_config(**{"router.complexity_thresholds": [1.0, 1.0]}))
+    first, second = run.records
+    step_prefill, step_decode = OVERHEAD_S + PREFILL_S, OVERHEAD_S + DECODE_S
+    assert first.send_s == 1.0
+    assert first.ttft_s == pytest.approx(step_prefill)                  # the prefill step samples the first token
+    assert first.e2e_s == pytest.approx(step_prefill + 2 * step_decode)
+    assert first.tpot_s == pytest.approx(step_decode)
+    assert first.output_tokens == 3 and first.cached_tokens == 0
+    assert second.send_s == pytest.approx(first.finish_s + 2.0)         # think time after the reply
+    assert second.cached_tokens == 16                                   # the first turn's full block, from the pool
+    assert second.e2e_s == pytest.approx(step_prefill + step_decode)
+    assert run.num_steps == 5 and run.duration_s == pytest.approx(second.finish_s)
+    assert first.members == second.members == ["tiny-s"]
+    assert run.counters["requests"]["tiny-s"]["finished"] == 2
+
+
+def test_a_refused_request_is_recorded_and_the_session_goes_on():
+    too_long = list(range(3, 3 + 1100))                                 # the tiny members hold 1024 tokens
+    run = run_nodes(trace_of([[(too_long, 2, 0.0), (PROMPT, 2, 1.0)]], [0.0]))
+    refused, served = run.records
+    assert refused.error and "InvalidRequestError" in refused.error and refused.finish_s is None
+    assert served.send_s == pytest.approx(1.0) and served.ok
+
+
+def test_a_fleet_serves_simultaneous_sessions_side_by_side():
+    sessions = [[(PROMPT, 2, 0.0)], [([7] * 40, 2, 0.0)]]
+    one = run_nodes(trace_of(sessions, [0.0, 0.0]), num_nodes=1)
+    two = run_nodes(trace_of(sessions, [0.0, 0.0]), num_nodes=2)
+    assert [r.ttft_s for r in two.records] == pytest.approx([OVERHEAD_S + PREFILL_S] * 2)
+    assert two.router_decisions["load"] == 2
+    # on one node both prefills share the first step: it costs one or two prefill batches (same or two members)
+    assert all(r.ttft_s >= OVERHEAD_S + PREFILL_S - 1e-12 for r in one.records)
+
+
+def test_paper_setup_sizes_pages_from_gpu_memory_minus_weights(tmp_path):
+    from eval.simulate.families import page_bytes_for, weight_bytes
+    from eval.simulate.setup import paper_setup
+
+    def hf(layers, hidden):
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
+    configs = {"qwen3-0.6b": hf(4, 512), "qwen3-1.7b": hf(6, 1024), "qwen3-8b": hf(8, 2048)}
+    g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
+    table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
+                      members={n: MemberCosts(g, g, hf_config=c) for n, c in configs.items()})
+    save_table(table, tmp_path / "t.json")
+    setup = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"))
+    page = page_bytes_for(list(configs.values()), 32)
+    assert page == 32 * 2 * 8 * 128 * 2
+    weights = sum(weight_bytes(c) for c in configs.values())
+    assert setup.num_pages == int((10 * 2**30 - weights) * 0.9) // page
+    assert [m.num_layers for m in setup.family.members] == [4, 6, 8]
+    assert setup.family.shared_depth("qwen3-0.6b", "qwen3-8b") == 0     # separately trained members share no page
+    per_member = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("per-member"), str(tmp_path / "t.json"))
+    assert per_member.num_pages == sum(int((10 * 2**30 - weight_bytes(c)) * 0.9) // page for c in configs.values())
+    assert per_member.split["qwen3-8b"] < per_member.split["qwen3-0.6b"]
+
+
+def test_closed_history_sends_back_the_generated_reply_and_hits_it_in_the_cache():
+    user = list(range(40, 52))
+    config = tiny_config(**{"router.complexity_thresholds": [1.0, 1.0]})
+    run = run_nodes(trace_of([[(PROMPT, 20, 0.0), (user, 2, 1.0)]], [0.0], history="closed"), config=config)
+    first, second = run.records
+    assert second.prompt_token_ids == PROMPT + first.output_token_ids + user
+    assert second.prompt_tokens == 20 + 20 + 12
+    # positions 0..38 were computed (the last generated token never is): two full 16-token blocks are cached
+    assert second.cached_tokens == 32
+    again = run_nodes(trace_of([[(PROMPT, 20, 0.0), (user, 2, 1.0)]], [0.0], history="closed"), config=config)
+    assert [r.output_token_ids for r in again.records] == [r.output_token_ids for r in run.records]
+
+
+def test_a_refused_turn_ends_a_closed_loop_session():
+    too_long = list(range(3, 3 + 1100))
+    run = run_nodes(trace_of([[(too_long, 2, 0.0), (PROMPT, 2, 1.0)]], [0.0], history="closed"))
+    assert run.records[1].error == "session ended: turn 0 failed"
