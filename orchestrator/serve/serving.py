@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.serve.output_stream import StreamTable
 from orchestrator.serve.tokenizer import FamilyTokenizer
 from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
 
@@ -39,6 +41,10 @@ def build_serving_engine(config: MFSConfig):
         from orchestrator.serve.triton_serving import TritonServing
 
         return TritonServing(config)
+    if config.engine.process == "separate":
+        from orchestrator.serve.engine_process import ProcessServing
+
+        return ProcessServing(config)
     return LocalServing(config)
 
 
@@ -77,13 +83,14 @@ class LocalServing:
         self._executor = executor
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = StreamTable()
         self._thread: threading.Thread | None = None
         self._running = False
         self._accepting = False
         self._ready = False
         self._last_error: str | None = None
         self.num_steps = 0
+        self.timers = LoopTimers()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -112,7 +119,7 @@ class LocalServing:
         while time.monotonic() < deadline and self._has_work():
             await asyncio.sleep(0.05)
         with self._lock:
-            for request_id in list(self._streams):
+            for request_id in self._streams.ids():
                 self.scheduler.abort(request_id, "server shutting down")
         self._wake.set()
         deadline = time.monotonic() + 2.0
@@ -136,19 +143,19 @@ class LocalServing:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
             raise EngineUnavailableError("engine is not accepting requests (starting or shutting down)")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+        request_id = request.request_id
+        stream = self._streams.open(request_id)
         try:
             with self._lock:
                 self.scheduler.add_request(request, self.clock())   # raises InvalidRequest/QueueFull at once
         except BaseException:
-            self._streams.pop(request.request_id, None)
+            self._streams.close(request_id)
             raise
         self._wake.set()
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -157,9 +164,9 @@ class LocalServing:
                 if finished:
                     return
         finally:
-            self._streams.pop(request.request_id, None)
+            self._streams.close(request_id)
             if not finished:
-                self.abort(request.request_id)   # client went away: pages return at the next step
+                self.abort(request_id)   # client went away: pages return at the next step
 
     def abort(self, request_id: RequestId, finish_reason: FinishReason | None = None) -> None:
         with self._lock:
@@ -170,7 +177,7 @@ class LocalServing:
         with self._lock:
             snapshot = self.scheduler.snapshot(self.clock())
         snapshot["engine"] = {"kind": "local", "steps": self.num_steps, "last_error": self._last_error,
-                              "ready": self._ready}
+                              "ready": self._ready, "timers": self.timers.to_dict()}
         return snapshot
 
     # ------------------------------------------------------------------ engine thread
@@ -190,8 +197,11 @@ class LocalServing:
                 self._fail_running(exc)
 
     def _step(self) -> None:
+        timers = self.timers
+        began = time.perf_counter()
         with self._lock:
             plan, outputs = self.scheduler.schedule(self.clock())
+        scheduled = time.perf_counter()
         self._deliver(outputs)
         plan = self._copy_tiers(plan)
         if not plan.batches:
@@ -201,11 +211,15 @@ class LocalServing:
                 self._wake.wait(0.01)   # nothing runnable yet (e.g. waiting for pages): do not spin
                 self._wake.clear()
             return
+        executing = time.perf_counter()
         sampled = self._executor.execute(plan)
+        executed = time.perf_counter()
         self.num_steps += 1
         with self._lock:
             outputs = self.scheduler.update(plan, sampled, self.clock())
+        updated = time.perf_counter()
         self._deliver(outputs)
+        timers.record(began, scheduled, executing, executed, updated, time.perf_counter())
 
     def _copy_tiers(self, plan: StepPlan) -> StepPlan:
         """Saves evicted pages to the host/disk tiers and loads tier hits, before the step overwrites them."""
@@ -226,25 +240,48 @@ class LocalServing:
 
     def _fail_running(self, exc: Exception) -> None:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
+        request_ids = self._streams.ids()
         with self._lock:
-            for request_id in list(self._streams):
+            for request_id in request_ids:
                 self.scheduler.abort(request_id, message)
-        for request_id in list(self._streams):
-            self._push(request_id, MFSError(message))
+        self._streams.dispatch_threadsafe([(request_id, MFSError(message)) for request_id in request_ids])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self._push(output.request_id, output)
+        """All of a step's outputs in one hand-over to the event loop (not one wake-up per request)."""
+        if outputs:
+            self._streams.dispatch_threadsafe([(output.request_id, output) for output in outputs])
 
-    def _push(self, request_id: RequestId, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return
-        loop, queue = target
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            self._streams.pop(request_id, None)   # the caller's loop is gone
+
+@dataclass(slots=True)
+class LoopTimers:
+    """Cumulative wall time of the engine loop's phases over the steps that ran a model (for the serving bench
+    and the profile in docs/BENCHMARKS.md): read as deltas of /v1/stats between two moments."""
+
+    steps: int = 0
+    schedule_s: float = 0.0          # scheduler.schedule under the lock
+    prepare_s: float = 0.0           # delivering schedule's outputs, tier copies
+    execute_s: float = 0.0           # the model: executor.execute
+    update_s: float = 0.0            # scheduler.update under the lock
+    deliver_s: float = 0.0           # handing the step's outputs to the streams
+    between_steps_s: float = 0.0     # end of one execute to the start of the next: everything that is not the model
+    _last_executed: float | None = None
+
+    def record(self, began: float, scheduled: float, executing: float, executed: float, updated: float,
+               delivered: float) -> None:
+        self.steps += 1
+        self.schedule_s += scheduled - began
+        self.prepare_s += executing - scheduled
+        self.execute_s += executed - executing
+        self.update_s += updated - executed
+        self.deliver_s += delivered - updated
+        if self._last_executed is not None and executing - self._last_executed < 1.0:   # not across idle
+            self.between_steps_s += executing - self._last_executed
+        self._last_executed = executed
+
+    def to_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
+                "execute_s": self.execute_s, "update_s": self.update_s, "deliver_s": self.deliver_s,
+                "between_steps_s": self.between_steps_s}
 
 
 def copy_tier_pages(plan: StepPlan, tiers: TieredStore, executor: StepExecutor) -> tuple[list, list[PageId]]:
