@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orchestrator.sharegpt import iter_conversations
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eot|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -167,8 +169,6 @@ class EarlyExitLlama(nn.Module):
 
 # ----------------------------------------------------------------------------- data
 def load_token_windows(tokenizer, num_conversations: int, window: int, seed: int):
-    from eval.sharegpt import iter_conversations
-
     conversations = list(iter_conversations(limit=num_conversations))
     random.Random(seed).shuffle(conversations)
     num_val = max(50, len(conversations) // 50)
@@ -247,7 +247,7 @@ def save_family(model, tokenizer, s: TinyShape, out: Path, losses: dict[int, flo
                                                    **recipe}, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="engines/families/tiny")
     parser.add_argument("--steps", type=int, default=1200)
@@ -263,45 +263,45 @@ def main(argv: list[str] | None = None) -> None:
                         help="continue from a family this script wrote (its tokenizer and largest member's weights)")
     parser.add_argument("--skip-windows", type=int, default=0,
                         help="training windows already consumed by the run being continued (fresh data only)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    from tqdm import tqdm
-    from eval.sharegpt import iter_conversations
 
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(args.threads)
-    shape = TinyShape(context_tokens=args.window)
-    started = time.time()
-
+def family_tokenizer(args: argparse.Namespace, shape: TinyShape):
+    """A fresh BPE over ShareGPT text, or the continued family's own (same ids: the family stays compatible)."""
     if args.init_from:
         from tokenizers import Tokenizer
 
         largest = Path(args.init_from) / list(MEMBER_DEPTHS)[-1]
-        tokenizer = Tokenizer.from_file(str(largest / "tokenizer.json"))   # same ids: the family stays compatible
-    else:
-        texts = [render_chat(c.messages) for c in iter_conversations(limit=args.tokenizer_conversations)]
-        tokenizer = train_tokenizer(texts, shape.vocab_size)
-    windows = load_token_windows(tokenizer, args.conversations, args.window + 1, args.seed)
-    print(f"tokenizer ready ({tokenizer.get_vocab_size()} tokens); train windows {len(windows['train'])}, "
-          f"val windows {len(windows['val'])}; {time.time() - started:.0f}s", flush=True)
+        return Tokenizer.from_file(str(largest / "tokenizer.json"))
+    texts = [render_chat(c.messages) for c in iter_conversations(limit=args.tokenizer_conversations)]
+    return train_tokenizer(texts, shape.vocab_size)
 
+
+def initial_model(args: argparse.Namespace, shape: TinyShape) -> EarlyExitLlama:
     model = EarlyExitLlama(shape)
     if args.init_from:
         from safetensors.torch import load_file
 
         state = load_file(str(Path(args.init_from) / list(MEMBER_DEPTHS)[-1] / "model.safetensors"))
         model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model
+
+
+def train(model: EarlyExitLlama, train_windows: torch.Tensor, args: argparse.Namespace) -> None:
+    """AdamW with linear warm-up then cosine decay; every exit depth's loss, weighted (EXIT_LOSS_WEIGHTS)."""
+    from tqdm import tqdm
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
-    order = torch.randperm(len(windows["train"]), generator=torch.Generator().manual_seed(args.seed))
+    order = torch.randperm(len(train_windows), generator=torch.Generator().manual_seed(args.seed))
     bar = tqdm(range(args.steps), desc="train tiny family", mininterval=10)
     for step in bar:
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
+        # --skip-windows: a continued run starts where the previous one stopped in the same shuffled order.
         idx = order[(torch.arange(args.batch_size) + step * args.batch_size + args.skip_windows) % len(order)]
-        batch = windows["train"][idx]
+        batch = train_windows[idx]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model.exit_logits(batch[:, :-1], set(EXIT_LOSS_WEIGHTS))
             losses = {d: F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), batch[:, 1:].reshape(-1))
@@ -313,16 +313,35 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         bar.set_postfix({f"L{d}": f"{l.item():.2f}" for d, l in losses.items()})
 
-    held_out = evaluate(model, windows["val"][:64], args.batch_size)
+
+def training_recipe(args: argparse.Namespace, argv: list[str] | None, wall_s: float) -> dict:
+    """What training.json records: the command, the run it continues, the knobs and the tokens seen."""
     previous = {}
     if args.init_from and (Path(args.init_from) / "training.json").is_file():
         previous = json.loads((Path(args.init_from) / "training.json").read_text())
-    recipe = {"command": "python -m build_scripts.train_tiny_family " + " ".join(argv or sys.argv[1:]),
-              "continues": previous or None,
-              "steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
-              "seed": args.seed, "train_tokens": args.steps * args.batch_size * args.window,
-              "wall_s": round(time.time() - started, 1), "bf16_autocast": args.bf16}
-    save_family(model, tokenizer, shape, Path(args.out), held_out, recipe)
+    return {"command": "python -m build_scripts.train_tiny_family " + " ".join(argv or sys.argv[1:]),
+            "continues": previous or None,
+            "steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
+            "seed": args.seed, "train_tokens": args.steps * args.batch_size * args.window,
+            "wall_s": round(wall_s, 1), "bf16_autocast": args.bf16}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(args.threads)
+    shape = TinyShape(context_tokens=args.window)
+    started = time.time()
+
+    tokenizer = family_tokenizer(args, shape)
+    windows = load_token_windows(tokenizer, args.conversations, args.window + 1, args.seed)
+    print(f"tokenizer ready ({tokenizer.get_vocab_size()} tokens); train windows {len(windows['train'])}, "
+          f"val windows {len(windows['val'])}; {time.time() - started:.0f}s", flush=True)
+    model = initial_model(args, shape)
+    train(model, windows["train"], args)
+    held_out = evaluate(model, windows["val"][:64], args.batch_size)
+    save_family(model, tokenizer, shape, Path(args.out), held_out, training_recipe(args, argv, time.time() - started))
     for name, depth in MEMBER_DEPTHS.items():
         print(f"{name}: {depth} layers, held-out loss {held_out[depth]:.4f}")
     print(f"wrote {args.out} in {time.time() - started:.0f}s")

@@ -79,9 +79,9 @@ def make_trace(settings: BenchSettings, tokenizer: FamilyTokenizer, family: Fami
 
 
 def complexity_estimator(tokenizer: FamilyTokenizer):
-    from orchestrator.serve.serving import build_estimator   # the very estimator the scheduler routes with
+    from orchestrator.core.complexity import estimator_for_vocab   # the very estimator the scheduler routes with
 
-    return build_estimator(tokenizer)
+    return estimator_for_vocab(tokenizer.vocab_texts())
 
 
 def static_split_for(trace: Trace, family: FamilySpec, tokenizer: FamilyTokenizer, settings: BenchSettings) -> StaticSplit:

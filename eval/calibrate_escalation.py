@@ -10,7 +10,7 @@ import statistics
 
 import torch
 
-from eval.sharegpt import iter_conversations
+from orchestrator.sharegpt import iter_conversations
 from orchestrator.core.family import load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
 

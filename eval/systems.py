@@ -1,13 +1,13 @@
 """The compared systems: MFS, the independent-deployment baseline (best static split) and the ablations."""
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.core.config import MFSConfig, load_config
-from orchestrator.core.family import FamilySpec, dtype_bytes
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing")
 DEFAULT_SYSTEMS = ("mfs", "baseline")
@@ -95,13 +95,12 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
         counts[member] += 1
     total = sum(weight.values()) or 1.0
     share = {m: weight[m] / total for m in names}
-    bytes_per = dtype_bytes(config.engine.dtype)
+    layout = KVLayout.for_config(family, config)   # the pages rule the scheduler validates with
     longest = max((r.tokens for r in requests), default=1)
     floor = {}
     for m in family.members:
-        blocks = math.ceil(longest / m.tokens_per_block(config.pool.page_bytes, bytes_per))
-        blocks += config.pool.decode_reserve_blocks
-        floor[m.name] = max(MIN_SPLIT_FRACTION, blocks * m.num_layers / num_pages)
+        pages = layout.pages_for_tokens(m.name, longest) + config.pool.decode_reserve_blocks * layout.pages_per_block(m.name)
+        floor[m.name] = max(MIN_SPLIT_FRACTION, pages / num_pages)
     fractions, notes = apply_floors(share, floor)
     if sum(floor.values()) > 1.0:
         notes.append(f"kv pages ({num_pages}) cannot give every member room for the longest request "

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.sharegpt import Conversation, iter_conversations
+from orchestrator.sharegpt import Conversation, iter_conversations
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 WORKLOADS = ("multiturn", "mixed", "single")

@@ -40,15 +40,30 @@ def test_baseline_split_is_traffic_share_of_tokens_times_layers():
 
 
 def test_baseline_split_floors_keep_every_member_usable_and_sum_to_one():
-    config = load_config(overrides={"pool.num_pages": 512})
+    config = load_config(overrides={"pool.num_pages": 600})
     requests = [RoutedRequest(0.1, 500)] * 5 + [RoutedRequest(0.5, 100)]
-    split = best_static_split(fake_family(), requests, config, 512)
+    split = best_static_split(fake_family(), requests, config, 600)
     assert sum(split.fractions.values()) == pytest.approx(1.0, abs=1e-12)
     assert all(f > 0 for f in split.fractions.values())
-    # tiny-l got no routed traffic yet must hold the longest request: ceil(500/16)+1 = 33 blocks x 8 layers
-    assert split.fractions["tiny-l"] >= 33 * 8 / 512 - 1e-12
+    # tiny-l got no routed traffic yet must hold the longest request: ceil(500/16)+1 = 33 blocks x 8 layers.
+    # (The floors, 33 x 3 + 33 x 5 + 33 x 8 = 528 pages with tiny-s/m's residual pages, fit in 600.)
+    assert split.fractions["tiny-l"] >= 33 * 8 / 600 - 1e-12
     assert split.notes
     load_config(overrides={"pool.static_split": split.fractions})   # the validator accepts it
+
+
+def test_baseline_split_floor_counts_a_members_residual_page_like_the_scheduler():
+    # Every request routes to tiny-l; tiny-s and tiny-m get only their floors: room for the longest request
+    # (500 tokens = 32 blocks of 16, plus the decode reserve block). tiny-s and tiny-m record an exit-depth
+    # residual page per block (nested lineages, default escalation): 3 and 5 pages per block, not 2 and 4.
+    config = load_config(overrides={"pool.num_pages": 1024})
+    split = best_static_split(fake_family(), [RoutedRequest(0.9, 500)] * 3, config, 1024)
+    assert split.fractions["tiny-s"] == pytest.approx(33 * 3 / 1024)
+    assert split.fractions["tiny-m"] == pytest.approx(33 * 5 / 1024)
+    # The same pages the scheduler's validation asks for (one rule).
+    from orchestrator.core.kv_layout import KVLayout
+    layout = KVLayout.for_config(fake_family(), config)
+    assert layout.pages_for_tokens("tiny-m", 500) + layout.pages_per_block("tiny-m") == 33 * 5
 
 
 def test_apply_floors():

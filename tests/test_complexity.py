@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.core.complexity import ComplexityEstimator, ComplexityParams
+from orchestrator.core.complexity import ComplexityEstimator, ComplexityParams, estimator_for_vocab
 
 WORDS = ["<pad>", "<|user|>", "<|assistant|>", " hi", " hello", " how", " are", " you", " ok", " thanks", " the",
          " a", " is", " cat", " nice", " day", "!", "?", ".", ",",
@@ -61,6 +61,15 @@ def test_more_turns_raise_the_score():
     many_turns = ([USER] + ids("hi how are you ?") + [ASSISTANT]) * 4
     many_turns = many_turns[: len(many_turns) - 2] + [ASSISTANT, ID["?"]]
     assert ESTIMATOR.components(many_turns)["turns"] > ESTIMATOR.components(one_turn)["turns"]
+
+
+def test_estimator_for_vocab_counts_exactly_the_role_marker_ids_as_turns():
+    built = estimator_for_vocab(VOCAB)            # finds <|user|> and <|assistant|> by their text
+    assert built.components(CHIT_CHAT) == ESTIMATOR.components(CHIT_CHAT)
+    turns_saturation = built.params.turns_saturation
+    assert built.components(CHIT_CHAT)["turns"] == 2 / turns_saturation
+    assert estimator_for_vocab(VOCAB, role_markers=("<|user|>",)).components(CHIT_CHAT)["turns"] == 1 / turns_saturation
+    assert estimator_for_vocab(VOCAB, role_markers=()).components(CHIT_CHAT)["turns"] == 0.0
 
 
 def test_repetition_lowers_diversity():

@@ -190,3 +190,15 @@ def test_missing_loads_and_matches_count_as_idle_and_uncached(router):
 def test_empty_prompt_does_not_divide_by_zero(router):
     decision = _route(router, _request(0), 0.1, matched={"tiny-l": 0})
     assert decision.member == "tiny-s"
+
+
+def test_session_affinity_remembers_the_last_member_and_forgets_the_least_recent():
+    from orchestrator.core.router import SessionAffinity
+
+    sessions = SessionAffinity(max_sessions=2)
+    sessions.record("a", "tiny-s")
+    sessions.record("b", "tiny-m")
+    sessions.record("a", "tiny-l")          # a is now the most recent, answered by tiny-l
+    sessions.record("c", "tiny-s")          # over the bound: b (least recent) goes
+    assert (sessions.get("a"), sessions.get("b"), sessions.get("c")) == ("tiny-l", None, "tiny-s")
+    assert len(sessions) == 2

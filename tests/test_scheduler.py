@@ -6,9 +6,10 @@ import pytest
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
-from orchestrator.serve.serving import copy_tier_pages
+from orchestrator.core.engine_core import copy_tier_pages
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, SamplingParams
 from tests.fakes import FakeExecutor, fake_config, fake_vocab, independent_family, nested_family
@@ -20,11 +21,11 @@ class Harness:
         self.config = fake_config(**overrides)
         cfg = self.config
         partitions = split_pages(cfg.pool.num_pages, cfg.pool.static_split) if cfg.pool.static_split else None
-        self.pool = PagePool(cfg.pool.num_pages, partitions, members=self.family.member_names)
+        self.pool = PagePool(cfg.pool.num_pages, partitions, limits=cfg.pool.member_limits,
+                             members=self.family.member_names)
         self.tiers = tiers
-        esc = cfg.escalation
         self.kv = KVCacheManager(self.family, self.pool, cfg.pool.page_bytes, 4, tiers,
-                                 record_residuals=esc.enabled and esc.reuse_shared_layers)
+                                 record_residuals=records_residuals(cfg))
         self.scheduler = Scheduler(self.family, cfg, self.pool, self.kv, ComplexityEstimator(fake_vocab()), tiers)
         self.executor = FakeExecutor(self.family, cfg.pool.num_pages, cfg.pool.page_bytes, low_confidence)
         self.now = 0.0
@@ -182,6 +183,23 @@ def test_request_larger_than_pool_is_refused_not_hung():
     h = Harness(**{"pool.num_pages": 12})
     with pytest.raises(InvalidRequestError, match="pages"):
         h.submit("big", PROMPT, max_tokens=20, pinned_member=MemberName("l"))
+
+
+def test_a_request_beyond_what_other_members_floors_leave_is_refused_not_left_to_time_out():
+    # s keeps a floor of 16 of the 48 pages, so l (6 layers, 4-token blocks, no residual page) can never
+    # hold more than 32: 5 blocks. A 24-token prompt (6 blocks = 36 pages) can never be admitted; accepted,
+    # it would sit at the head of l's queue, blocking every later l request until the timeout.
+    h = Harness(**{"pool.num_pages": 48, "pool.member_limits": {"s": {"floor_pages": 16}},
+                   "scheduler.request_timeout_s": 5.0})
+    assert h.kv.pages_for_tokens("l", 26) == 42 <= 48
+    with pytest.raises(InvalidRequestError, match="at most 32"):
+        h.submit("big", list(range(10, 34)), max_tokens=2, pinned_member=MemberName("l"))
+    # What fits (20 tokens: 5 blocks = 30 pages) is accepted and runs at once.
+    h.submit("fits", list(range(10, 27)), max_tokens=3, pinned_member=MemberName("l"))
+    h.step()
+    assert h.pool.num_used_pages("l") == 30
+    h.run()
+    assert h.final("fits").finish_reason is FinishReason.LENGTH and h.final("fits").error is None
 
 
 def test_static_split_isolates_members():

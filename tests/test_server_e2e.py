@@ -11,7 +11,7 @@ from orchestrator.core.config import load_config
 from orchestrator.serve.server import ServerSettings, create_app
 from tests.fakes_serving import family_dir, serve_in_thread
 
-from orchestrator.serve.serving import build_serving_engine  # noqa: E402
+from orchestrator.serve.factory import build_serving_engine  # noqa: E402
 
 FAMILY_DIR = family_dir()
 QUESTION = ("I am planning a long walk along the river this weekend with two friends and a dog. "

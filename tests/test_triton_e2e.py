@@ -7,6 +7,7 @@ ports brings it back, TritonServing reconnects, and SIGTERM stops triton-up clea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -32,6 +33,11 @@ PROMPTS = {
     "code": "Write a python function that returns the sum of the squares of a list of numbers, and explain it.",
 }
 MAX_TOKENS = 10
+# Every window looks unconfident (threshold above 1) and routing picks tiny-s: s -> m -> l after 4 tokens each.
+ESCALATING = {"escalation.threshold": 1.01, "escalation.min_tokens": 4, "escalation.window_tokens": 4,
+              "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]}
+ESCALATION_PROMPT = "Explain how a bicycle gear works and why a lower gear makes climbing a hill easier."
+ESCALATION_MODES = ("keep", "rollback")
 
 
 def _config(**overrides):
@@ -50,6 +56,47 @@ async def _local_tokens(prompts: dict[str, list[int]], members: list[str]) -> di
                 for name, ids in prompts.items() for m in members}
     finally:
         await local.stop(1.0)
+
+
+def _escalating_request(request_id: str, prompt: list[int]):
+    request = make_request(request_id, prompt, 16)   # no member: routed, so it may escalate
+    request.sampling = dataclasses.replace(request.sampling, ignore_eos=True)   # 16 tokens whatever they are
+    return request
+
+
+async def _local_escalations(prompt: list[int]) -> dict[str, tuple[list[int], list]]:
+    """Tokens and member spans of one escalating request on the local engine, per on_escalate mode."""
+    from orchestrator.serve.serving import LocalServing
+
+    answers = {}
+    for mode in ESCALATION_MODES:
+        local = LocalServing(_config(**ESCALATING, **{"escalation.on_escalate": mode}))
+        await local.start()
+        try:
+            tokens, outputs = await collect(local, _escalating_request(f"local-esc-{mode}", prompt))
+            answers[mode] = (tokens, [(s.member, s.num_tokens) for s in outputs[-1].spans])
+        finally:
+            await local.stop(1.0)
+    return answers
+
+
+async def _triton_escalations(server, prompt: list[int]) -> dict[str, tuple[list[int], list]]:
+    """The same escalating request through TritonServing (its own config) in front of the running Triton."""
+    from orchestrator.serve.triton_serving import TritonServing
+
+    answers = {}
+    for mode in ESCALATION_MODES:
+        serving = TritonServing(_config(**ESCALATING, **{"escalation.on_escalate": mode}), url=server.grpc_url,
+                                metrics_url=server.metrics_url, probe_interval_s=0.2)
+        await serving.start()
+        try:
+            assert await _wait(serving.is_ready, 30)
+            tokens, outputs = await collect(serving, _escalating_request(f"t-esc-{mode}", prompt))
+            answers[mode] = (tokens, [(s.member, s.num_tokens) for s in outputs[-1].spans])
+            assert serving.stats()["counters"]["escalations"]["tiny-s->tiny-m"] == 1
+        finally:
+            await serving.stop(1.0)
+    return answers
 
 
 def _start_triton_up(repo, ports, log_path) -> subprocess.Popen:
@@ -87,8 +134,16 @@ def test_triton_serves_like_local_fails_fast_and_reconnects(tmp_path):
         prompts = {name: serving.tokenizer.encode(text) for name, text in PROMPTS.items()}
         members = serving.member_names
         local = asyncio.run(_local_tokens(prompts, members))      # while Triton's stubs load
+        escalation_prompt = serving.tokenizer.encode(ESCALATION_PROMPT)
+        local_escalations = asyncio.run(_local_escalations(escalation_prompt))
         server.wait_ready(timeout_s=300)
         print(f"triton ready after {time.monotonic() - started:.1f} s")
+        # Escalation over Triton goes through the core's rules (stop, confidence, rollback, hold-back, spans):
+        # the same tokens and the same member spans as the local engine, in both on_escalate modes.
+        triton_escalations = asyncio.run(_triton_escalations(server, escalation_prompt))
+        assert local_escalations["keep"][1] == [("tiny-s", 4), ("tiny-m", 4), ("tiny-l", 8)]
+        assert local_escalations["rollback"][1] == [("tiny-l", 16)]   # each window rolled back before it was sent
+        assert triton_escalations == local_escalations
         triton_up = asyncio.run(_scenario(serving, server, prompts, members, local, repo, ports, tmp_path))
         # SIGTERM: triton-up stops Triton (short exit timeout) and exits 0, leaving no process behind.
         triton_up.send_signal(signal.SIGTERM)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.sharegpt import Conversation
+from orchestrator.sharegpt import Conversation
 from eval.workloads import MIXED_PROPORTIONS, WorkloadSpec, build_trace, kind_counts, poisson_arrivals
 from orchestrator.core.family import SHIPPED_FAMILIES_DIR
 
@@ -25,7 +25,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def conversations() -> list[Conversation]:
-    from eval.sharegpt import iter_conversations
+    from orchestrator.sharegpt import iter_conversations
 
     return list(iter_conversations(limit=400))
 

@@ -27,6 +27,9 @@ MATH_WORDS = frozenset({
 MATH_CHARS = frozenset("0123456789+-*/^=<>%().,")
 MATH_SIGNAL_CHARS = frozenset("0123456789+-*/^=<>%")   # a math token needs one of these, not only '(' or '.'
 
+# Chat-template role markers of the shipped families' tokenizers: their count measures the number of turns.
+ROLE_MARKERS = ("<|user|>", "<|assistant|>", "<|system|>", "<|im_start|>", "<|start_header_id|>")
+
 # Bit flags of the per-token-id lookup table.
 _CODE, _REASONING, _MATH, _ROLE = 1, 2, 4, 8
 
@@ -130,6 +133,15 @@ class ComplexityEstimator:
                 if value & _ROLE:
                     counts[3] += hits
         return counts[0], counts[1], counts[2], counts[3]
+
+
+def estimator_for_vocab(vocab: Sequence[str], role_markers: Sequence[str] = ROLE_MARKERS,
+                        params: ComplexityParams | None = None) -> ComplexityEstimator:
+    """The estimator for a tokenizer whose id i decodes to vocab[i]; ids whose text is a role marker
+    count as turns. The edge decodes the vocabulary (it owns the tokenizer); the rule lives here."""
+    markers = frozenset(role_markers)
+    roles = [token_id for token_id, text in enumerate(vocab) if text in markers]
+    return ComplexityEstimator(vocab, role_token_ids=roles, params=params)
 
 
 def _token_flags(text: str) -> int:

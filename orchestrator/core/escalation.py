@@ -101,6 +101,20 @@ def escalation_target(family: FamilySpec, current: str, pinned: bool) -> str | N
     return larger.name if larger is not None else None
 
 
+def handover_target(family: FamilySpec, current: str, pinned: bool, num_tokens: int) -> str | None:
+    """Where a low-confidence request of num_tokens (prompt + generated) moves now: the next larger member,
+    or None when pinned, already the largest, or the target's context cannot hold what it has so far."""
+    target = escalation_target(family, current, pinned)
+    if target is None or num_tokens >= family.member(target).context_tokens:
+        return None
+    return target
+
+
+def can_escalate(config: EscalationConfig, family: FamilySpec, current: str, pinned: bool) -> bool:
+    """Whether a request on `current` gets a confidence monitor at all."""
+    return config.enabled and escalation_target(family, current, pinned) is not None
+
+
 def in_warmup_band(config: EscalationConfig, complexity: float) -> bool:
     """True when a request's complexity sits just below a boundary: worth prefilling the next member.
 

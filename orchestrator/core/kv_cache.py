@@ -1,7 +1,7 @@
 """KV cache facade over the page pool: per-request per-layer block tables, prefix match across tiers, allocation.
 
 A member's logical block is one page per layer (plus one residual page when the member records its
-exit-depth hidden states for a nested handover). Prefix identity is PageKey(lineage, block_hash), so
+exit-depth hidden states for a nested handover): the geometry is KVLayout's (kv_layout.py). Prefix identity is PageKey(lineage, block_hash), so
 members of a nested family find each other's lower-layer pages; independent members never do.
 """
 from __future__ import annotations
@@ -10,9 +10,14 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.block_hash import chain_block_hashes, hash_seed
 from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_layout import KVLayout
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import PageId, PageKey, Tier
+
+
+# One page slot of a request's tables: (kind "kv" | "out" | "in", layer or None, block, key or None = fresh).
+_Slot = tuple[str, int | None, int, PageKey | None]
 
 
 @dataclass(slots=True)
@@ -64,39 +69,22 @@ class KVCacheManager:
         self.family = family
         self.pool = pool
         self.tiers = tiers
-        self._blocks = {m.name: m.tokens_per_block(page_bytes, dtype_bytes) for m in family.members}
-        # A member records residuals when a larger member starts from its exit depth (nested family).
-        self._records_residual = {
-            m.name: record_residuals and m.residual_fits_page(page_bytes, dtype_bytes)
-            and any(family.shared_depth(m.name, big.name) == m.num_layers
-                    and self._blocks[big.name] == self._blocks[m.name]
-                    for big in family.members[m.index + 1:])
-            for m in family.members
-        }
-        # For each member, the smaller members whose exit residual can feed it (largest depth first).
-        self._residual_sources = {
-            m.name: [s for s in reversed(family.members[:m.index])
-                     if self._records_residual[s.name] and family.shared_depth(s.name, m.name) == s.num_layers
-                     and self._blocks[s.name] == self._blocks[m.name]]
-            for m in family.members
-        }
+        self.layout = KVLayout(family, page_bytes, dtype_bytes, record_residuals)
+        self._blocks = {m.name: self.layout.tokens_per_block(m.name) for m in family.members}
 
-    # ------------------------------------------------------------------ identity
+    # ------------------------------------------------------------------ identity (the layout's rules)
     def tokens_per_block(self, member: str) -> int:
         return self._blocks[member]
 
     def records_residual(self, member: str) -> bool:
-        return self._records_residual[member]
+        return self.layout.records_residual(member)
 
     def pages_per_block(self, member: str) -> int:
-        return self.family.member(member).num_layers + (1 if self._records_residual[member] else 0)
+        return self.layout.pages_per_block(member)
 
     def pages_for_tokens(self, member: str, num_tokens: int) -> int:
-        """THE rule for pages a sequence of num_tokens holds on member (every layer, plus the residual
-        page when the member records one); capped at the member's context. Scheduler, validation and
-        the baseline's split arithmetic all call this."""
-        num_tokens = min(num_tokens, self.family.member(member).context_tokens)
-        return -(-num_tokens // self.tokens_per_block(member)) * self.pages_per_block(member)
+        """Pages a sequence of num_tokens holds on member: KVLayout.pages_for_tokens, the one rule."""
+        return self.layout.pages_for_tokens(member, num_tokens)
 
     def block_hashes(self, member: str, token_ids: list[int], cache_salt: str | None,
                      known: list[bytes] | None = None) -> list[bytes]:
@@ -130,7 +118,7 @@ class KVCacheManager:
         result.num_full_blocks = block
         if not allow_shared:
             return result
-        for source in self._residual_sources[member]:
+        for source in self.layout.residual_sources(member):
             lineages = source.layer_lineages + (source.residual_lineage(),)
             shared = block
             while shared < limit and self._block_tier(lineages, hashes[shared]) is not None:
@@ -174,11 +162,31 @@ class KVCacheManager:
         allocates pages for tier hits (returned as loads) and for the rest. None if pages are short
         (then nothing is held). reserve_pages must stay available afterwards (decode headroom);
         evict=False admits only into never-used free pages (warm-ups use idle memory only)."""
+        slots = self._table_slots(member, match, hashes)
+        pages = self._pin_arena_hits(member, slots)
+        num_blocks = -(-total_tokens // self._blocks[member])
+        num_grow = max(0, num_blocks - match.num_full_blocks - match.num_shared_blocks)
+        fresh = pages.count(None) + num_grow * self.pages_per_block(member)
+        enough = (self.pool.can_allocate(member, fresh + reserve_pages) if evict
+                  else self.pool.counts()["free"] >= fresh + reserve_pages)
+        if not enough:
+            for page in pages:
+                if page is not None:
+                    self.pool.release(page)
+            return None
+        seq, loads = self._fill_tables(member, slots, pages)
+        seq.num_registered_blocks = match.num_full_blocks
+        if not self.grow(seq, total_tokens):
+            raise RuntimeError("page pool short after can_allocate said yes")  # invariant
+        return seq, loads
+
+    def _table_slots(self, member: str, match: PrefixMatch, hashes: list[bytes]) -> list[_Slot]:
+        """The matched part of a request's tables, in table order: full blocks (every layer under its key, and
+        the residual this member records if some tier holds it), then shared blocks (lower layers under their
+        keys, upper layers fresh, the source's residual read in, this member's own residual fresh)."""
         spec = self.family.member(member)
-        size = self._blocks[member]
-        records = self._records_residual[member]
-        # Slots in table order: (kind, layer or None, block, key or None); key None = compute fresh.
-        slots: list[tuple[str, int | None, int, PageKey | None]] = []
+        records = self.layout.records_residual(member)
+        slots: list[_Slot] = []
         for block in range(match.num_full_blocks):
             for layer, lineage in enumerate(spec.layer_lineages):
                 slots.append(("kv", layer, block, PageKey(lineage, hashes[block])))
@@ -194,27 +202,28 @@ class KVCacheManager:
                 slots.append(("in", None, block, PageKey(source.residual_lineage(), hashes[block])))
                 if records:
                     slots.append(("out", None, block, None))
-        # Pass 1: pin arena hits first, so allocating fresh pages below cannot evict them.
+        return slots
+
+    def _pin_arena_hits(self, member: str, slots: list[_Slot]) -> list[PageId | None]:
+        """Acquires every slot's page already in the arena (first, so allocating fresh pages cannot evict
+        them); None where the slot needs a fresh page."""
         pages: list[PageId | None] = []
         for _, _, _, key in slots:
             page = self.pool.lookup(key) if key is not None else None
             if page is not None:
                 self.pool.acquire(page, member)
             pages.append(page)
-        num_blocks = -(-total_tokens // size)
-        num_grow = max(0, num_blocks - match.num_full_blocks - match.num_shared_blocks)
-        fresh = pages.count(None) + num_grow * self.pages_per_block(member)
-        enough = (self.pool.can_allocate(member, fresh + reserve_pages) if evict
-                  else self.pool.counts()["free"] >= fresh + reserve_pages)
-        if not enough:
-            for page in pages:
-                if page is not None:
-                    self.pool.release(page)
-            return None
-        # Pass 2: fresh pages; tier hits get their key now and a load before the step runs.
+        return pages
+
+    def _fill_tables(self, member: str, slots: list[_Slot],
+                     pages: list[PageId | None]) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]]:
+        """Allocates the missing pages and lays every slot into the request's tables; a slot whose key a
+        tier holds gets its key now and a load to run before the step."""
+        spec = self.family.member(member)
         loads: list[tuple[PageId, PageKey, Tier]] = []
-        seq = SeqKV(member=member, tokens_per_block=size, block_tables=[[] for _ in range(spec.num_layers)],
-                    residual_out=[] if records else None)
+        seq = SeqKV(member=member, tokens_per_block=self._blocks[member],
+                    block_tables=[[] for _ in range(spec.num_layers)],
+                    residual_out=[] if self.layout.records_residual(member) else None)
         for (kind, layer, block, key), page in zip(slots, pages):
             if page is None:
                 page = self._new(member)
@@ -230,9 +239,6 @@ class KVCacheManager:
                 seq.residual_out.append(page)
             else:
                 seq.residual_in[block] = page
-        seq.num_registered_blocks = match.num_full_blocks
-        if not self.grow(seq, total_tokens):
-            raise RuntimeError("page pool short after can_allocate said yes")  # invariant
         return seq, loads
 
     def _new(self, member: str) -> PageId:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from orchestrator.core.config import RouterConfig, RouterWeights
@@ -26,6 +27,28 @@ class MemberLoad:
 
 
 _IDLE = MemberLoad(0, 0, 0, 0)
+
+
+class SessionAffinity:
+    """Session id -> the member that answered its last turn (the router's session bonus), LRU-bounded."""
+
+    __slots__ = ("max_sessions", "_members")
+
+    def __init__(self, max_sessions: int = 10000):
+        self.max_sessions = max_sessions
+        self._members: OrderedDict[str, MemberName] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def get(self, session_id: str) -> MemberName | None:
+        return self._members.get(session_id)
+
+    def record(self, session_id: str, member: str) -> None:
+        self._members[session_id] = MemberName(member)
+        self._members.move_to_end(session_id)
+        if len(self._members) > self.max_sessions:
+            self._members.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)

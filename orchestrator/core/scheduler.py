@@ -12,19 +12,18 @@ from collections import OrderedDict, deque
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
-from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, in_warmup_band
+from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, handover_target, in_warmup_band
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
-from orchestrator.core.page_pool import PagePool, split_pages
-from orchestrator.core.router import MemberLoad, Router
+from orchestrator.core.page_pool import PagePool
+from orchestrator.core.router import MemberLoad, Router, SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import TieredStore
-from orchestrator.core.types import (FinishReason, MemberBatch, MemberName, MemberSpan, PageId, Request, RequestId,
+from orchestrator.core.types import (FinishReason, MemberBatch, MemberName, PageId, Request, RequestId,
                                 RequestOutput, RequestState, RouteDecision, SampledToken, SeqChunk, StepPlan)
 
 WARMUP_PRIORITY = 100          # warm-up prefills run only when nothing else waits
-_MAX_SESSIONS = 10000          # session -> last member map is bounded (LRU)
 
 
 class Scheduler:
@@ -45,25 +44,16 @@ class Scheduler:
         self._by_id: dict[RequestId, Sequence] = {}
         self._aborts: list[tuple[RequestId, str | None]] = []
         self._released: list[RequestId] = []
-        self._sessions: OrderedDict[str, MemberName] = OrderedDict()
+        self._sessions = SessionAffinity()
         # session -> (last finish time, its pages and their keys): TTL ageing of idle sessions' cache
         self._session_pages: OrderedDict[str, tuple[float, list[tuple[PageId, object]]]] = OrderedDict()
         self._admit_counter = itertools.count()
         self._eos = {m.name: frozenset(m.eos_token_ids) for m in family.members}
-        self._capacity_pages = {m.name: self._member_capacity(m.name) for m in family.members}
+        # Most pages each member can ever hold (its slice, minus the other members' floors, under its ceiling):
+        # a request needing more is refused at once rather than left waiting for room that never comes.
+        self._capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
                                for m in family.members}
-
-    def _member_capacity(self, member: str) -> int:
-        """Most pages one member can ever hold: its static slice, or the pool under its ceiling."""
-        cfg = self.config.pool
-        capacity = self.pool.num_pages
-        if cfg.static_split is not None:
-            capacity = split_pages(self.pool.num_pages, cfg.static_split).get(member, 0)
-        limit = cfg.member_limits.get(member)
-        if limit is not None and limit.ceiling_pages is not None:
-            capacity = min(capacity, limit.ceiling_pages)
-        return capacity
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
@@ -400,17 +390,11 @@ class Scheduler:
         return outputs
 
     def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
-        seq.token_ids.append(token.token_id)
-        seq.logprobs.append(token.logprob)
-        seq.top_logprobs.append(token.top_logprobs)
-        if seq.spans and seq.spans[-1].member == seq.member:
-            seq.spans[-1] = MemberSpan(seq.member, seq.spans[-1].num_tokens + 1)
-        else:
-            seq.spans.append(MemberSpan(seq.member, 1))
+        seq.append_token(token.token_id, token.logprob, token.top_logprobs)
         if len(seq.hashes) * self.kv.tokens_per_block(seq.member) + self.kv.tokens_per_block(seq.member) <= len(seq.token_ids):
             seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
         self.stats.on_tokens(seq.member, generated_tokens=1)
-        reason = self._stop_reason(seq, token.token_id)
+        reason = seq.stop_reason(token.token_id, self._eos[seq.member], self.family.member(seq.member).context_tokens)
         if reason is not None:
             seq.finish_reason = reason
             return self._finish(seq, now_s, outcome="finished")
@@ -418,33 +402,14 @@ class Scheduler:
             self._escalate(seq, now_s)
         return self._emit(seq)
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        sampling = seq.request.sampling
-        if seq.num_generated >= sampling.min_tokens:
-            if token_id in sampling.stop_token_ids:
-                return FinishReason.STOP
-            if not sampling.ignore_eos and token_id in self._eos[seq.member]:
-                return FinishReason.STOP
-        if seq.num_generated >= sampling.max_tokens:
-            return FinishReason.LENGTH
-        if len(seq.token_ids) >= self.family.member(seq.member).context_tokens:
-            return FinishReason.LENGTH
-        return None
-
     def _escalate(self, seq: Sequence, now_s: float) -> None:
         """Hand the request to the next larger member. Its full blocks stay cached under their keys,
         so the target's prefix match finds its own cache and (nested family) the shared lower layers
         and residuals; only the rest is prefilled there."""
-        target = escalation_target(self.family, seq.member, pinned=seq.request.pinned_member is not None)
-        if target is None or len(seq.token_ids) >= self.family.member(target).context_tokens:
+        target = handover_target(self.family, seq.member, seq.request.pinned_member is not None, len(seq.token_ids))
+        if target is None:
             return
-        rollback = min(seq.monitor.rollback_tokens(), seq.num_generated - seq.num_emitted_tokens)
-        if rollback > 0:
-            del seq.token_ids[-rollback:], seq.logprobs[-rollback:], seq.top_logprobs[-rollback:]
-            last = seq.spans[-1]
-            seq.spans[-1] = MemberSpan(last.member, last.num_tokens - rollback)
-            if seq.spans[-1].num_tokens == 0:
-                seq.spans.pop()
+        if seq.roll_back_for_handover():
             seq.hashes = seq.hashes[:len(seq.token_ids) // self.kv.tokens_per_block(seq.member)]
         source = seq.member
         self._drop_kv(seq)
@@ -461,25 +426,8 @@ class Scheduler:
         self.events.emit(EventKind.ESCALATE, now_s, seq.request_id, target, source=source,
                          num_generated=seq.num_generated)
 
-    def _holdback(self, seq: Sequence) -> int:
-        """Tokens kept from the client while a rollback could still drop them."""
-        if seq.monitor is not None and self.config.escalation.on_escalate == "rollback":
-            return self.config.escalation.window_tokens
-        return 0
-
     def _emit(self, seq: Sequence, final: bool = False) -> RequestOutput | None:
-        end = seq.num_generated if final else max(seq.num_emitted_tokens, seq.num_generated - self._holdback(seq))
-        if end <= seq.num_emitted_tokens and not final:
-            return None
-        begin = seq.num_emitted_tokens
-        offset = seq.num_prompt_tokens
-        seq.num_emitted_tokens = end
-        return RequestOutput(
-            request_id=seq.request_id, new_token_ids=seq.token_ids[offset + begin:offset + end],
-            new_logprobs=seq.logprobs[begin:end], new_top_logprobs=seq.top_logprobs[begin:end],
-            member=seq.member, finished=final, finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0,
-            spans=tuple(seq.spans), route=seq.route if begin == 0 else None, error=seq.error)
+        return seq.next_output(seq.holdback_tokens(self.config.escalation), final=final)
 
     def _finish(self, seq: Sequence, now_s: float, outcome: str | None) -> RequestOutput | None:
         """Returns the pages (they stay cached) and produces the final output."""
@@ -503,10 +451,7 @@ class Scheduler:
         self.stats.on_request_done(seq.member, outcome)
         self.stats.on_tokens(seq.member, prompt_tokens=seq.num_prompt_tokens)
         if seq.request.session_id:
-            self._sessions[seq.request.session_id] = seq.member
-            self._sessions.move_to_end(seq.request.session_id)
-            if len(self._sessions) > _MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            self._sessions.record(seq.request.session_id, seq.member)
         kind = EventKind.CANCEL if outcome == "cancelled" else EventKind.FINISH
         self.events.emit(kind, now_s, seq.request_id, seq.member, reason=seq.finish_reason.value if seq.finish_reason else None)
         return self._emit(seq, final=True)

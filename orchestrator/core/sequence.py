@@ -1,12 +1,15 @@
-"""One request's state inside the core: tokens, pages, progress, confidence monitor and output spans."""
+"""One request's state inside the core (tokens, pages, progress, confidence monitor, output spans) and the
+per-token rules every engine applies to it: append, stop, roll back for a handover, hold back, emit."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from orchestrator.core.escalation import ConfidenceMonitor
+from orchestrator.core.config import EscalationConfig
+from orchestrator.core.escalation import ON_ESCALATE_ROLLBACK, ConfidenceMonitor
 from orchestrator.core.kv_cache import SeqKV
-from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestState,
-                                RouteDecision)
+from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
+                                RequestState, RouteDecision)
 
 
 @dataclass(slots=True, eq=False)
@@ -48,3 +51,64 @@ class Sequence:
 
     def is_decoding(self) -> bool:
         return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_generated > 0
+
+    # ------------------------------------------------------------------ token rules (every engine's)
+    # The scheduler (local engine) and TritonServing (members behind Triton) both go through these, so a
+    # request stops, escalates, holds back and streams the same way whichever engine serves it.
+    def append_token(self, token_id: int, logprob: float, top_logprobs: tuple = ()) -> None:
+        """Records one generated token on the current member (its span grows, or a new span starts)."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top_logprobs)
+        if self.spans and self.spans[-1].member == self.member:
+            self.spans[-1] = MemberSpan(self.member, self.spans[-1].num_tokens + 1)
+        else:
+            self.spans.append(MemberSpan(self.member, 1))
+
+    def stop_reason(self, token_id: int, eos_token_ids: Collection[int], context_tokens: int) -> FinishReason | None:
+        """Why the request ends after token_id (just appended), or None: a stop token or EOS once min_tokens
+        are out, max_tokens, or the current member's context full."""
+        sampling = self.request.sampling
+        if self.num_generated >= sampling.min_tokens:
+            if token_id in sampling.stop_token_ids:
+                return FinishReason.STOP
+            if not sampling.ignore_eos and token_id in eos_token_ids:
+                return FinishReason.STOP
+        if self.num_generated >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        if len(self.token_ids) >= context_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def roll_back_for_handover(self) -> int:
+        """Drops the low-confidence tail the monitor asks to regenerate (never tokens already sent to the
+        client); returns how many went."""
+        rollback = min(self.monitor.rollback_tokens(), self.num_generated - self.num_emitted_tokens)
+        if rollback > 0:
+            del self.token_ids[-rollback:], self.logprobs[-rollback:], self.top_logprobs[-rollback:]
+            last = self.spans[-1]
+            self.spans[-1] = MemberSpan(last.member, last.num_tokens - rollback)
+            if self.spans[-1].num_tokens == 0:
+                self.spans.pop()
+        return max(0, rollback)
+
+    def holdback_tokens(self, config: EscalationConfig) -> int:
+        """Tokens kept from the client while a rollback could still drop them."""
+        if self.monitor is not None and config.on_escalate == ON_ESCALATE_ROLLBACK:
+            return config.window_tokens
+        return 0
+
+    def next_output(self, holdback_tokens: int, final: bool = False) -> RequestOutput | None:
+        """The tokens not yet sent, less the held-back tail (all of them when final); None if nothing is due."""
+        end = self.num_generated if final else max(self.num_emitted_tokens, self.num_generated - holdback_tokens)
+        if end <= self.num_emitted_tokens and not final:
+            return None
+        begin = self.num_emitted_tokens
+        offset = self.num_prompt_tokens
+        self.num_emitted_tokens = end
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=self.token_ids[offset + begin:offset + end],
+            new_logprobs=self.logprobs[begin:end], new_top_logprobs=self.top_logprobs[begin:end],
+            member=self.member, finished=final, finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens, num_cached_prompt_tokens=self.num_cached_prompt_tokens or 0,
+            spans=tuple(self.spans), route=self.route if begin == 0 else None, error=self.error)

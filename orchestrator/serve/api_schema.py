@@ -40,11 +40,37 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
     """Validates an OpenAI body; raises InvalidRequestError / ModelNotFoundError naming the field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
+    model, pinned = _model(body, family)
+    prompt_ids, context_tokens = _prompt(kind, body, tokenizer, family, model, pinned)
+    n = _opt(body, "n", int)
+    if n is not None and n != 1:
+        raise InvalidRequestError("only n=1 is supported", "n")
+    logprobs, top_logprobs = _logprobs(kind, body)
+    sampling = _sampling(kind, body, len(prompt_ids), context_tokens, model, top_logprobs)
+    stream, include_usage = _stream_options(body)
+    user = _opt(body, "user", str)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request = Request(
+        request_id=RequestId(f"{prefix}-{uuid.uuid4().hex}"), prompt_token_ids=prompt_ids, sampling=sampling,
+        arrival_s=time.monotonic(), session_id=session_id or user, pinned_member=pinned, profile=_profile(body),
+        cache_salt=_cache_salt(body),
+    )
+    return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=stream and include_usage,
+                         logprobs=logprobs, top_logprobs=top_logprobs, stop_strings=sampling.stop_strings)
+
+
+def _model(body: dict, family: FamilySpec) -> tuple[str, MemberName | None]:
+    """The model asked for (the family by default) and the member it pins, if it names one."""
     model = _opt(body, "model", str) or family.name
     if model != family.name and model not in family.member_names:
         raise ModelNotFoundError(f"model {model!r} does not exist; use {family.name!r} or one of "
                                  f"{', '.join(family.member_names)}", "model")
-    pinned = MemberName(model) if model != family.name else None
+    return model, (MemberName(model) if model != family.name else None)
+
+
+def _prompt(kind: str, body: dict, tokenizer: FamilyTokenizer, family: FamilySpec, model: str,
+            pinned: MemberName | None) -> tuple[list[int], int]:
+    """The prompt's token ids and the context they must fit (the pinned member's, else the family's)."""
     if kind == "chat":
         prompt_ids, field_name = _chat_prompt(body, tokenizer), "messages"
     else:
@@ -53,16 +79,17 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
     if len(prompt_ids) >= context_tokens:
         raise InvalidRequestError(f"prompt is {len(prompt_ids)} tokens; the context of {model} is "
                                   f"{context_tokens} tokens", field_name)
+    return prompt_ids, context_tokens
 
-    n = _opt(body, "n", int)
-    if n is not None and n != 1:
-        raise InvalidRequestError("only n=1 is supported", "n")
+
+def _sampling(kind: str, body: dict, num_prompt_tokens: int, context_tokens: int, model: str,
+              num_top_logprobs: int) -> SamplingParams:
     max_tokens, max_field = _max_tokens(body)
     if max_tokens is None:
-        remaining = context_tokens - len(prompt_ids)
+        remaining = context_tokens - num_prompt_tokens
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, remaining) if kind == "completion" else remaining
-    elif len(prompt_ids) + max_tokens > context_tokens:
-        raise InvalidRequestError(f"prompt ({len(prompt_ids)} tokens) + {max_field} ({max_tokens}) exceeds "
+    elif num_prompt_tokens + max_tokens > context_tokens:
+        raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + {max_field} ({max_tokens}) exceeds "
                                   f"the context of {model} ({context_tokens} tokens)", max_field)
     temperature = _opt_number(body, "temperature", 1.0)
     if not 0.0 <= temperature <= 2.0:
@@ -77,36 +104,36 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
     min_tokens = _opt(body, "min_tokens", int) or 0
     if not 0 <= min_tokens <= max_tokens:
         raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
-    stop = _stop_strings(body.get("stop"))
-    logprobs, top_logprobs = _logprobs(kind, body)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=_opt(body, "seed", int), stop_strings=_stop_strings(body.get("stop")),
+        ignore_eos=bool(_opt(body, "ignore_eos", bool)), min_tokens=min_tokens, num_top_logprobs=num_top_logprobs,
+    )
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
     stream = bool(_opt(body, "stream", bool))
     options = _opt(body, "stream_options", dict) or {}
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise InvalidRequestError("stream_options.include_usage must be a boolean", "stream_options")
-    user = _opt(body, "user", str)
+    return stream, include_usage
+
+
+def _profile(body: dict) -> Profile:
     profile_name = _opt(body, "mfs_profile", str) or Profile.LATENCY.value
     try:
-        profile = Profile(profile_name)
+        return Profile(profile_name)
     except ValueError:
         raise InvalidRequestError("mfs_profile must be 'latency' or 'quality'", "mfs_profile") from None
+
+
+def _cache_salt(body: dict) -> str | None:
     cache_salt = _opt(body, "cache_salt", str)
     if cache_salt == "":
         raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
-
-    sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=_opt(body, "seed", int), stop_strings=stop, ignore_eos=bool(_opt(body, "ignore_eos", bool)),
-        min_tokens=min_tokens, num_top_logprobs=top_logprobs,
-    )
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    request = Request(
-        request_id=RequestId(f"{prefix}-{uuid.uuid4().hex}"), prompt_token_ids=prompt_ids, sampling=sampling,
-        arrival_s=time.monotonic(), session_id=session_id or user, pinned_member=pinned, profile=profile,
-        cache_salt=cache_salt,
-    )
-    return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=stream and include_usage,
-                         logprobs=logprobs, top_logprobs=top_logprobs, stop_strings=stop)
+    return cache_salt
 
 
 def _opt(body: dict, name: str, kind: type) -> Any:

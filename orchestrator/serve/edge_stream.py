@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import orjson
@@ -18,11 +18,9 @@ from orchestrator.serve.api_schema import (
     logprob_entry, mfs_extension, usage, usage_chunk,
 )
 from orchestrator.core.errors import MFSError, RequestTimeoutError
+from orchestrator.serve.edge import Edge
 from orchestrator.serve.tokenizer import IncrementalDecoder
 from orchestrator.core.types import FinishReason, MemberSpan, RequestOutput, RouteDecision
-
-if TYPE_CHECKING:
-    from orchestrator.serve.server import Edge
 
 log = logging.getLogger("mfs.server")
 

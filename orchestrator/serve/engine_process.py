@@ -31,7 +31,7 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import EngineUnavailableError, MFSError
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput
-from orchestrator.serve.output_stream import StreamTable
+from orchestrator.serve.output_stream import OutputStream, put_all
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 log = logging.getLogger("mfs.engine_process")
@@ -85,59 +85,52 @@ def engine_main(config: MFSConfig, conn) -> None:
 
 
 class _EngineCore:
+    """LocalServing's EngineCore and executor, driven by the pipe: outputs collect in `pending` through each
+    request's sink and leave in one message per step (EngineCore.on_delivered)."""
+
     def __init__(self, config: MFSConfig):
         from orchestrator.serve.serving import LocalServing
 
         self.serving = LocalServing(config)
-        self.serving._executor = self.serving._make_executor()
+        self.core = self.serving.core
+        self.core.executor = self.serving._executor = self.serving._make_executor()
         self.serving._ready = True
-        self.pending_stats: tuple[int, dict] | None = None
-        self.live: set[RequestId] = set()
         self.pending: list[tuple[RequestId, Any]] = []
-        # LocalServing's step hands outputs to _deliver: here they are collected and sent once per step
-        self.serving._deliver = self.pending_outputs
-        self.serving._fail_running = self.fail_running
+        self.pending_stats: tuple[int, dict] | None = None
 
-    def pending_outputs(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self.pending.append((output.request_id, output))
-            if output.finished:
-                self.live.discard(output.request_id)
+    def sink(self, request_id: RequestId):
+        pending = self.pending
 
-    def fail_running(self, exc: Exception) -> None:
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
-        for request_id in self.live:
-            self.serving.scheduler.abort(request_id, message)
-        self.pending.extend((request_id, ErrorInfo("MFSError", message)) for request_id in self.live)
-        self.live.clear()
+        def put(item) -> None:
+            pending.append((request_id, ErrorInfo.of(item) if isinstance(item, BaseException) else item))
+        return put
 
     def handle(self, message: tuple) -> bool:
         """One command; False on stop."""
         kind = message[0]
-        serving = self.serving
+        core = self.core
         if kind == "add":
             request: Request = message[1]
             try:
-                serving.scheduler.add_request(request, serving.clock())
-                self.live.add(request.request_id)
+                core.add_request(request, self.sink(request.request_id))
             except Exception as exc:  # InvalidRequest / QueueFull: the stream's first item
                 self.pending.append((request.request_id, ErrorInfo.of(exc)))
         elif kind == "abort":
-            serving.scheduler.abort(message[1], finish_reason=message[2])
+            core.abort(message[1], finish_reason=message[2])
         elif kind == "abort_all":
-            for request_id in self.live:
-                serving.scheduler.abort(request_id, message[1])
+            core.abort_all(message[1])
         elif kind == "stats":
-            self.pending_stats = (message[1], serving.stats())
+            self.pending_stats = (message[1], self.serving.stats())
         elif kind == "stop":
             return False
         return True
 
     def run(self, conn) -> None:
-        serving = self.serving
+        core = self.core
+        core.on_delivered = lambda: self.flush(conn)
         while True:
             # commands first (cheap), then one step; with no work, block on the pipe instead of spinning
-            timeout = 0.0 if serving.scheduler.has_work() else _IDLE_POLL_S
+            timeout = 0.0 if core.has_work() else _IDLE_POLL_S
             while conn.poll(timeout):
                 if not self.handle(conn.recv()):
                     return
@@ -146,19 +139,19 @@ class _EngineCore:
                     self.flush(conn)
                     conn.send(("stats", *self.pending_stats))
                     self.pending_stats = None
-            if serving.scheduler.has_work():
+            self.flush(conn)                           # admission errors
+            if core.has_work():
                 try:
-                    serving._step()
+                    core.step()
                 except Exception as exc:  # a failed step fails its requests, never the engine
                     log.exception("engine step failed")
-                    serving._last_error = f"{type(exc).__name__}: {exc}"
-                    self.fail_running(exc)
-            self.flush(conn)
+                    core.last_error = f"{type(exc).__name__}: {exc}"
+                    core.fail_all(f"engine step failed: {core.last_error}")
 
     def flush(self, conn) -> None:
         if self.pending:
-            conn.send(("out", self.pending))
-            self.pending = []
+            conn.send(("out", self.pending))     # pickled here, so the list can be reused (the sinks hold it)
+            self.pending.clear()
 
 
 # ----------------------------------------------------------------------------- HTTP side
@@ -171,7 +164,8 @@ class ProcessServing:
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
-        self._streams = StreamTable()
+        # request id -> (its event loop, its stream); written on the loop, read by the pipe reader thread
+        self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._process = None
         self._conn = None
         self._reader: threading.Thread | None = None
@@ -236,7 +230,8 @@ class ProcessServing:
         if not self._accepting or self._dead is not None:
             raise EngineUnavailableError(self._dead or "engine is not accepting requests (starting or shutting down)")
         request_id = request.request_id
-        stream = self._streams.open(request_id)
+        stream = OutputStream()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._send(("add", request))
         finished = False
         try:
@@ -250,7 +245,7 @@ class ProcessServing:
                 if finished:
                     return
         finally:
-            self._streams.close(request_id)
+            self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)   # client went away: pages return at the engine's next step
 
@@ -289,9 +284,8 @@ class ProcessServing:
             while True:
                 message = conn.recv()
                 if message[0] == "out":
-                    self._streams.dispatch_threadsafe(
-                        [(request_id, item.exception() if isinstance(item, ErrorInfo) else item)
-                         for request_id, item in message[1]])
+                    self._dispatch([(request_id, item.exception() if isinstance(item, ErrorInfo) else item)
+                                    for request_id, item in message[1]])
                 elif message[0] == "stats":
                     with self._stats_cond:
                         self._stats_replies[message[1]] = message[2]
@@ -303,10 +297,23 @@ class ProcessServing:
             log.error("the engine process exited; failing %d open streams", len(self._streams))
         else:
             self._dead = "engine process stopped"
-        self._streams.dispatch_threadsafe([(request_id, EngineUnavailableError(self._dead))
-                                           for request_id in self._streams.ids()])
+        self._dispatch([(request_id, EngineUnavailableError(self._dead)) for request_id in list(self._streams)])
         with self._stats_cond:
             self._stats_cond.notify_all()
+
+
+    def _dispatch(self, items: list[tuple[RequestId, Any]]) -> None:
+        """A step's outputs to their streams: one call_soon_threadsafe per event loop (normally one)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put_all, batch)
+            except RuntimeError:      # that loop is closed: its streams are never read again
+                pass
 
 
 def _recv_with_timeout(conn, process, timeout_s: float) -> tuple:

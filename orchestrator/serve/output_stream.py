@@ -1,14 +1,14 @@
 """Per-request output streams on the asyncio side of a serving engine, fed once per engine step.
 
 The engine (a thread, or a separate process through its reader thread) hands ALL of a step's outputs to the
-event loop in one `call_soon_threadsafe` (`StreamTable.dispatch_threadsafe`), instead of one wake-up per request
-per token. A consumer that fell behind gets the outputs that queued up merged into one (`merge_outputs`): one
+event loop in one `call_soon_threadsafe` (`StepBatcher.flush`), instead of one wake-up per request per token. A consumer that fell behind gets the outputs that queued up merged into one (`merge_outputs`): one
 text delta and one SSE frame for several tokens, which is what keeps the edge's per-token work bounded under load.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 from orchestrator.core.types import RequestId, RequestOutput
@@ -60,44 +60,39 @@ class OutputStream:
         return item
 
 
-class StreamTable:
-    """request id -> (event loop, OutputStream). Written on the event loop; the engine side only dispatches."""
+class StepBatcher:
+    """Collects a step's outputs from the engine's sinks (on the engine thread, or the pipe reader) and hands
+    them to each event loop in ONE call_soon_threadsafe at flush() (EngineCore.on_delivered)."""
 
-    def __init__(self) -> None:
-        self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
+    def __init__(self, on_loop_gone: Callable[[RequestId], None]):
+        self._pending: list[tuple[asyncio.AbstractEventLoop, RequestId, OutputStream, Item]] = []
+        self._on_loop_gone = on_loop_gone
 
-    def __contains__(self, request_id: RequestId) -> bool:
-        return request_id in self._streams
+    def sink(self, request_id: RequestId, stream: OutputStream) -> Callable[[Item], None]:
+        """The caller's sink for one request (call it on the event loop that will read the stream)."""
+        loop = asyncio.get_running_loop()
+        pending = self._pending
 
-    def __len__(self) -> int:
-        return len(self._streams)
+        def put(item: Item) -> None:
+            pending.append((loop, request_id, stream, item))
+        return put
 
-    def ids(self) -> list[RequestId]:
-        return list(self._streams)
-
-    def open(self, request_id: RequestId) -> OutputStream:
-        stream = OutputStream()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        return stream
-
-    def close(self, request_id: RequestId) -> None:
-        self._streams.pop(request_id, None)
-
-    def dispatch_threadsafe(self, items: list[tuple[RequestId, Item]]) -> None:
-        """From any thread: one loop wake-up for a whole step's outputs (per loop; normally there is one)."""
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending[:] = list(self._pending), []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, Item]]] = {}
-        for request_id, item in items:
-            target = self._streams.get(request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], item))
-        for loop, batch in by_loop.items():
+        for loop, _, stream, item in batch:
+            by_loop.setdefault(loop, []).append((stream, item))
+        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:     # that caller's loop is gone: its streams can never be read again
-                for request_id in [r for r, (l, _) in self._streams.items() if l is loop]:
-                    self._streams.pop(request_id, None)
+                loop.call_soon_threadsafe(put_all, items)
+            except RuntimeError:     # that caller's loop is gone: nobody reads these streams any more
+                for gone_loop, request_id, _, _ in batch:
+                    if gone_loop is loop:
+                        self._on_loop_gone(request_id)
 
 
-def _put_all(batch: list[tuple[OutputStream, Item]]) -> None:
-    for stream, item in batch:
+def put_all(items: list[tuple[OutputStream, Item]]) -> None:
+    for stream, item in items:
         stream.put(item)

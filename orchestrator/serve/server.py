@@ -8,7 +8,6 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -19,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve.edge import Edge, ServerSettings
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
 from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
@@ -31,120 +31,106 @@ log = logging.getLogger("mfs.server")
 _KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
 
 
-@dataclass(slots=True)
-class ServerSettings:
-    api_key: str | None = None
-    request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
-    max_body_bytes: int = 4 * 2**20
-    grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
-
-
-@dataclass(slots=True)
-class Edge:
-    engine: ServingEngine
-    tokenizer: FamilyTokenizer
-    family: FamilySpec
-    settings: ServerSettings
-    metrics: ServerMetrics
-    draining: bool = False                     # set on SIGTERM: refuse new generations
-    loop: asyncio.AbstractEventLoop | None = None
-    stopping: asyncio.Future | None = None
-
-    def begin_drain(self) -> None:
-        """SIGTERM: refuse new work and let the engine finish or cancel in-flight requests within grace_s,
-        so open streams end with a final chunk before uvicorn's own shutdown timeout cuts them."""
-        self.draining = True
-        if self.loop is not None and self.stopping is None:
-            def stop() -> None:
-                self.stopping = asyncio.ensure_future(self.engine.stop(self.settings.grace_s))
-            self.loop.call_soon_threadsafe(stop)
-
-
 def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: FamilySpec,
                settings: ServerSettings) -> FastAPI:
     edge = Edge(engine, tokenizer, family, settings, ServerMetrics(engine.stats))
-    created_s = int(time.time())
+    app = FastAPI(title="MFS", lifespan=_lifespan(edge), docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.edge = edge
+    app.include_router(_v1_routes(edge, created_s=int(time.time())))
+    _add_probe_routes(app, edge)
+    _install_error_handlers(app)
+    app.add_middleware(_ResponseCounter, metrics=edge.metrics)
+    return app
 
+
+def _lifespan(edge: Edge):
+    """Starts the engine with the app; on shutdown waits for a drain SIGTERM began, then stops it."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         edge.loop = asyncio.get_running_loop()
-        await engine.start()
+        await edge.engine.start()
         try:
             yield
         finally:
             if edge.stopping is not None:
                 await edge.stopping
-            await engine.stop(settings.grace_s)    # idempotent; finishes what a drain started
+            await edge.engine.stop(edge.settings.grace_s)    # idempotent; finishes what a drain started
+    return lifespan
 
-    app = FastAPI(title="MFS", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.edge = edge
 
+def _authorizer(settings: ServerSettings):
     async def authorize(request: HTTPRequest) -> None:
         if settings.api_key is None:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
             raise AuthenticationError("missing or incorrect API key (Authorization: Bearer KEY)")
+    return authorize
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
-    async def generate(kind: str, request: HTTPRequest) -> Response:
-        if edge.draining:
-            raise EngineUnavailableError("server is shutting down")
-        body = await _read_json(request, settings.max_body_bytes)
-        session_id = request.headers.get("x-session-id") or None
-        parsed = parse_request(kind, body, tokenizer=tokenizer, family=family, session_id=session_id)
-        gen = Generation(edge, parsed, IncrementalDecoder(tokenizer, parsed.stop_strings))
-        try:
-            if parsed.stream:
-                first = await unless_disconnected(request, gen.next_delta())
-                return SSEResponse(gen, first)
-
-            async def run_to_end() -> None:
-                while not gen.done:
-                    await gen.next_delta()
-            await unless_disconnected(request, run_to_end())
-            return JSONResponse(gen.response())
-        except ClientGone:
-            await gen.close()
-            return Response(status_code=499)      # nobody reads it; nginx's "client closed request"
-        except BaseException:
-            await gen.close()
-            raise
-        finally:
-            if not parsed.stream:
-                await gen.close()
+def _v1_routes(edge: Edge, created_s: int) -> APIRouter:
+    """/v1: the two generation endpoints, the model list and the stats snapshot, behind the API key."""
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(edge.settings))])
 
     @v1.post("/completions")
     async def completions(request: HTTPRequest) -> Response:
-        return await generate("completion", request)
+        return await _generate(edge, "completion", request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: HTTPRequest) -> Response:
-        return await generate("chat", request)
+        return await _generate(edge, "chat", request)
 
     @v1.get("/models")
     async def models() -> dict:
-        return models_list(family, created_s)
+        return models_list(edge.family, created_s)
 
     @v1.get("/stats")
     async def stats() -> dict:
-        return engine.stats()
+        return edge.engine.stats()
 
+    return v1
+
+
+def _add_probe_routes(app: FastAPI, edge: Edge) -> None:
+    """/health (503 while starting or draining) and /metrics (Prometheus), open without the API key."""
     @app.get("/health")
     async def health() -> Response:
-        ready = engine.is_ready() and not edge.draining
+        ready = edge.engine.is_ready() and not edge.draining
         state = "ok" if ready else ("draining" if edge.draining else "starting")
-        return JSONResponse({"status": state, "family": family.name}, status_code=200 if ready else 503)
+        return JSONResponse({"status": state, "family": edge.family.name}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(edge.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    app.include_router(v1)
-    _install_error_handlers(app)
-    app.add_middleware(_ResponseCounter, metrics=edge.metrics)
-    return app
+
+async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
+    """One completion or chat request: SSE when it streams, one JSON body otherwise; 499 if the client left."""
+    if edge.draining:
+        raise EngineUnavailableError("server is shutting down")
+    body = await _read_json(request, edge.settings.max_body_bytes)
+    session_id = request.headers.get("x-session-id") or None
+    parsed = parse_request(kind, body, tokenizer=edge.tokenizer, family=edge.family, session_id=session_id)
+    gen = Generation(edge, parsed, IncrementalDecoder(edge.tokenizer, parsed.stop_strings))
+    try:
+        if parsed.stream:
+            first = await unless_disconnected(request, gen.next_delta())
+            return SSEResponse(gen, first)
+
+        async def run_to_end() -> None:
+            while not gen.done:
+                await gen.next_delta()
+        await unless_disconnected(request, run_to_end())
+        return JSONResponse(gen.response())
+    except ClientGone:
+        await gen.close()
+        return Response(status_code=499)      # nobody reads it; nginx's "client closed request"
+    except BaseException:
+        await gen.close()
+        raise
+    finally:
+        if not parsed.stream:
+            await gen.close()
 
 
 async def _read_json(request: HTTPRequest, limit_bytes: int) -> Any:
@@ -235,7 +221,7 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     from orchestrator.core.config import ConfigError, load_config
     from orchestrator.core.family import FamilyError
-    from orchestrator.serve.serving import build_serving_engine
+    from orchestrator.serve.factory import build_serving_engine
 
     overrides = {key: value for key, value in (("family", args.family), ("engine.kind", args.engine),
                                                 ("engine.triton_url", args.triton_url)) if value is not None}

@@ -60,6 +60,10 @@ class FamilyTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def vocab_texts(self) -> list[str]:
+        """Every id's text, index = id (what the core's complexity estimator reads)."""
+        return [self.token_text(token_id) for token_id in range(self.vocab_size)]
+
 
 def _token_text(value) -> str | None:
     if isinstance(value, dict):

@@ -17,13 +17,16 @@ from typing import Any
 
 from engines.triton.client import TritonClient
 from orchestrator.core.block_hash import chain_block_hashes, hash_seed
+from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.errors import EngineUnavailableError, QueueFullError
+from orchestrator.core.errors import EngineUnavailableError, ModelNotFoundError, QueueFullError
+from orchestrator.core.escalation import ConfidenceMonitor, can_escalate, handover_target
 from orchestrator.core.events import Stats
 from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.core.router import MemberLoad, Router, SessionAffinity
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, RequestOutput, RouteDecision
 from orchestrator.serve.tokenizer import FamilyTokenizer
-from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
-                                RouteDecision)
 
 log = logging.getLogger("mfs.triton")
 PROBE_INTERVAL_S = 0.5
@@ -76,6 +79,18 @@ class _InFlight:
 
 
 @dataclass(slots=True)
+class _Span:
+    """One member's turn at a request: a Triton stream over the context the request has so far."""
+
+    member: str
+    context: list[int]                # prompt + tokens kept so far: what Triton prefills
+    predicted_hit_tokens: int = 0
+    reused_blocks: int | None = None  # Triton's kv_cache_reused_blocks for this stream
+    num_streamed_tokens: int = 0      # tokens Triton generated here (before any rollback)
+    escalated_to: str | None = None
+
+
+@dataclass(slots=True)
 class _EstimateCounters:
     predicted_hit_tokens: int = 0     # what the prefix index expected Triton to reuse
     reported_hit_tokens: int = 0      # what Triton reported (kv_cache_reused_blocks x tokens_per_block)
@@ -109,7 +124,7 @@ class TritonServing:
         self._seed = hash_seed(self.family.members[0].tokenizer_hash, None)
         self._in_flight: dict[RequestId, _InFlight] = {}
         self._aborted: set[RequestId] = set()   # ended at their next streamed token, like LocalServing's abort
-        self._sessions: dict[str, str] = {}
+        self._sessions = SessionAffinity()
         self._ready = False
         self._accepting = False
         self._probe_task: asyncio.Task | None = None
@@ -117,8 +132,6 @@ class TritonServing:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        from orchestrator.core.router import Router
-
         self._router = Router(self.family, self.config.router)
         self._accepting = True
         await self.client.connect()
@@ -211,12 +224,11 @@ class TritonServing:
         limit = self.config.scheduler.max_queue + self.config.scheduler.max_running_requests
         if len(self._in_flight) >= limit:
             raise QueueFullError(f"{len(self._in_flight)} requests in flight (limit {limit})")
-        route = self._route(request)
-        member = route.member if route is not None else str(request.pinned_member)
-        state = _InFlight(member, len(request.prompt_token_ids))
+        seq = self._sequence(request, self._route(request))
+        state = _InFlight(seq.member, len(request.prompt_token_ids))
         self._in_flight[request.request_id] = state
         try:
-            async for output in self._run(request, member, route, state):
+            async for output in self._run(seq, state):
                 yield output
         finally:
             self._in_flight.pop(request.request_id, None)
@@ -225,11 +237,8 @@ class TritonServing:
     def _route(self, request: Request) -> RouteDecision | None:
         if request.pinned_member is not None:
             if request.pinned_member not in self.member_names:
-                from orchestrator.core.errors import ModelNotFoundError
                 raise ModelNotFoundError(f"no member {request.pinned_member!r} in family {self.family_name}")
             return None
-        from orchestrator.core.router import MemberLoad
-
         complexity = request.complexity_hint
         if complexity is None:
             complexity = self._complexity(request.prompt_token_ids)
@@ -243,10 +252,19 @@ class TritonServing:
         self.stats_counters.record_route(decision)
         return decision
 
+    def _sequence(self, request: Request, route: RouteDecision | None) -> Sequence:
+        """The core's state for the request: the same token rules as the local engine's scheduler applies."""
+        member = route.member if route is not None else MemberName(str(request.pinned_member))
+        seq = Sequence(request=request, member=member, token_ids=list(request.prompt_token_ids),
+                       num_prompt_tokens=len(request.prompt_token_ids), route=route,
+                       complexity=route.complexity if route is not None else 0.0)
+        if can_escalate(self.config.escalation, self.family, member, request.pinned_member is not None):
+            seq.monitor = ConfidenceMonitor(self.config.escalation)
+        return seq
+
     def _complexity(self, token_ids: list[int]) -> float:
         if self._estimator is None:   # built on first use: decoding a large vocabulary takes a moment
-            from orchestrator.serve.serving import build_estimator
-            self._estimator = build_estimator(self.tokenizer)
+            self._estimator = estimator_for_vocab(self.tokenizer.vocab_texts())
         return self._estimator.score(token_ids)
 
     def _hashes(self, member: str, token_ids: list[int]) -> list[bytes]:
@@ -257,97 +275,104 @@ class TritonServing:
         hashes = self._hashes(member, token_ids[:-1])
         return self.index[member].match_blocks(hashes) * self.tokens_per_block[member]
 
-    async def _run(self, request: Request, member: str, route: RouteDecision | None,
-                   state: _InFlight) -> AsyncIterator[RequestOutput]:
-        from orchestrator.core.escalation import ConfidenceMonitor, escalation_target
-
-        sampling = request.sampling
-        monitor = ConfidenceMonitor(self.config.escalation)
-        generated: list[int] = []
-        spans: list[MemberSpan] = []
-        prompt = list(request.prompt_token_ids)
-        num_cached = 0
-        first_output = True
-        stop_ids = set(sampling.stop_token_ids)
+    async def _run(self, seq: Sequence, state: _InFlight) -> AsyncIterator[RequestOutput]:
+        """One Triton stream per member the request visits: the routed one, then each escalation target."""
         while True:
-            context = prompt + generated
-            predicted = self._predicted_hit_tokens(member, context)
-            self.estimate.predicted_hit_tokens += predicted
-            end_id = -1 if sampling.ignore_eos else self._end_id(member)
-            span_start = len(generated)
-            escalate_to: str | None = None
-            finish: FinishReason | None = None
-            reused_blocks: int | None = None
-            stream = self.client.generate(member, context, sampling, f"{request.request_id}-{len(spans)}",
-                                          end_id, sampling.max_tokens - len(generated))
+            span = _Span(seq.member, list(seq.token_ids))
+            span.predicted_hit_tokens = self._predicted_hit_tokens(span.member, span.context)
+            self.estimate.predicted_hit_tokens += span.predicted_hit_tokens
             try:
-                async for delta in stream:
-                    if delta.reused_blocks is not None:
-                        reused_blocks = delta.reused_blocks
-                    new_ids, new_logprobs = [], []
-                    if request.request_id in self._aborted:
-                        finish = FinishReason.CANCELLED
-                    for token, logprob in zip(delta.token_ids if finish is None else (), delta.logprobs):
-                        new_ids.append(token)
-                        new_logprobs.append(logprob)
-                        generated.append(token)
-                        if token in stop_ids or (not sampling.ignore_eos and token == end_id):
-                            finish = FinishReason.STOP
-                            break
-                        if len(generated) >= sampling.max_tokens:
-                            finish = FinishReason.LENGTH
-                            break
-                        # top-1 estimate: probability of the chosen token (exact for greedy decoding).
-                        if monitor.observe(math.exp(logprob)):
-                            escalate_to = escalation_target(self.family, member, request.pinned_member is not None)
-                            if escalate_to is not None:
-                                break
-                    state.tokens = len(prompt) + len(generated)
-                    if first_output and reused_blocks is not None:
-                        num_cached = reused_blocks * self.tokens_per_block[member]
-                    done = finish is not None or (delta.final and escalate_to is None)
-                    if done and finish is None:
-                        finish = FinishReason.LENGTH if len(generated) >= sampling.max_tokens else FinishReason.STOP
-                    if new_ids or done:
-                        out_spans = tuple(spans) + (MemberSpan(MemberName(member), len(generated) - span_start),)
-                        yield RequestOutput(
-                            request_id=request.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs,
-                            new_top_logprobs=[() for _ in new_ids], member=MemberName(member), finished=done,
-                            finish_reason=finish if done else None, num_prompt_tokens=len(prompt),
-                            num_cached_prompt_tokens=num_cached, spans=out_spans if done else (),
-                            route=route if first_output else None)
-                        first_output = False
-                    if done or escalate_to is not None:
-                        break
+                async for output in self._stream_span(seq, span, state):
+                    yield output
             except EngineUnavailableError:
                 self._mark_down("stream failed")
-                self.stats_counters.on_request_done(member, "failed")
+                self.stats_counters.on_request_done(span.member, "failed")
                 raise
             except (asyncio.CancelledError, GeneratorExit):
-                self.stats_counters.on_request_done(member, "cancelled")
+                self.stats_counters.on_request_done(span.member, "cancelled")
                 raise
             except Exception:
-                self.stats_counters.on_request_done(member, "failed")
+                self.stats_counters.on_request_done(span.member, "failed")
                 raise
-            finally:
-                await stream.aclose()   # cancels the Triton request if we stopped reading early
-            self._account(member, context, predicted, reused_blocks, len(generated) - span_start)
-            spans.append(MemberSpan(MemberName(member), len(generated) - span_start))
-            if escalate_to is None:
-                self.stats_counters.on_request_done(
-                    member, "cancelled" if finish is FinishReason.CANCELLED else "finished")
-                if request.session_id:
-                    self._sessions[request.session_id] = member
+            self._account(span.member, span.context, span.predicted_hit_tokens, span.reused_blocks,
+                          span.num_streamed_tokens)
+            if span.escalated_to is None:
+                self._finish(seq)
                 return
-            # Escalation: the larger member continues from prompt + generated; its own cache serves what it holds.
-            self.stats_counters.on_escalation(member, escalate_to)
-            member = escalate_to
-            state.member = member
-            monitor.reset()
+            # The larger member continues from prompt + kept tokens; its own cache serves what it holds.
+            self.stats_counters.on_escalation(span.member, span.escalated_to)
 
-    def _end_id(self, member: str) -> int | None:
-        eos = self.family.member(member).eos_token_ids
-        return eos[0] if eos else None
+    async def _stream_span(self, seq: Sequence, span: _Span, state: _InFlight) -> AsyncIterator[RequestOutput]:
+        """Streams span.member's answer into seq until the request finishes or escalates."""
+        sampling = seq.request.sampling
+        stream = self.client.generate(span.member, span.context, sampling, f"{seq.request_id}-{len(seq.spans)}",
+                                      self._end_id(seq), sampling.max_tokens - seq.num_generated)
+        holdback = seq.holdback_tokens(self.config.escalation)
+        try:
+            async for delta in stream:
+                if delta.reused_blocks is not None:
+                    span.reused_blocks = delta.reused_blocks
+                    if seq.num_cached_prompt_tokens is None:
+                        seq.num_cached_prompt_tokens = min(delta.reused_blocks * self.tokens_per_block[span.member],
+                                                           seq.num_prompt_tokens)
+                if seq.request_id in self._aborted:
+                    seq.finish_reason = FinishReason.CANCELLED
+                else:
+                    self._take_tokens(seq, span, state, delta.token_ids, delta.logprobs)
+                done = seq.finish_reason is not None or (delta.final and span.escalated_to is None)
+                if done and seq.finish_reason is None:   # Triton ended the stream itself (its end_id, its limit)
+                    seq.finish_reason = (FinishReason.LENGTH if seq.num_generated >= sampling.max_tokens
+                                         else FinishReason.STOP)
+                state.tokens = len(seq.token_ids)
+                output = seq.next_output(holdback, final=done)
+                if output is not None:
+                    yield output
+                if done or span.escalated_to is not None:
+                    return
+        finally:
+            await stream.aclose()   # cancels the Triton request if we stopped reading early
+
+    def _take_tokens(self, seq: Sequence, span: _Span, state: _InFlight, token_ids: list[int],
+                     logprobs: list[float]) -> None:
+        """Appends streamed tokens by the core's rules; stops at a finish or a handover (the rest is dropped)."""
+        spec = self.family.member(span.member)
+        for token, logprob in zip(token_ids, logprobs):
+            span.num_streamed_tokens += 1
+            seq.append_token(token, logprob)
+            reason = seq.stop_reason(token, spec.eos_token_ids, spec.context_tokens)
+            if reason is not None:
+                seq.finish_reason = reason
+                return
+            # top-1 estimate: probability of the chosen token (exact for greedy decoding).
+            if seq.monitor is not None and seq.monitor.observe(math.exp(logprob)):
+                target = handover_target(self.family, seq.member, seq.request.pinned_member is not None,
+                                         len(seq.token_ids))
+                if target is not None:
+                    self._hand_over(seq, target)
+                    span.escalated_to = state.member = target
+                    return
+
+    def _hand_over(self, seq: Sequence, target: str) -> None:
+        seq.roll_back_for_handover()
+        seq.member = MemberName(target)
+        seq.monitor.reset()
+        if not can_escalate(self.config.escalation, self.family, target, seq.request.pinned_member is not None):
+            seq.monitor = None
+
+    def _finish(self, seq: Sequence) -> None:
+        cancelled = seq.finish_reason is FinishReason.CANCELLED
+        self.stats_counters.on_request_done(seq.member, "cancelled" if cancelled else "finished")
+        if seq.request.session_id:
+            self._sessions.record(seq.request.session_id, seq.member)
+
+    def _end_id(self, seq: Sequence) -> int:
+        """The end token Triton may stop on by itself: none (-1) while EOS must not end the request
+        (ignore_eos, or min_tokens not reached yet: then MFS applies the stop rule client-side)."""
+        sampling = seq.request.sampling
+        eos = self.family.member(seq.member).eos_token_ids
+        if sampling.ignore_eos or sampling.min_tokens > seq.num_generated or not eos:
+            return -1
+        return eos[0]
 
     def _account(self, member: str, context: list[int], predicted_tokens: int, reused_blocks: int | None,
                  num_generated: int) -> None:

@@ -1,15 +1,16 @@
 """Triton python-backend model: one family member on the local MFS engine, behind the tensorrt_llm tensor interface.
 
 Copied into <repo>/<member>/1/model.py by build-engines --backend python. The Triton-facing class is a thin
-binding over MemberWorker (no Triton imports), which runs LocalServing on its own asyncio loop thread with
-every request pinned to this member and escalation off: one member per model, like tensorrt_llm.
+binding over MemberWorker (no Triton imports), which runs the core's EngineCore step loop over the local
+executor with every request pinned to this member and escalation off: one member per model, like
+tensorrt_llm. It depends on the engine (engines.local) and the core only, never on the serving edge.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
+import queue
 import sys
 import threading
 import time
@@ -31,7 +32,6 @@ except ImportError:  # unit tests drive MemberWorker directly
 KV_METRIC_NAME = "nv_trt_llm_kv_cache_block_metrics"
 KV_METRIC_HELP = "TRT LLM KV cache block metrics"
 KV_BLOCK_TYPES = ("max", "free", "used", "tokens_per", "reused", "fraction")
-START_TIMEOUT_S = 600.0
 
 
 @dataclass(slots=True)
@@ -110,12 +110,14 @@ class KVBlockStats:
 
 
 class MemberWorker:
-    """LocalServing for one member on a private asyncio loop thread; Triton-independent."""
+    """One member on the local engine, driven by the core's EngineCore on its own engine thread; Triton-independent.
 
-    def __init__(self, family_dir: str, member: str, num_pages: int, page_bytes: int, dtype: str,
-                 serving_factory: Callable | str | None = None):
+    Requests are pinned to this member and escalation is off (one member per model, like tensorrt_llm), so
+    no routing decision is ever made here: the prompt's complexity is not scored (complexity_hint=0)."""
+
+    def __init__(self, family_dir: str, member: str, num_pages: int, page_bytes: int, dtype: str):
         from orchestrator.core.config import load_config
-        from orchestrator.core.family import load_family
+        from orchestrator.core.family import dtype_bytes, load_family
 
         self.member = member
         self.family = load_family(family_dir)
@@ -125,46 +127,77 @@ class MemberWorker:
             "engine.kind": "local", "engine.device": "cpu", "engine.dtype": dtype, "engine.num_threads": 1,
             "escalation.enabled": False, "escalation.warmup": False, "pool.host_tier_mb": 0.0,
         })
-        from orchestrator.core.family import dtype_bytes
         self.kv = KVBlockStats(spec.tokens_per_block(page_bytes, dtype_bytes(dtype)), spec.num_layers)
-        self._factory = serving_factory
-        self._serving = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"mfs-{member}", daemon=True)
+        self.core = None
+        self._running = False
+        self._thread: threading.Thread | None = None
+        # Responses go out on their own thread: a Triton send is IPC, and the engine thread must not wait on it.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name=f"mfs-{member}-send", daemon=True)
 
     def start(self) -> None:
+        from engines.local.executor import LocalExecutor
+        from orchestrator.core.complexity import ComplexityEstimator
+        from orchestrator.core.engine_core import EngineCore
+
+        self.core = EngineCore(self.config, self.family, ComplexityEstimator(()), time.monotonic)
+        cfg = self.config
+        self.core.executor = LocalExecutor(self.family, num_pages=self.core.pool.num_pages,
+                                           page_bytes=cfg.pool.page_bytes, dtype=cfg.engine.dtype, device="cpu",
+                                           num_threads=cfg.engine.num_threads)
+        self._running = True
+        self._thread = threading.Thread(target=self.core.run, args=(lambda: self._running,),
+                                        name=f"mfs-{self.member}", daemon=True)
         self._thread.start()
-        if self._factory is None:
-            from orchestrator.serve.serving import LocalServing
-            self._factory = LocalServing
-        elif isinstance(self._factory, str):   # "module:Class" from the model parameters
-            import importlib
-            module, _, name = self._factory.partition(":")
-            self._factory = getattr(importlib.import_module(module), name)
-        self._serving = self._factory(self.config)
-        asyncio.run_coroutine_threadsafe(self._serving.start(), self._loop).result(START_TIMEOUT_S)
+        self._sender.start()
 
     def stop(self) -> None:
-        if self._serving is not None:
+        if self.core is not None:
+            self.core.abort_all("model unloading")
+            deadline = time.monotonic() + 1.0
+            while self.core.has_work() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self._running = False
+            self.core.wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self._outbox.put(None)
+        if self._sender.is_alive():
+            self._sender.join(timeout=5.0)
+
+    def _send_loop(self) -> None:
+        while (entry := self._outbox.get()) is not None:
+            relay, item = entry
             try:
-                asyncio.run_coroutine_threadsafe(self._serving.stop(1.0), self._loop).result(10.0)
-            except Exception:  # shutting down: the stub exits next anyway
-                pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5.0)
+                relay(item)
+            except Exception as exc:  # a failed send ends that request, never the sender
+                relay.cancel()
+                if not relay.done.done():
+                    relay.done.set_exception(exc)
 
     def submit(self, inputs: GenerationInputs, emit: Callable[[Chunk], None],
                is_cancelled: Callable[[], bool]) -> Future:
-        return asyncio.run_coroutine_threadsafe(self._run(inputs, emit, is_cancelled), self._loop)
+        """Queues one request; emit gets its chunks on the engine thread. The future resolves when it ends."""
+        done: Future = Future()
+        request = self._request(inputs)
+        relay = _Relay(inputs.streaming, emit, is_cancelled, done,
+                       cancel=lambda: self.core.abort(request.request_id), on_end=self._count_reused)
+        try:
+            self.core.add_request(request, lambda item: self._outbox.put((relay, item)))
+        except Exception as exc:  # invalid or over capacity: report it to the client at once
+            relay(exc)
+        return done
 
     def kv_metrics(self) -> dict[str, float]:
-        return self.kv.update(self._serving.stats() if self._serving is not None else {})
+        return self.kv.update(self.core.snapshot() if self.core is not None else {})
 
-    async def _run(self, inputs: GenerationInputs, emit: Callable[[Chunk], None],
-                   is_cancelled: Callable[[], bool]) -> None:
+    def _count_reused(self, cached_tokens: int) -> None:
+        self.kv.reused_blocks_total += cached_tokens // self.kv.tokens_per_block
+
+    def _request(self, inputs: GenerationInputs):
         from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 
-        request = Request(
+        return Request(
             request_id=RequestId(f"triton-{uuid.uuid4().hex[:12]}"), prompt_token_ids=inputs.token_ids,
             sampling=SamplingParams(max_tokens=inputs.max_tokens, temperature=inputs.temperature,
                                     top_p=inputs.top_p, top_k=inputs.top_k, seed=inputs.seed,
@@ -172,32 +205,47 @@ class MemberWorker:
                                     stop_token_ids=() if inputs.end_id is None or inputs.end_id < 0
                                     else (inputs.end_id,),
                                     ignore_eos=inputs.end_id is not None and inputs.end_id < 0),
-            arrival_s=time.monotonic(), pinned_member=MemberName(self.member))
-        all_ids: list[int] = []
-        all_logprobs: list[float] = []
-        cached = 0
-        try:
-            async for out in self._serving.generate(request):
-                if out.error:
-                    emit(Chunk([], [], cached, final=True, error=out.error))
-                    return
-                cached = max(cached, out.num_cached_prompt_tokens)
-                if is_cancelled():
-                    self._serving.abort(request.request_id)
-                    return
-                if inputs.streaming and (out.new_token_ids or out.finished):
-                    emit(Chunk(list(out.new_token_ids), list(out.new_logprobs), cached, final=out.finished))
-                all_ids += out.new_token_ids
-                all_logprobs += out.new_logprobs
-                if out.finished:
-                    break
-        except Exception as exc:  # report to the client instead of leaving its stream open
-            emit(Chunk([], [], cached, final=True, error=f"{type(exc).__name__}: {exc}"))
+            arrival_s=time.monotonic(), pinned_member=MemberName(self.member), complexity_hint=0.0)
+
+
+@dataclass(slots=True)
+class _Relay:
+    """One request's sink: core outputs -> Chunks (each delta when streaming, everything at the end otherwise)."""
+
+    streaming: bool
+    emit: Callable[[Chunk], None]
+    is_cancelled: Callable[[], bool]
+    done: Future
+    cancel: Callable[[], None]
+    on_end: Callable[[int], None]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+
+    def __call__(self, item) -> None:
+        if self.done.done():
             return
-        finally:
-            self.kv.reused_blocks_total += cached // self.kv.tokens_per_block
-        if not inputs.streaming:
-            emit(Chunk(all_ids, all_logprobs, cached, final=True))
+        if isinstance(item, BaseException) or item.error:
+            message = item.error if not isinstance(item, BaseException) else f"{type(item).__name__}: {item}"
+            self._end(Chunk([], [], self.cached_tokens, final=True, error=message))
+            return
+        self.cached_tokens = max(self.cached_tokens, item.num_cached_prompt_tokens)
+        if self.is_cancelled():   # the client went away: free the pages, send nothing more
+            self.cancel()
+            self._end(None)
+            return
+        self.token_ids += item.new_token_ids
+        self.logprobs += item.new_logprobs
+        if self.streaming and (item.new_token_ids or item.finished):
+            self.emit(Chunk(list(item.new_token_ids), list(item.new_logprobs), self.cached_tokens, final=item.finished))
+        if item.finished:
+            self._end(None if self.streaming else Chunk(self.token_ids, self.logprobs, self.cached_tokens, final=True))
+
+    def _end(self, last: Chunk | None) -> None:
+        self.on_end(self.cached_tokens)
+        if last is not None:
+            self.emit(last)
+        self.done.set_result(None)
 
 
 # ----------------------------------------------------------------------------- Triton binding
@@ -207,8 +255,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.member = params["mfs_member"]
         self.worker = MemberWorker(params["mfs_family_dir"], self.member, int(params["mfs_num_pages"]),
-                                   int(params["mfs_page_bytes"]), params["mfs_dtype"],
-                                   params.get("mfs_serving_factory") or None)
+                                   int(params["mfs_page_bytes"]), params["mfs_dtype"])
         self.worker.start()
         family = pb_utils.MetricFamily(name=KV_METRIC_NAME, description=KV_METRIC_HELP,
                                        kind=pb_utils.MetricFamily.GAUGE)

@@ -1,0 +1,243 @@
+"""EngineCore: the family on one StepExecutor (page pool, KV cache manager, tiers, scheduler) and its step loop.
+
+Engine-agnostic and caller-agnostic: it knows the StepExecutor protocol, never a model, and hands each
+RequestOutput to the sink its request registered. Whoever runs it owns the thread and where outputs go:
+LocalServing (the HTTP edge: asyncio streams) and the Triton python-backend model (one member per Triton
+model: Triton response senders) both run this loop, so the local engine behaves the same behind either.
+
+One step is schedule -> tier copies -> execute -> update. Scheduler state is guarded by `lock`, held only
+for the pure planning and bookkeeping calls, never while the model runs: add_request, abort and snapshot
+from other threads wait at most one planning call.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.engine_api import StepExecutor
+from orchestrator.core.errors import MFSError
+from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.family import FamilySpec, dtype_bytes
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.kv_layout import records_residuals
+from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.scheduler import Scheduler
+from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
+
+# A request's destination: every RequestOutput in order, or one MFSError when the engine step failed.
+# Called on the engine thread; it must not block or raise (hand the item to another thread's queue).
+Sink = Callable[[RequestOutput | MFSError], None]
+IDLE_WAIT_S = 0.05          # an idle loop re-checks this often even without a wake-up
+NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for pages): do not spin
+
+
+@dataclass(slots=True)
+class StepTimers:
+    """Cumulative wall time of the loop's phases over the steps that ran a model, from the step clock the runner
+    passes in (issue 15: the serving bench reads deltas of these through /v1/stats)."""
+
+    steps: int = 0
+    schedule_s: float = 0.0          # scheduler.schedule under the lock
+    prepare_s: float = 0.0           # delivering schedule's outputs, tier copies
+    execute_s: float = 0.0           # the model: executor.execute
+    update_s: float = 0.0            # scheduler.update under the lock
+    deliver_s: float = 0.0           # handing the step's outputs to the sinks
+    between_steps_s: float = 0.0     # end of one execute to the start of the next: all that is not the model
+    last_executed_s: float | None = None
+
+    def record(self, began: float, scheduled: float, executing: float, executed: float, updated: float,
+               delivered: float) -> None:
+        self.steps += 1
+        self.schedule_s += scheduled - began
+        self.prepare_s += executing - scheduled
+        self.execute_s += executed - executing
+        self.update_s += updated - executed
+        self.deliver_s += delivered - updated
+        if self.last_executed_s is not None and executing - self.last_executed_s < 1.0:   # not across idle time
+            self.between_steps_s += executing - self.last_executed_s
+        self.last_executed_s = executed
+
+    def to_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
+                "execute_s": self.execute_s, "update_s": self.update_s, "deliver_s": self.deliver_s,
+                "between_steps_s": self.between_steps_s}
+
+
+def build_tiers(config: MFSConfig) -> TieredStore | None:
+    """The host/disk tiers the pool config asks for (None when both are off)."""
+    pool = config.pool
+    host = HostTier(int(pool.host_tier_mb * 2**20)) if pool.host_tier_mb > 0 else None
+    disk = DiskTier(Path(pool.disk_dir), int(pool.disk_tier_mb * 2**20)) if pool.disk_tier_mb > 0 else None
+    return TieredStore(host, disk) if host is not None or disk is not None else None
+
+
+class EngineCore:
+    """Pool, KV manager, tiers and scheduler for one family on one executor; steps them and routes outputs."""
+
+    def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
+                 clock: Callable[[], float], step_clock: Callable[[], float] | None = None):
+        self.config = config
+        self.family = family
+        self.clock = clock
+        num_pages = config.num_arena_pages()
+        partitions = split_pages(num_pages, config.pool.static_split) if config.pool.static_split else None
+        self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
+        self.tiers = build_tiers(config)
+        self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
+                                 self.tiers, record_residuals=records_residuals(config))
+        self.events = EventLog()
+        self.stats_counters = Stats()
+        self.scheduler = Scheduler(family, config, self.pool, self.kv, estimator, self.tiers, self.events,
+                                   self.stats_counters)
+        self.executor: StepExecutor | None = None     # set before run(): building a model takes a while
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.num_steps = 0
+        self.last_error: str | None = None
+        self._sinks: dict[RequestId, Sink] = {}
+        # A runner that batches its sinks' hand-overs (one event-loop wake-up or one pipe message per step, not
+        # one per request) flushes here: called once after each delivery of a step's outputs.
+        self.on_delivered: Callable[[], None] | None = None
+        self.step_clock = step_clock                   # a fine wall clock: fills `timers` (None: not timed)
+        self.timers = StepTimers()
+
+    # ------------------------------------------------------------------ any thread
+    def add_request(self, request: Request, sink: Sink) -> None:
+        """Queues the request; its outputs go to sink. Raises InvalidRequest/QueueFull at once (nothing queued)."""
+        self._sinks[request.request_id] = sink
+        try:
+            with self.lock:
+                self.scheduler.add_request(request, self.clock())
+        except BaseException:
+            self._sinks.pop(request.request_id, None)
+            raise
+        self.wake.set()
+
+    def detach(self, request_id: RequestId) -> None:
+        """The caller stops listening (its outputs are dropped from now on); abort() ends the request."""
+        self._sinks.pop(request_id, None)
+
+    def abort(self, request_id: RequestId, reason: str | None = None,
+              finish_reason: FinishReason | None = None) -> None:
+        """Ends a request at the next step and returns its pages (see Scheduler.abort)."""
+        with self.lock:
+            self.scheduler.abort(request_id, reason, finish_reason=finish_reason)
+        self.wake.set()
+
+    def abort_all(self, reason: str) -> None:
+        with self.lock:
+            for request_id in list(self._sinks):
+                self.scheduler.abort(request_id, reason)
+        self.wake.set()
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return self.scheduler.has_work()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return self.scheduler.snapshot(self.clock())
+
+    # ------------------------------------------------------------------ engine thread
+    def run(self, is_running: Callable[[], bool], on_step_error: Callable[[Exception], None] | None = None) -> None:
+        """The engine loop: steps while there is work, sleeps on `wake` otherwise, until is_running() is False.
+        A failed step fails the requests it had (each sink gets an MFSError), never the loop."""
+        while is_running():
+            if not self.has_work():
+                self.wake.wait(IDLE_WAIT_S)
+                self.wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                if on_step_error is not None:
+                    on_step_error(exc)
+                self.fail_all(f"engine step failed: {self.last_error}")
+
+    def step(self) -> None:
+        tick = self.step_clock or _no_clock
+        began = tick()
+        with self.lock:
+            plan, outputs = self.scheduler.schedule(self.clock())
+        scheduled = tick()
+        self.deliver(outputs)
+        plan = self._copy_tiers(plan)
+        if not plan.batches:
+            if plan.released_requests:   # execute() releases them itself when it runs
+                self.executor.release(plan.released_requests)
+            if not outputs:
+                self.wake.wait(NOT_RUNNABLE_WAIT_S)
+                self.wake.clear()
+            return
+        executing = tick()
+        sampled = self.executor.execute(plan)
+        executed = tick()
+        self.num_steps += 1
+        with self.lock:
+            outputs = self.scheduler.update(plan, sampled, self.clock())
+        updated = tick()
+        self.deliver(outputs)
+        if self.step_clock is not None:
+            self.timers.record(began, scheduled, executing, executed, updated, tick())
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            sink = self._sinks.pop(output.request_id, None) if output.finished else self._sinks.get(output.request_id)
+            if sink is not None:
+                sink(output)
+        if outputs and self.on_delivered is not None:
+            self.on_delivered()
+
+    def fail_all(self, message: str) -> None:
+        """Aborts every listened-to request (pages return at the next step) and tells each sink why."""
+        self.abort_all(message)
+        for request_id in list(self._sinks):
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(MFSError(message))
+        if self.on_delivered is not None:
+            self.on_delivered()
+
+    def _copy_tiers(self, plan: StepPlan) -> StepPlan:
+        """Saves evicted pages to the host/disk tiers and loads tier hits, before the step overwrites them."""
+        if self.tiers is None:
+            return plan
+        now = self.clock()
+        stored, failed = copy_tier_pages(plan, self.tiers, self.executor)
+        for tier in stored:
+            self.stats_counters.on_offload(tier.value, 1)
+        if plan.page_saves:
+            self.events.emit(EventKind.OFFLOAD, now, None, None, num_pages=len(plan.page_saves))
+        if plan.page_loads:
+            self.events.emit(EventKind.LOAD, now, None, None, num_pages=len(plan.page_loads) - len(failed))
+        if failed:
+            with self.lock:
+                plan = self.scheduler.drop_failed_loads(plan, failed, now)
+        return plan
+
+
+def _no_clock() -> float:
+    return 0.0
+
+
+def copy_tier_pages(plan: StepPlan, tiers: TieredStore, executor: StepExecutor) -> tuple[list, list[PageId]]:
+    """Copies evicted pages out to the tiers, then tier hits into their fresh pages (in that order: a
+    page can be evicted and reloaded in one step). Returns the tiers that stored each saved page and
+    the pages whose load failed (missing, or a disk block that failed its checksum)."""
+    stored = [tier for page, key in plan.page_saves
+              if (tier := tiers.put(key, executor.read_page(page))) is not None]
+    failed = []
+    for page, key, _tier in plan.page_loads:
+        found = tiers.get(key)
+        if found is None:
+            failed.append(page)
+        else:
+            executor.write_page(page, found[0])
+    return stored, failed

@@ -1,0 +1,26 @@
+"""The engine factory: the ServingEngine a config asks for (the local engine, or routing over Triton).
+
+It sits above both serving loops so neither imports the other; the HTTP server, the CLI and the
+benchmarks ask here rather than choosing a class themselves.
+"""
+from __future__ import annotations
+
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.engine_api import ServingEngine
+
+
+def build_serving_engine(config: MFSConfig) -> ServingEngine:
+    """For engine.kind 'local': ProcessServing (engine.process 'separate', the default) or LocalServing ('thread');
+    TritonServing (MFS routing over Triton) for 'triton'.
+    Imports are deferred so a local deployment never needs the Triton client's packages, and back."""
+    if config.engine.kind == "triton":
+        from orchestrator.serve.triton_serving import TritonServing
+
+        return TritonServing(config)
+    if config.engine.process == "separate":      # the engine core in its own process (issue 15)
+        from orchestrator.serve.engine_process import ProcessServing
+
+        return ProcessServing(config)
+    from orchestrator.serve.serving import LocalServing
+
+    return LocalServing(config)
