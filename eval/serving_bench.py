@@ -71,6 +71,7 @@ class RunResult:
     num_failed: int
     completion_tokens: int
     engine: dict = field(default_factory=dict)     # MFS only: loop timers over the load (from /v1/stats)
+    cpu_s: dict = field(default_factory=dict)      # CPU seconds over the load per server process (psutil)
 
 
 def prompts(load: Load, tag: int) -> list[list[int]]:
@@ -210,12 +211,44 @@ def timer_delta(before: dict, after: dict, duration_s: float) -> dict:
         return {}
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = max(1, int(delta.get("steps", 0)))
-    out = {"steps": int(delta.get("steps", 0)), "wall_s": duration_s}
+    out = {"steps": int(delta.get("steps", 0)), "wall_s": duration_s,
+           "computed_tokens_per_step": delta.get("computed_tokens", 0) / steps}
     for key, value in delta.items():
-        if key.endswith("_s"):
+        if key.endswith("_s") and key != "wall_s":
             out[key[:-2] + "_share"] = value / duration_s
             out[key[:-2] + "_ms_per_step"] = 1000 * value / steps
     return out
+
+
+def process_cpu_s(pid: int) -> dict[str, float]:
+    """user+system CPU seconds of the server process ("server") and each child process (by name: vLLM titles
+    its processes; MFS's engine process is "engine-core"), summed per name. Empty without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [("server", root)] + [(_label(p), p) for p in root.children(recursive=True)]
+        for label, proc in procs:
+            times = proc.cpu_times()
+            out[label] = out.get(label, 0.0) + times.user + times.system
+    except psutil.Error:
+        pass
+    return out
+
+
+def _label(proc) -> str:
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except Exception:
+        return "child"
+    if "multiprocessing.spawn" in cmdline or "multiprocessing.forkserver" in cmdline:
+        return "engine-core" if "resource_tracker" not in cmdline else "resource-tracker"
+    if "resource_tracker" in cmdline:
+        return "resource-tracker"
+    return proc.name() or "child"
 
 
 async def run_server(spec: ServerSpec, port: int, load: Load, round_: int, log_dir: Path) -> RunResult:
@@ -230,10 +263,13 @@ async def run_server(spec: ServerSpec, port: int, load: Load, round_: int, log_d
                     load.seed)
         await run_load(base_url, warm, tag=10_000 + round_)          # warm-up: not measured
         before = await engine_timers(base_url) if spec.name.startswith("mfs") else {}
+        cpu_before = process_cpu_s(proc.pid)
         results, duration_s = await run_load(base_url, load, tag=round_)
+        cpu_after = process_cpu_s(proc.pid)
         after = await engine_timers(base_url) if spec.name.startswith("mfs") else {}
         run = summarize(spec.name, round_, results, duration_s)
         run.engine = timer_delta(before, after, duration_s)
+        run.cpu_s = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
         failed = [r.error for r in results if not r.ok]
         if failed:
             print(f"  {spec.name}: {len(failed)} requests failed, first: {failed[0]}", flush=True)
@@ -251,27 +287,36 @@ async def run_server(spec: ServerSpec, port: int, load: Load, round_: int, log_d
 # ----------------------------------------------------------------------------- report
 def report(runs: list[RunResult]) -> str:
     lines = [f"{'system':<10} {'round':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'ok':>5} "
-             f"{'failed':>6} {'engine busy':>11} {'between steps ms':>16}"]
+             f"{'failed':>6} {'engine busy':>11} {'exec ms/step':>12} {'exec CPU ms':>11} {'between ms':>10}"]
     for r in runs:
-        busy = r.engine.get("execute_share")
-        gap = r.engine.get("between_steps_ms_per_step")
+        e = r.engine
+
+        def cell(key: str, width: int, scale: float = 1.0, fmt: str = ".2f", suffix: str = "") -> str:
+            return f"{'' if key not in e else format(scale * e[key], fmt) + suffix:>{width}}"
         lines.append(f"{r.system:<10} {r.round:>5} {r.output_tokens_per_s:>10.1f} {r.ttft_p50_ms:>12.1f} "
                      f"{r.itl_p50_ms:>11.2f} {r.num_ok:>5} {r.num_failed:>6} "
-                     f"{'' if busy is None else f'{100 * busy:.0f}%':>11} {'' if gap is None else f'{gap:.2f}':>16}")
+                     f"{cell('execute_share', 11, 100, '.0f', '%')} {cell('execute_ms_per_step', 12)} "
+                     f"{cell('execute_cpu_ms_per_step', 11)} {cell('between_steps_ms_per_step', 10)}")
+    for r in runs:
+        if r.cpu_s and r.completion_tokens:
+            parts = ", ".join(f"{k} {1000 * v / r.completion_tokens:.2f}" for k, v in sorted(r.cpu_s.items()) if v > 0.05)
+            lines.append(f"  {r.system} round {r.round}: CPU ms per output token: {parts} "
+                         f"(total {1000 * sum(r.cpu_s.values()) / r.completion_tokens:.2f})")
     by_round: dict[int, dict[str, RunResult]] = {}
     for r in runs:
         by_round.setdefault(r.round, {})[r.system] = r
-    ratios = [rs["mfs"].output_tokens_per_s / rs["vllm"].output_tokens_per_s
-              for rs in by_round.values() if "mfs" in rs and "vllm" in rs and rs["vllm"].output_tokens_per_s > 0]
     for system in sorted({r.system for r in runs}):
         mine = [r for r in runs if r.system == system]
         lines.append(f"{system}: median over {len(mine)} runs: "
                      f"{statistics.median(r.output_tokens_per_s for r in mine):.1f} output tok/s, "
                      f"TTFT p50 {statistics.median(r.ttft_p50_ms for r in mine):.1f} ms, "
                      f"ITL p50 {statistics.median(r.itl_p50_ms for r in mine):.2f} ms")
-    if ratios:
-        lines.append("MFS / vLLM-CPU output tok/s, paired per round: "
-                     + ", ".join(f"{x:.2f}x" for x in ratios) + f"  (median {statistics.median(ratios):.2f}x)")
+    for system in sorted({r.system for r in runs if r.system.startswith("mfs")}):
+        ratios = [rs[system].output_tokens_per_s / rs["vllm"].output_tokens_per_s for rs in by_round.values()
+                  if system in rs and "vllm" in rs and rs["vllm"].output_tokens_per_s > 0]
+        if ratios:
+            lines.append(f"{system} / vLLM-CPU output tok/s, paired per round: "
+                         + ", ".join(f"{x:.2f}x" for x in ratios) + f"  (median {statistics.median(ratios):.2f}x)")
     return "\n".join(lines)
 
 
@@ -298,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"serving_bench needs aiohttp and orjson: {exc}")
         return 2
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        print("psutil is not installed: no CPU-per-token figures (pip install psutil)")
     if args.systems == "auto":
         systems = ["mfs", "vllm"] if args.vllm_python.is_file() else ["mfs"]
         if systems == ["mfs"]:

@@ -49,6 +49,8 @@ class StepTimers:
     update_s: float = 0.0            # scheduler.update under the lock
     deliver_s: float = 0.0           # handing the step's outputs to the sinks
     between_steps_s: float = 0.0     # end of one execute to the start of the next: all that is not the model
+    execute_cpu_s: float = 0.0       # CPU time of the engine thread in execute (wall minus waiting for a core)
+    computed_tokens: int = 0         # tokens the model computed (prefill chunks count every token)
     last_executed_s: float | None = None
 
     def record(self, began: float, scheduled: float, executing: float, executed: float, updated: float,
@@ -66,7 +68,8 @@ class StepTimers:
     def to_dict(self) -> dict[str, float]:
         return {"steps": self.steps, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
                 "execute_s": self.execute_s, "update_s": self.update_s, "deliver_s": self.deliver_s,
-                "between_steps_s": self.between_steps_s}
+                "between_steps_s": self.between_steps_s, "execute_cpu_s": self.execute_cpu_s,
+                "computed_tokens": self.computed_tokens}
 
 
 def build_tiers(config: MFSConfig) -> TieredStore | None:
@@ -81,7 +84,8 @@ class EngineCore:
     """Pool, KV manager, tiers and scheduler for one family on one executor; steps them and routes outputs."""
 
     def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
-                 clock: Callable[[], float], step_clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
+                 cpu_clock: Callable[[], float] | None = None):
         self.config = config
         self.family = family
         self.clock = clock
@@ -105,6 +109,7 @@ class EngineCore:
         # one per request) flushes here: called once after each delivery of a step's outputs.
         self.on_delivered: Callable[[], None] | None = None
         self.step_clock = step_clock                   # a fine wall clock: fills `timers` (None: not timed)
+        self.cpu_clock = cpu_clock                     # the engine thread's CPU clock (execute_cpu_s)
         self.timers = StepTimers()
 
     # ------------------------------------------------------------------ any thread
@@ -176,9 +181,12 @@ class EngineCore:
                 self.wake.wait(NOT_RUNNABLE_WAIT_S)
                 self.wake.clear()
             return
-        executing = tick()
+        cpu = self.cpu_clock
+        executing, cpu_began = tick(), cpu() if cpu is not None else 0.0
         sampled = self.executor.execute(plan)
         executed = tick()
+        if cpu is not None:
+            self.timers.execute_cpu_s += cpu() - cpu_began
         self.num_steps += 1
         with self.lock:
             outputs = self.scheduler.update(plan, sampled, self.clock())
@@ -186,6 +194,7 @@ class EngineCore:
         self.deliver(outputs)
         if self.step_clock is not None:
             self.timers.record(began, scheduled, executing, executed, updated, tick())
+            self.timers.computed_tokens += sum(len(c.token_ids) for b in plan.batches for c in b.chunks)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

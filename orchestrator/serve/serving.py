@@ -37,7 +37,7 @@ class LocalServing:
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
         self.clock = clock
         self.core = EngineCore(config, self.family, estimator_for_vocab(self.tokenizer.vocab_texts()), clock,
-                               step_clock=time.perf_counter)
+                               step_clock=time.perf_counter, cpu_clock=time.thread_time)
         self._batcher = StepBatcher(self.core.detach)
         self.core.on_delivered = self._batcher.flush      # one event-loop wake-up per step, not per request
         self.pool, self.kv, self.tiers, self.scheduler = self.core.pool, self.core.kv, self.core.tiers, self.core.scheduler
