@@ -72,9 +72,6 @@ def engine_main(config: MFSConfig, conn) -> None:
     between steps. Signals are the parent's business (it drains, then sends "stop"); a closed pipe ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    import os
-    if os.environ.get("MFS_EXP_ENGINE_CPUS"):
-        os.sched_setaffinity(0, {int(c) for c in os.environ["MFS_EXP_ENGINE_CPUS"].split(",")})
     try:
         core = _EngineCore(config)
     except Exception as exc:  # the parent reports it and exits
