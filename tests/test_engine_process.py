@@ -108,3 +108,14 @@ def test_a_dead_engine_process_fails_streams_and_health():
         with pytest.raises(openai.APIStatusError) as err:
             client.completions.create(model="tiny-l", prompt=PROMPT, max_tokens=4)
         assert err.value.status_code == 503
+
+
+def test_an_output_survives_the_compact_pipe_encoding():
+    from orchestrator.core.types import FinishReason, MemberSpan, RequestId, RequestOutput
+    from orchestrator.serve.engine_process import pack_output, unpack_output
+
+    outputs = [RequestOutput(RequestId("r1"), [5, 6], [-0.1, -2.0], [((5, -0.1), (9, -3.0)), ((6, -2.0),)], "tiny-m",
+                             finished=True, finish_reason=FinishReason.LENGTH, num_prompt_tokens=40,
+                             num_cached_prompt_tokens=32, spans=(MemberSpan("tiny-s", 3), MemberSpan("tiny-m", 2))),
+               RequestOutput(RequestId("r2"), [], [], [], "tiny-l", error="boom")]
+    assert [unpack_output(pack_output(o)) for o in outputs] == outputs
