@@ -408,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     parser.add_argument("--before-tree", type=Path,
                         help="another checkout of MFS to run as system mfs-before (a paired before/after)")
+    parser.add_argument("--with-thread", action="store_true",
+                        help="also run this tree with engine.process: thread as system mfs-thread (the split's share)")
     parser.add_argument("--out", type=Path, help="write the runs as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -428,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if args.before_tree is not None:
         systems.insert(1, "mfs-before")
+    if args.with_thread:
+        systems.insert(1, "mfs-thread")
     load = Load(args.concurrency, args.input_tokens, args.output_tokens, args.num_requests, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="mfs-serving-bench-") as tmp:
         servers = []
@@ -435,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             if system == "mfs":
                 spec = mfs_spec(port, args.mfs_arg)
+            elif system == "mfs-thread":
+                config = Path(tmp) / "thread.yaml"
+                config.write_text("engine:\n  process: thread\n")
+                spec = mfs_spec(port, ["--config", str(config), *args.mfs_arg], name="mfs-thread")
             elif system == "mfs-before":
                 spec = mfs_spec(port, [], args.before_tree.resolve(), "mfs-before")
             else:

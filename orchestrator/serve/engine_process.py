@@ -1,8 +1,8 @@
 """The local engine core in its own process: `ProcessServing` (HTTP side) and `engine_main` (engine side).
 
 Why: in one process the engine thread and the event loop (HTTP parsing, SSE, detokenizing, JSON) share one GIL;
-under a 32-stream load each steals the other's time slices and a decode step ran 3x slower than alone
-(docs/BENCHMARKS.md, issue 15). Here the scheduler, the tier copies and the model run in a child process (as
+under a 32-stream load the engine thread's Python waited behind the loop's per-token work (docs/BENCHMARKS.md,
+"Serving throughput through HTTP vs vLLM-CPU"). Here the scheduler, the tier copies and the model run in a child process (as
 vLLM v1's engine core does); the HTTP process only parses, streams and detokenizes.
 
 Protocol over one duplex `multiprocessing` pipe, pickled tuples, strictly ordered:

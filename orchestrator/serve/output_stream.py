@@ -1,8 +1,9 @@
 """Per-request output streams on the asyncio side of a serving engine, fed once per engine step.
 
 The engine (a thread, or a separate process through its reader thread) hands ALL of a step's outputs to the
-event loop in one `call_soon_threadsafe` (`StepBatcher.flush`), instead of one wake-up per request per token. A consumer that fell behind gets the outputs that queued up merged into one (`merge_outputs`): one
-text delta and one SSE frame for several tokens, which is what keeps the edge's per-token work bounded under load.
+event loop in one `call_soon_threadsafe` (`StepBatcher.flush`), instead of one wake-up per request per token.
+A consumer that fell behind gets the outputs that queued up merged into one (`merge_outputs`): one text delta
+and one SSE frame for several tokens, which keeps the edge's per-token work bounded under load.
 """
 from __future__ import annotations
 

@@ -248,8 +248,8 @@ def main(args) -> int:
 
 
 def _say_if_slow_loop() -> None:
-    """uvicorn uses uvloop and httptools when they are installed (about a third less CPU per streamed token
-    here, docs/BENCHMARKS.md section 7); without them it falls back silently, so say it once."""
+    """uvicorn uses uvloop and httptools when they are installed (the faster loop and HTTP parser for many
+    concurrent SSE streams); without them it falls back silently, so say it once."""
     try:
         import httptools  # noqa: F401
         import uvloop  # noqa: F401
