@@ -114,7 +114,7 @@ class _EngineCore:
         self.core = self.serving.core
         self.core.executor = self.serving._executor = self.serving._make_executor()
         self.serving._ready = True
-        self.pending: list[tuple[RequestId, Any]] = []
+        self.pending: list[tuple] = []           # pack_output tuples, or (request_id, ErrorInfo)
         self.pending_stats: tuple[int, dict] | None = None
 
     def sink(self, request_id: RequestId):

@@ -18,7 +18,7 @@ from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import StepExecutor
 from orchestrator.core.engine_core import EngineCore
-from orchestrator.core.errors import EngineUnavailableError, MFSError
+from orchestrator.core.errors import EngineUnavailableError
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput
 from orchestrator.serve.output_stream import OutputStream, StepBatcher
