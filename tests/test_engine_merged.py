@@ -14,6 +14,20 @@ from orchestrator.core.types import MemberBatch, RequestId, SamplingParams, SeqC
 PAGE_BYTES = 1500          # 4 tokens per block (fp32, 2 kv heads x 16 dims) and a residual block fits a page
 NUM_PAGES = 512
 DEPTHS = {"s": 2, "m": 3, "l": 5}
+# Merged and separate forwards evaluate the same expressions, but the BLAS kernels pick their blocking, and so
+# the order of each dot product's fp32 sum, from the batch shape (one merged batch vs one per member). Two
+# orders of a K-term fp32 sum differ by at most 2*K*u*sum|a_i*b_i| (u = 2**-24, the unit roundoff); to first
+# order each of the at most DEPTHS["l"] layers adds one such rounding, the longest sum being the MLP's
+# (intermediate_size = 128 in both test configs). sum|a_i*b_i| is of the order of the largest value compared,
+# so that value sets the absolute scale (values near zero come from cancellation: only an absolute bound fits).
+# Observed worst case: 1.22e-5 on values up to ~34 (3.6e-7 of the scale), 200x inside this bound; a wrong page,
+# layer or position differs by O(1) of the scale and still fails.
+FP32_ORDER_RTOL = 2 * DEPTHS["l"] * 128 * 2.0**-24      # 7.6e-5
+
+
+def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(actual, expected, rtol=FP32_ORDER_RTOL, atol=FP32_ORDER_RTOL * max(scale, 1.0))
 
 
 def _prompt(length: int, offset: int = 0) -> list[int]:
@@ -75,13 +89,11 @@ def _run_both(merged: LocalExecutor, separate: LocalExecutor, plan_factory):
 def _assert_same(ours, theirs, merged: LocalExecutor, separate: LocalExecutor) -> None:
     assert [(s.request_id, s.token_id) for s in ours] == [(s.request_id, s.token_id) for s in theirs]
     for a, b in zip(ours, theirs):
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
         assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
-        torch.testing.assert_close(torch.tensor([v for _, v in a.top_logprobs]),
-                                   torch.tensor([v for _, v in b.top_logprobs]), atol=1e-5, rtol=0)
+        assert_close_fp32(torch.tensor([a.logprob] + [v for _, v in a.top_logprobs], dtype=torch.float64),
+                          torch.tensor([b.logprob] + [v for _, v in b.top_logprobs], dtype=torch.float64))
     # every page of the arena: K/V of every layer, residual pages, untouched pages
-    torch.testing.assert_close(merged.arena.storage.view(torch.float32), separate.arena.storage.view(torch.float32),
-                               atol=1e-5, rtol=0)
+    assert_close_fp32(merged.arena.storage.view(torch.float32), separate.arena.storage.view(torch.float32))
 
 
 def test_nested_members_are_grouped_once(family_root):
@@ -149,7 +161,7 @@ def test_merged_forward_logits_match_each_member(family_root):
     ours = merged.model("l").forward(merged.arena, chunks(), all_logits=True, exits=list(DEPTHS.values()))
     theirs = [separate.model(name).forward(separate.arena, [chunk], all_logits=True)
               for name, chunk in zip(DEPTHS, chunks())]
-    torch.testing.assert_close(ours, torch.cat(theirs), atol=1e-5, rtol=0)
+    assert_close_fp32(ours, torch.cat(theirs))
     with pytest.raises(ValueError, match="block tables"):
         merged.model("l").forward(merged.arena, chunks(), exits=[2, 2, 5])
 
@@ -174,3 +186,18 @@ def test_members_that_do_not_nest_run_separately(kind, tmp_path, monkeypatch):
     sampled = executor.execute(plan)
     assert [s.request_id for s in sampled] == ["s", "m", "l"]
     assert sorted(calls) == (["l", "s"] if kind == "other_norm" else ["l", "m", "s"])
+
+
+def test_the_fp32_tolerance_accepts_reordered_sums_and_catches_a_wrong_value():
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 128, dtype=torch.float64), torch.randn(128, 256, dtype=torch.float64)
+    exact = a @ b
+    in_order = (a.float() @ b.float())
+    reordered = (a.float().flip(1) @ b.float().flip(0))         # the same sums, in the opposite order
+    assert not torch.equal(in_order, reordered)
+    assert_close_fp32(reordered, in_order)
+    assert_close_fp32(in_order.double(), exact)
+    wrong = in_order.clone()
+    wrong[3, 7] += 0.01 * float(in_order.abs().max())           # e.g. one value read from the wrong page
+    with pytest.raises(AssertionError):
+        assert_close_fp32(wrong, in_order)

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.serve.server import ServerSettings, create_app
-from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
+from tests.fakes_serving import BLOCK_TOKENS, FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
 FAMILY_DIR = family_dir()
 SPEC_METRICS = {
@@ -36,6 +36,15 @@ def client(served):
     return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=20)
 
 
+def expected_cached_tokens(earlier: list[int], prompt: list[int]) -> int:
+    """What the fake engine's prefix cache must hit: the prompt's longest prefix shared with an earlier
+    prompt, short of the last prompt token (always recomputed), in whole BLOCK_TOKENS blocks."""
+    shared = 0
+    while shared < min(len(earlier), len(prompt) - 1) and earlier[shared] == prompt[shared]:
+        shared += 1
+    return shared // BLOCK_TOKENS * BLOCK_TOKENS
+
+
 def expected_text(tokenizer, n: int) -> str:
     return tokenizer.decode(tokenizer.encode(FAKE_TEXT)[:n])
 
@@ -58,21 +67,31 @@ def test_chat_non_streaming_shape_usage_and_model(client, tokenizer):
     # Second turn of the same conversation: the shared prefix is reported as cached.
     turn2 = messages + [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "More."}]
     second = client.chat.completions.create(model="tiny", messages=turn2, max_tokens=4)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    expected = expected_cached_tokens(tokenizer.apply_chat_template(messages), tokenizer.apply_chat_template(turn2))
+    assert expected >= 48                   # turn 1's prompt is 56 tokens: three whole blocks at least
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == expected
 
 
 def test_chat_streaming_role_deltas_finish_and_usage(client, tokenizer):
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=12, stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
+    messages = [{"role": "user", "content": "Which birds fish at dawn along a quiet river, and how? " * 2}]
+
+    def stream_once():
+        return list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
+                                                   stream_options={"include_usage": True}))
+    chunks = stream_once()
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == expected_text(tokenizer, 12)
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0     # a prompt no earlier test sent
     assert all(c.model == "tiny-s" for c in chunks)
+    # The same prompt again: every whole block before its last token comes from the cache, in the usage chunk.
+    prompt = tokenizer.apply_chat_template(messages)
+    again = stream_once()
+    assert again[-1].usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BLOCK_TOKENS * BLOCK_TOKENS > 0
 
 
 def test_completions_streaming_and_not(client, tokenizer):

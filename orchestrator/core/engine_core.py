@@ -173,7 +173,7 @@ class EngineCore:
             plan, outputs = self.scheduler.schedule(self.clock())
         scheduled = tick()
         self.deliver(outputs)
-        plan = self._copy_tiers(plan)
+        plan = self.copy_tiers(plan)
         if not plan.batches:
             if plan.released_requests:   # execute() releases them itself when it runs
                 self.executor.release(plan.released_requests)
@@ -214,7 +214,7 @@ class EngineCore:
         if self.on_delivered is not None:
             self.on_delivered()
 
-    def _copy_tiers(self, plan: StepPlan) -> StepPlan:
+    def copy_tiers(self, plan: StepPlan) -> StepPlan:
         """Saves evicted pages to the host/disk tiers and loads tier hits, before the step overwrites them."""
         if self.tiers is None:
             return plan

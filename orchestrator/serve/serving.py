@@ -20,7 +20,7 @@ from orchestrator.core.engine_api import StepExecutor
 from orchestrator.core.engine_core import EngineCore
 from orchestrator.core.errors import EngineUnavailableError
 from orchestrator.core.family import FamilySpec, load_family
-from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput
+from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, StepPlan
 from orchestrator.serve.output_stream import OutputStream, StepBatcher
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
@@ -41,23 +41,40 @@ class LocalServing:
         self._batcher = StepBatcher(self.core.detach)
         self.core.on_delivered = self._batcher.flush      # one event-loop wake-up per step, not per request
         self.pool, self.kv, self.tiers, self.scheduler = self.core.pool, self.core.kv, self.core.tiers, self.core.scheduler
-        self._executor = executor
+        self.core.executor = executor
         self._thread: threading.Thread | None = None
         self._running = False
         self._accepting = False
         self._ready = False
 
+    # The executor and the step count are the core's; tools that drive the step pieces themselves (the step
+    # profiler wraps execute(), the virtual-time simulator runs schedule/execute/update as timed events) reach
+    # them through these.
+    @property
+    def _executor(self) -> StepExecutor | None:
+        return self.core.executor
+
+    @_executor.setter
+    def _executor(self, executor: StepExecutor) -> None:
+        self.core.executor = executor
+
     @property
     def num_steps(self) -> int:
         return self.core.num_steps
+
+    @num_steps.setter
+    def num_steps(self, value: int) -> None:
+        self.core.num_steps = value
+
+    def _copy_tiers(self, plan: StepPlan) -> StepPlan:
+        return self.core.copy_tiers(plan)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self._thread is not None:
             return
-        if self._executor is None:
-            self._executor = await asyncio.to_thread(self._make_executor)
-        self.core.executor = self._executor
+        if self.core.executor is None:
+            self.core.executor = await asyncio.to_thread(self._make_executor)
         self._running = True
         self._accepting = True
         self._thread = threading.Thread(target=self.core.run, args=(self._is_running, self._log_step_error),

@@ -7,12 +7,12 @@ routing history, corrected by the per-request kv_cache_reused_blocks output and 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engines.triton.client import TritonClient
@@ -27,49 +27,12 @@ from orchestrator.core.router import MemberLoad, Router, SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, RequestOutput, RouteDecision
 from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.serve.triton_ledger import EstimateCounters, PrefixEstimate
 
 log = logging.getLogger("mfs.triton")
 PROBE_INTERVAL_S = 0.5
 METRICS_INTERVAL_S = 1.0
 DEFAULT_TOKENS_PER_BLOCK = 32
-DEFAULT_INDEX_BLOCKS = 4096          # until Triton's 'max' block metric is known
-
-
-class PrefixEstimate:
-    """Approximate view of one member's reusable blocks: chained block hashes, LRU, bounded by capacity."""
-
-    __slots__ = ("capacity_blocks", "_blocks")
-
-    def __init__(self, capacity_blocks: int = DEFAULT_INDEX_BLOCKS):
-        self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def match_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks believed cached (a chain: the first miss ends the match)."""
-        count = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            count += 1
-        return count
-
-    def insert(self, hashes: list[bytes]) -> None:
-        for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        self.trim()
-
-    def forget_from(self, hashes: list[bytes], first_missing: int) -> None:
-        """Triton reported fewer reused blocks than predicted: those blocks were evicted."""
-        for h in hashes[first_missing:]:
-            self._blocks.pop(h, None)
-
-    def trim(self) -> None:
-        while len(self._blocks) > max(0, self.capacity_blocks):
-            self._blocks.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -82,22 +45,13 @@ class _InFlight:
 class _Span:
     """One member's turn at a request: a Triton stream over the context the request has so far."""
 
+    index: int                        # 0 for the routed member, then one per handover
     member: str
     context: list[int]                # prompt + tokens kept so far: what Triton prefills
     predicted_hit_tokens: int = 0
     reused_blocks: int | None = None  # Triton's kv_cache_reused_blocks for this stream
     num_streamed_tokens: int = 0      # tokens Triton generated here (before any rollback)
     escalated_to: str | None = None
-
-
-@dataclass(slots=True)
-class _EstimateCounters:
-    predicted_hit_tokens: int = 0     # what the prefix index expected Triton to reuse
-    reported_hit_tokens: int = 0      # what Triton reported (kv_cache_reused_blocks x tokens_per_block)
-    corrections: int = 0              # requests where the index over-predicted and was corrected
-    disconnects: int = 0
-    reconnects: int = 0
-    members: dict[str, dict[str, float]] = field(default_factory=dict)   # last KV block metrics per member
 
 
 class TritonServing:
@@ -120,7 +74,7 @@ class TritonServing:
         self.stats_counters = Stats()
         self.tokens_per_block = {m: DEFAULT_TOKENS_PER_BLOCK for m in self.member_names}
         self.index = {m: PrefixEstimate() for m in self.member_names}
-        self.estimate = _EstimateCounters()
+        self.estimate = EstimateCounters()
         self._seed = hash_seed(self.family.members[0].tokenizer_hash, None)
         self._in_flight: dict[RequestId, _InFlight] = {}
         self._aborted: set[RequestId] = set()   # ended at their next streamed token, like LocalServing's abort
@@ -277,8 +231,8 @@ class TritonServing:
 
     async def _run(self, seq: Sequence, state: _InFlight) -> AsyncIterator[RequestOutput]:
         """One Triton stream per member the request visits: the routed one, then each escalation target."""
-        while True:
-            span = _Span(seq.member, list(seq.token_ids))
+        for index in itertools.count():
+            span = _Span(index, seq.member, list(seq.token_ids))
             span.predicted_hit_tokens = self._predicted_hit_tokens(span.member, span.context)
             self.estimate.predicted_hit_tokens += span.predicted_hit_tokens
             try:
@@ -305,9 +259,8 @@ class TritonServing:
     async def _stream_span(self, seq: Sequence, span: _Span, state: _InFlight) -> AsyncIterator[RequestOutput]:
         """Streams span.member's answer into seq until the request finishes or escalates."""
         sampling = seq.request.sampling
-        stream = self.client.generate(span.member, span.context, sampling, f"{seq.request_id}-{len(seq.spans)}",
+        stream = self.client.generate(span.member, span.context, sampling, f"{seq.request_id}-{span.index}",
                                       self._end_id(seq), sampling.max_tokens - seq.num_generated)
-        holdback = seq.holdback_tokens(self.config.escalation)
         try:
             async for delta in stream:
                 if delta.reused_blocks is not None:
@@ -324,7 +277,7 @@ class TritonServing:
                     seq.finish_reason = (FinishReason.LENGTH if seq.num_generated >= sampling.max_tokens
                                          else FinishReason.STOP)
                 state.tokens = len(seq.token_ids)
-                output = seq.next_output(holdback, final=done)
+                output = seq.next_output(seq.holdback_tokens(self.config.escalation), final=done)
                 if output is not None:
                     yield output
                 if done or span.escalated_to is not None:
