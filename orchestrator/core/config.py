@@ -120,6 +120,9 @@ class EngineConfig:
     triton_url: str = "127.0.0.1:8001"
     triton_metrics_url: str | None = None
     num_threads: int | None = None
+    # issue 15: the local engine core (scheduler + model) in its own process (separate) or a thread of the
+    # HTTP process (thread); separate keeps the event loop and the engine off each other's GIL
+    process: str = "separate"             # separate | thread
 
 
 @dataclass(slots=True)
@@ -170,6 +173,8 @@ class MFSConfig:
         _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
         _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
         _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
+        _check(self.engine.process in ("separate", "thread"), "engine.process",
+               f"must be separate or thread, got {self.engine.process!r}")
         _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
                f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,41 @@ IDLE_WAIT_S = 0.05          # an idle loop re-checks this often even without a w
 NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for pages): do not spin
 
 
+@dataclass(slots=True)
+class StepTimers:
+    """Cumulative wall time of the loop's phases over the steps that ran a model, from the step clock the runner
+    passes in (issue 15: the serving bench reads deltas of these through /v1/stats)."""
+
+    steps: int = 0
+    schedule_s: float = 0.0          # scheduler.schedule under the lock
+    prepare_s: float = 0.0           # delivering schedule's outputs, tier copies
+    execute_s: float = 0.0           # the model: executor.execute
+    update_s: float = 0.0            # scheduler.update under the lock
+    deliver_s: float = 0.0           # handing the step's outputs to the sinks
+    between_steps_s: float = 0.0     # end of one execute to the start of the next: all that is not the model
+    execute_cpu_s: float = 0.0       # CPU time of the engine thread in execute (wall minus waiting for a core)
+    computed_tokens: int = 0         # tokens the model computed (prefill chunks count every token)
+    last_executed_s: float | None = None
+
+    def record(self, began: float, scheduled: float, executing: float, executed: float, updated: float,
+               delivered: float) -> None:
+        self.steps += 1
+        self.schedule_s += scheduled - began
+        self.prepare_s += executing - scheduled
+        self.execute_s += executed - executing
+        self.update_s += updated - executed
+        self.deliver_s += delivered - updated
+        if self.last_executed_s is not None and executing - self.last_executed_s < 1.0:   # not across idle time
+            self.between_steps_s += executing - self.last_executed_s
+        self.last_executed_s = executed
+
+    def to_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
+                "execute_s": self.execute_s, "update_s": self.update_s, "deliver_s": self.deliver_s,
+                "between_steps_s": self.between_steps_s, "execute_cpu_s": self.execute_cpu_s,
+                "computed_tokens": self.computed_tokens}
+
+
 def build_tiers(config: MFSConfig) -> TieredStore | None:
     """The host/disk tiers the pool config asks for (None when both are off)."""
     pool = config.pool
@@ -49,7 +85,8 @@ class EngineCore:
     """Pool, KV manager, tiers and scheduler for one family on one executor; steps them and routes outputs."""
 
     def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
+                 cpu_clock: Callable[[], float] | None = None):
         self.config = config
         self.family = family
         self.clock = clock
@@ -72,6 +109,12 @@ class EngineCore:
         self.num_steps = 0
         self.last_error: str | None = None
         self._sinks: dict[RequestId, Sink] = {}
+        # A runner that batches its sinks' hand-overs (one event-loop wake-up or one pipe message per step, not
+        # one per request) flushes here: called once after each delivery of a step's outputs.
+        self.on_delivered: Callable[[], None] | None = None
+        self.step_clock = step_clock                   # a fine wall clock: fills `timers` (None: not timed)
+        self.cpu_clock = cpu_clock                     # the engine thread's CPU clock (execute_cpu_s)
+        self.timers = StepTimers()
 
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: Request, sink: Sink) -> None:
@@ -128,8 +171,11 @@ class EngineCore:
                 self.fail_all(f"engine step failed: {self.last_error}")
 
     def step(self) -> None:
+        tick = self.step_clock or _no_clock
+        began = tick()
         with self.lock:
             plan, outputs = self.scheduler.schedule(self.clock())
+        scheduled = tick()
         self.deliver(outputs)
         plan = self.copy_tiers(plan)
         if not plan.batches:
@@ -139,17 +185,28 @@ class EngineCore:
                 self.wake.wait(NOT_RUNNABLE_WAIT_S)
                 self.wake.clear()
             return
+        cpu = self.cpu_clock
+        executing, cpu_began = tick(), cpu() if cpu is not None else 0.0
         sampled = self.executor.execute(plan)
+        executed = tick()
+        if cpu is not None:
+            self.timers.execute_cpu_s += cpu() - cpu_began
         self.num_steps += 1
         with self.lock:
             outputs = self.scheduler.update(plan, sampled, self.clock())
+        updated = tick()
         self.deliver(outputs)
+        if self.step_clock is not None:
+            self.timers.record(began, scheduled, executing, executed, updated, tick())
+            self.timers.computed_tokens += sum(len(c.token_ids) for b in plan.batches for c in b.chunks)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             sink = self._sinks.pop(output.request_id, None) if output.finished else self._sinks.get(output.request_id)
             if sink is not None:
                 sink(output)
+        if outputs and self.on_delivered is not None:
+            self.on_delivered()
 
     def fail_all(self, message: str) -> None:
         """Aborts every listened-to request (pages return at the next step) and tells each sink why."""
@@ -158,6 +215,8 @@ class EngineCore:
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
                 sink(MFSError(message))
+        if self.on_delivered is not None:
+            self.on_delivered()
 
     def copy_tiers(self, plan: StepPlan) -> StepPlan:
         """Saves evicted pages to the host/disk tiers and loads tier hits, before the step overwrites them."""
@@ -175,6 +234,10 @@ class EngineCore:
             with self.lock:
                 plan = self.scheduler.drop_failed_loads(plan, failed, now)
         return plan
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 def copy_tier_pages(plan: StepPlan, tiers: TieredStore, executor: StepExecutor) -> tuple[list, list[PageId]]:

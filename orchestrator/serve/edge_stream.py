@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import orjson
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
@@ -23,6 +23,9 @@ from orchestrator.serve.tokenizer import IncrementalDecoder
 from orchestrator.core.types import FinishReason, MemberSpan, RequestOutput, RouteDecision
 
 log = logging.getLogger("mfs.server")
+
+
+_DONE = b"data: [DONE]\n\n"
 
 
 class ClientGone(Exception):
@@ -68,7 +71,9 @@ class Generation:
         try:
             if remaining_s is not None and remaining_s <= 0:
                 raise TimeoutError
-            out = await asyncio.wait_for(anext(self.iterator), remaining_s)
+            # asyncio.timeout, not wait_for: wait_for wraps every token's await in a new Task
+            async with asyncio.timeout(remaining_s):
+                out = await anext(self.iterator)
         except StopAsyncIteration:
             self.engine_finished = True
             self.finish_reason = self.finish_reason or FinishReason.CANCELLED.value
@@ -177,8 +182,8 @@ async def unless_disconnected(request: HTTPRequest, work) -> Any:
     return task.result()
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _sse(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 async def _stream(gen: Generation, first: tuple[str, list[dict]]) -> AsyncIterator[str]:
@@ -198,13 +203,13 @@ async def _stream(gen: Generation, first: tuple[str, list[dict]]) -> AsyncIterat
                 delta, entries = await gen.next_delta()
             except MFSError as exc:
                 yield _sse(error_body(exc))
-                yield "data: [DONE]\n\n"
+                yield _DONE
                 return
         yield _sse(chunk(parsed, gen.model(), text="" if parsed.kind == "completion" else None,
                          finish_reason=gen.finish_reason, mfs=gen.mfs()))
         if parsed.include_usage:
             yield _sse(usage_chunk(parsed, gen.model(), gen.usage()))
-        yield "data: [DONE]\n\n"
+        yield _DONE
     finally:
         await gen.close()
 

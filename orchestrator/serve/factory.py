@@ -10,12 +10,17 @@ from orchestrator.core.engine_api import ServingEngine
 
 
 def build_serving_engine(config: MFSConfig) -> ServingEngine:
-    """LocalServing for engine.kind 'local'; TritonServing (MFS routing over Triton) for 'triton'.
+    """For engine.kind 'local': ProcessServing (engine.process 'separate', the default) or LocalServing ('thread');
+    TritonServing (MFS routing over Triton) for 'triton'.
     Imports are deferred so a local deployment never needs the Triton client's packages, and back."""
     if config.engine.kind == "triton":
         from orchestrator.serve.triton_serving import TritonServing
 
         return TritonServing(config)
+    if config.engine.process == "separate":      # the engine core in its own process (issue 15)
+        from orchestrator.serve.engine_process import ProcessServing
+
+        return ProcessServing(config)
     from orchestrator.serve.serving import LocalServing
 
     return LocalServing(config)

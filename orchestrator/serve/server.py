@@ -248,6 +248,7 @@ def main(args) -> int:
     app = create_app(engine, engine.tokenizer, engine.family, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=int(args.grace_s) + 5, lifespan="on"))
+    _say_if_slow_loop()
     # uvicorn re-raises the captured signal after a graceful shutdown; a no-op handler makes that exit 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -256,3 +257,14 @@ def main(args) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0 if server.started else 1
+
+
+def _say_if_slow_loop() -> None:
+    """uvicorn uses uvloop and httptools when they are installed (the faster loop and HTTP parser for many
+    concurrent SSE streams); without them it falls back silently, so say it once."""
+    try:
+        import httptools  # noqa: F401
+        import uvloop  # noqa: F401
+    except ImportError as exc:
+        print(f"mfs serve: {exc.name} is not installed: streaming on the slower asyncio loop / h11 parser "
+              "(pip install uvloop httptools)")

@@ -18,9 +18,10 @@ from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import StepExecutor
 from orchestrator.core.engine_core import EngineCore
-from orchestrator.core.errors import EngineUnavailableError, MFSError
+from orchestrator.core.errors import EngineUnavailableError
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, StepPlan
+from orchestrator.serve.output_stream import OutputStream, StepBatcher
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 log = logging.getLogger("mfs.serving")
@@ -35,7 +36,10 @@ class LocalServing:
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
         self.clock = clock
-        self.core = EngineCore(config, self.family, estimator_for_vocab(self.tokenizer.vocab_texts()), clock)
+        self.core = EngineCore(config, self.family, estimator_for_vocab(self.tokenizer.vocab_texts()), clock,
+                               step_clock=time.perf_counter, cpu_clock=time.thread_time)
+        self._batcher = StepBatcher(self.core.detach)
+        self.core.on_delivered = self._batcher.flush      # one event-loop wake-up per step, not per request
         self.pool, self.kv, self.tiers, self.scheduler = self.core.pool, self.core.kv, self.core.tiers, self.core.scheduler
         self.core.executor = executor
         self._thread: threading.Thread | None = None
@@ -117,21 +121,13 @@ class LocalServing:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
             raise EngineUnavailableError("engine is not accepting requests (starting or shutting down)")
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         request_id = request.request_id
-
-        def sink(item: RequestOutput | MFSError) -> None:   # on the engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:
-                self.core.detach(request_id)   # the caller's loop is gone
-
-        self.core.add_request(request, sink)   # raises InvalidRequest/QueueFull at once
+        stream = OutputStream()
+        self.core.add_request(request, self._batcher.sink(request_id, stream))   # raises InvalidRequest/QueueFull
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -150,7 +146,7 @@ class LocalServing:
     def stats(self) -> dict[str, Any]:
         snapshot = self.core.snapshot()
         snapshot["engine"] = {"kind": "local", "steps": self.core.num_steps, "last_error": self.core.last_error,
-                              "ready": self._ready}
+                              "ready": self._ready, "process": "thread", "timers": self.core.timers.to_dict()}
         return snapshot
 
 

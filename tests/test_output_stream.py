@@ -1,0 +1,64 @@
+"""Per-request streams fed once per step: outputs that queued up while the reader was busy come back as one
+(tokens concatenated in order, state from the latest), an error is never merged away, nothing after a final
+output is merged into it, and one flush hands a whole step to the loop."""
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.core.errors import MFSError
+from orchestrator.core.types import FinishReason, MemberSpan, RequestId, RequestOutput, RouteDecision
+from orchestrator.serve.output_stream import OutputStream, StepBatcher
+
+ROUTE = RouteDecision(RequestId("r"), "tiny-s", "complexity", {}, {}, {}, 0.2)
+
+
+def out(tokens, finished=False, spans=(), route=None, cached=0):
+    return RequestOutput(RequestId("r"), list(tokens), [-0.5] * len(tokens), [], "tiny-s", finished=finished,
+                         finish_reason=FinishReason.LENGTH if finished else None, num_cached_prompt_tokens=cached,
+                         spans=spans, route=route)
+
+
+def test_queued_outputs_merge_into_one():
+    async def scenario():
+        stream = OutputStream()
+        stream.put(out([1], route=ROUTE, cached=16))
+        stream.put(out([2, 3], spans=(MemberSpan("tiny-s", 3),)))
+        stream.put(out([4], finished=True, spans=(MemberSpan("tiny-s", 4),)))
+        stream.put(out([9]))                     # nothing may follow a final output into it
+        return await stream.get(), await stream.get()
+    merged, after = asyncio.run(scenario())
+    assert merged.new_token_ids == [1, 2, 3, 4] and merged.new_logprobs == [-0.5] * 4
+    assert merged.finished and merged.finish_reason is FinishReason.LENGTH
+    assert merged.route is ROUTE and merged.num_cached_prompt_tokens == 16
+    assert merged.spans == (MemberSpan("tiny-s", 4),)
+    assert after.new_token_ids == [9]
+
+
+def test_an_error_is_delivered_after_the_outputs_before_it():
+    async def scenario():
+        stream = OutputStream()
+        stream.put(out([1]))
+        stream.put(MFSError("engine step failed"))
+        stream.put(out([2]))
+        return [await stream.get() for _ in range(3)]
+    first, error, last = asyncio.run(scenario())
+    assert first.new_token_ids == [1] and isinstance(error, MFSError) and last.new_token_ids == [2]
+
+
+def test_one_flush_wakes_the_loop_once_for_a_whole_step():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        calls = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: (calls.append(args), original(*args))[1]
+        batcher = StepBatcher(on_loop_gone=lambda request_id: None)
+        streams = [OutputStream() for _ in range(8)]
+        sinks = [batcher.sink(RequestId(f"r{i}"), s) for i, s in enumerate(streams)]
+        for sink in sinks:
+            sink(out([7]))
+        batcher.flush()
+        batcher.flush()                           # nothing pending: no wake-up
+        got = [await s.get() for s in streams]
+        return len(calls), got
+    num_calls, got = asyncio.run(scenario())
+    assert num_calls == 1 and all(o.new_token_ids == [7] for o in got)
