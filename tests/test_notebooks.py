@@ -61,3 +61,24 @@ def test_notebook_executes(name, bench_files, tmp_path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
     assert list(figures.glob("*.png")), "the notebook saved no figure"
+
+
+@pytest.mark.slow
+def test_simulation_notebook_executes(tmp_path):
+    """simulation.ipynb on a quick simulated curve of the tiny family (its measured step table: seconds)."""
+    import argparse
+
+    from eval.simulate.cli import add_arguments, run_simulation
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    result = run_simulation(parser.parse_args(["--family", str(REPO / "engines" / "families" / "tiny"), "--quick",
+                                               "--sessions", "4", "--rates", "0.5,2", "--no-progress"]))
+    assert result["simulated"]["cost_model"]["name"] == "measured" and [p["rate"] for p in result["curve"]] == [0.5, 2.0]
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps(result))
+    figures = tmp_path / "figures"
+    nb = run_notebook("simulation", {"sim_paths": [str(path)], "figures_dir": str(figures)}, REPO)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+    assert (figures / "sim_curve.png").is_file() and (figures / "hit_rates_by_tier.png").is_file()
