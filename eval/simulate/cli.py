@@ -36,7 +36,7 @@ from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 # Paper-scale traces: ShareGPT conversations as they are (long histories, real reply lengths).
-PAPER = dict(max_prompt_tokens=8192, max_output_tokens=1024, max_turns=6, think_s=5.0, kv_pages=0)
+PAPER = dict(max_prompt_tokens=4096, max_output_tokens=512, max_turns=4, think_s=5.0, kv_pages=0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="mfs,baseline")
     parser.add_argument("--work-dir", default=".cache/mfs/validation")
     parser.add_argument("--out", default="validation.json")
+    parser.add_argument("--save-fit", default=None, metavar="FILE", help="write the fit over every rate (mfs-step-fit/1)")
     parser.add_argument("--reuse", action="store_true", help="reuse the real runs saved in --work-dir by an earlier call")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                "same_order_every_rate_held_out": all(r["held_out"]["same_order"] for r in results.values()),
                "by_rate": results, "command": "python -m eval.simulate.validate " + " ".join(argv or [])}
     Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
+    if args.save_fit:          # the in-sample fit over every rate: mfs simulate's default measured cost model
+        fitted = fit({r: real[r][1] for r in rates}, rates, members)
+        Path(args.save_fit).write_text(json.dumps(fitted.to_dict(), indent=1))
+        print(f"wrote {args.save_fit}")
     for rate, r in results.items():
         for variant in ("held_out", "in_sample", "same_run"):
             for name, errs in r[variant]["errors"].items():
