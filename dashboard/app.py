@@ -246,8 +246,45 @@ def render_results(results_path: str) -> None:
 
 
 def render_systems(results: dict) -> None:
-    for section in (results_headline, results_latency, results_hit_rates, results_pages):
+    for section in (results_curve, results_headline, results_latency, results_hit_rates, results_pages):
         guarded(section, results)  # one guard per section: a surprise in one leaves the others
+
+
+def results_curve(results: dict) -> None:
+    """The load curve (mfs bench --rates), when the file has one: it leads the results view."""
+    curve = data.curve_frame(results)
+    if curve is None:
+        return
+    st.header("Latency against load")
+    summary = data.curve_summary(results)
+    cols = st.columns(3)
+    cols[0].metric("Knee (baseline at 2x its light-load latency)", summary["knee"])
+    cols[1].metric("MFS reduction at the knee", summary["reduction_at_knee"])
+    cols[2].metric("SLO", summary["slo"], help=summary["slo_rule"])
+    st.caption("Capacity at the SLO: " + (", ".join(f"{n} {c}" for n, c in summary["capacity"].items()) or data.NA))
+    frame = curve.dropna(subset=["mean_token_latency_s"]).assign(
+        latency_ms=lambda f: f["mean_token_latency_s"] * 1e3)
+    order = data.ordered_systems({n: None for n in frame["system"]})
+    lines = alt.Chart(frame).mark_line(point=True).encode(
+        x=alt.X("rate:Q", title="session arrival rate (sessions/s)", scale=alt.Scale(type="log")),
+        y=alt.Y("latency_ms:Q", title="mean e2e / output token (ms)"),
+        color=alt.Color("system:N", title=None, sort=order), tooltip=list(frame.columns))
+    layers = [lines]
+    if summary["knee_rate"] is not None:
+        layers.append(alt.Chart(pd.DataFrame({"rate": [summary["knee_rate"]], "mark": ["knee"]}))
+                      .mark_rule(color="black", strokeDash=[4, 2]).encode(x="rate:Q", tooltip=["mark:N", "rate:Q"]))
+    if summary["capacity_rates"]:
+        marks = pd.DataFrame([{"rate": r, "system": n, "mark": f"{n} capacity"} for n, r in summary["capacity_rates"].items()])
+        layers.append(alt.Chart(marks).mark_rule(strokeDash=[2, 2]).encode(
+            x="rate:Q", color=alt.Color("system:N", sort=order), tooltip=["mark:N", "rate:Q"]))
+    st.altair_chart(alt.layer(*layers).properties(height=CHART_HEIGHT_PX), width="stretch")
+    table = curve.assign(**{c: curve[c] * 1e3 for c in ("mean_token_latency_s", "decode_floor_token_latency_s",
+                                                          "ttft_p90_s", "tpot_p90_s")})
+    st.dataframe(table.rename(columns={"mean_token_latency_s": "token latency (ms)",
+                                       "decode_floor_token_latency_s": "decode floor (ms)",
+                                       "ttft_p90_s": "TTFT p90 (ms)", "tpot_p90_s": "TPOT p90 (ms)"}),
+                 hide_index=True, width="stretch")
+    st.caption(f"The summary below is the headline rate ({results.get('headline_rate', data.NA)} sessions/s).")
 
 
 def results_headline(results: dict) -> None:

@@ -348,6 +348,7 @@ def validate_results(obj: Any) -> dict[str, Any]:
                 for i, r in enumerate(per_request):
                     for key in PER_REQUEST_NUMBER_FIELDS:
                         _check_number(r, key, f"{where}.per_request[{i}]", problems)
+    _check_curve(obj.get("curve"), problems)
     sweep = obj.get("sweep")
     if sweep is not None:
         if not isinstance(sweep, list) or not all(isinstance(r, dict) for r in sweep):
@@ -360,6 +361,60 @@ def validate_results(obj: Any) -> dict[str, Any]:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ResultsError("results file is not in the `mfs bench` shape: " + "; ".join(problems[:3]) + more)
     return obj
+
+
+def _check_curve(curve: Any, problems: list[str]) -> None:
+    """`curve` (mfs bench --rates): a list of {"rate": number, "systems": {name: metrics}}."""
+    if curve is None:
+        return
+    if not isinstance(curve, list):
+        problems.append("'curve' must be a list of {rate, systems}")
+        return
+    for i, point in enumerate(curve):
+        if not isinstance(point, dict) or not _is_number(point.get("rate")) or not isinstance(point.get("systems"), dict):
+            problems.append(f"curve[{i}] must be an object with a numeric 'rate' and a 'systems' object")
+            continue
+        for name, system in point["systems"].items():
+            if not isinstance(system, dict):
+                problems.append(f"curve[{i}].systems.{name} must be an object")
+                continue
+            for key in CURVE_NUMBER_FIELDS:
+                _check_number(system, key, f"curve[{i}].systems.{name}", problems)
+
+
+# per system and rate: what the results view plots and tabulates from `curve`
+CURVE_NUMBER_FIELDS = ("mean_token_latency_s", "decode_floor_token_latency_s", "ttft_p90_s", "tpot_p90_s",
+                       "prefix_hit_rate", "preemptions", "reroutes", "num_failed")
+
+
+def curve_frame(results: dict[str, Any]) -> pd.DataFrame | None:
+    """Long frame, one row per (rate, system) of the load curve; None when the file holds no curve (or one
+    rate only)."""
+    curve = results.get("curve")
+    if not isinstance(curve, list) or len(curve) < 2:
+        return None
+    rows = [{"rate": p["rate"], "system": name, **{k: m.get(k) for k in CURVE_NUMBER_FIELDS},
+             "reduction_vs_baseline": (p.get("reductions_vs_baseline") or {}).get(name)}
+            for p in curve for name, m in p["systems"].items()]
+    return pd.DataFrame(rows, columns=["rate", "system", *CURVE_NUMBER_FIELDS, "reduction_vs_baseline"])
+
+
+def curve_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """Knee, reduction at the knee, SLO and capacities of a curve file, in display form ('n/a' when absent)."""
+    slo = results.get("slo") if isinstance(results.get("slo"), dict) else None
+    lower = set(results.get("capacity_at_slo_is_lower_bound") or ())
+    capacity = results.get("capacity_at_slo") if isinstance(results.get("capacity_at_slo"), dict) else {}
+    return {
+        "knee_rate": results.get("knee_rate"),
+        "knee": NA if results.get("knee_rate") is None else f"{results['knee_rate']:g} sessions/s",
+        "reduction_at_knee": fmt(results.get("reduction_at_knee"), 100, 1, "%"),
+        "slo": NA if slo is None else (f"p90 TTFT <= {fmt(slo.get('ttft_p90_s'), 1e3, 0, ' ms')}, "
+                                        f"p90 TPOT <= {fmt(slo.get('tpot_p90_s'), 1e3, 1, ' ms')}"),
+        "slo_rule": (slo or {}).get("rule", NA),
+        "capacity": {name: ("none" if rate is None else f"{'>= ' if name in lower else ''}{rate:g} sessions/s")
+                     for name, rate in capacity.items()},
+        "capacity_rates": {name: rate for name, rate in capacity.items() if _is_number(rate)},
+    }
 
 
 def sweep_file_as_results(sweep_file: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,11 @@ from typing import Any
 import yaml
 
 from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
-from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, format_curve, parse_rates, summarize_curve
-from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, mean, pages_timeline, paired_token_latency,
+from eval.baseline_split import choose_baseline_split
+from eval.quality import add_quality as _add_quality, score_quality  # noqa: F401 (score_quality re-exported)
+from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
+from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
+from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
                                reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
 from eval.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
@@ -64,6 +67,7 @@ class BenchSettings:
     slo_tpot_x: float = TPOT_SLO_X         # and p90 TPOT within this x its p50 TPOT
     slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
     slo_tpot_s: float | None = None
+    baseline_split: str = "search"         # search | proportional | traffic (the baseline's static split)
     record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
     @classmethod
@@ -137,44 +141,6 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
     return records, metrics
 
 
-# ----------------------------------------------------------------------------- quality
-_JUDGES: dict[tuple, Any] = {}   # the judge model is loaded once per process (a curve scores every rate)
-
-
-def _judge_model(judge, dtype: str):
-    from engines.local.checkpoint import load_checkpoint
-    from engines.local.model import PagedCausalLM
-
-    key = (str(judge.checkpoint_dir), dtype)
-    if key not in _JUDGES:
-        _JUDGES.clear()
-        _JUDGES[key] = PagedCausalLM(judge, load_checkpoint(judge.checkpoint_dir, dtype=dtype), dtype=dtype)
-    return _JUDGES[key]
-
-
-def score_quality(family: FamilySpec, records_by_system: dict[str, list[RequestRecord]], dtype: str) -> dict[str, float | None]:
-    """Mean per-token log-likelihood of each response under the largest member (higher is better)."""
-    from engines.local.scoring import score_tokens
-
-    judge = family.members[-1]
-    model = _judge_model(judge, dtype)
-    cache: dict[tuple, float] = {}   # systems often produce identical responses: score each once
-    out: dict[str, float | None] = {}
-    for name, records in records_by_system.items():
-        per_request = []
-        for r in records:
-            if not r.ok:
-                continue
-            key = (tuple(r.prompt_token_ids), tuple(r.output_token_ids))
-            if key not in cache:
-                logprobs = score_tokens(model, judge.name, [*r.prompt_token_ids, *r.output_token_ids],
-                                        start=len(r.prompt_token_ids))
-                cache[key] = sum(logprobs) / len(logprobs)
-            per_request.append(cache[key])
-        out[name] = mean(per_request)
-    return out
-
-
 # ----------------------------------------------------------------------------- orchestration
 def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | None, list[str]]:
     """The family, the trace, the baseline's static split (when a system needs it) and their notes."""
@@ -199,9 +165,10 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
     return family, trace, split, notes
 
 
-def config_for(name: str, settings: BenchSettings, split: StaticSplit | None):
+def config_for(name: str, settings: BenchSettings, split: StaticSplit | None,
+               baseline_split: dict[str, float] | None = None):
     return system_config(name, settings.family, settings.kv_pages, split.fractions if split else None,
-                         settings.extra_overrides)
+                         settings.extra_overrides, baseline_split)
 
 
 def run_coroutine(coro):
@@ -222,12 +189,13 @@ def curve_rates(settings: BenchSettings, trace: Trace) -> tuple[float, ...]:
 
 
 def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: StaticSplit | None,
-              configs: dict[str, Any], notes: list[str], progress=None) -> tuple[dict, dict]:
+              configs: dict[str, Any], notes: list[str], progress=None,
+              baseline_split: dict[str, float] | None = None) -> tuple[dict, dict]:
     """Every system on `trace` (one rate): (records by system, the point's JSON block)."""
     records_by_system: dict[str, list[RequestRecord]] = {}
     systems: dict[str, Any] = {}
     for name in settings.systems:
-        config = config_for(name, settings, split)
+        config = config_for(name, settings, split, baseline_split)
         configs[name] = config_to_dict(config)
         if progress is not None:
             progress.set_postfix_str(f"{name} @ {trace.spec.rate_sessions_per_s:g}/s")
@@ -254,13 +222,18 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.trace_file and trace.spec.rate_sessions_per_s in rates:
         headline = trace.spec.rate_sessions_per_s
     configs: dict[str, Any] = {}
-    progress = _progress(settings, trace, len(rates))
+    pilot = "baseline" in settings.systems and settings.baseline_split != "traffic"
+    progress = _progress(settings, trace, len(rates) + (1 / len(settings.systems) if pilot else 0))
     points: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
+    baseline_split, about_split = None, {}
     recorded = []          # every reply, for --record-confidences
     try:
+        if "baseline" in settings.systems:
+            baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, progress)
         for rate in rates:
-            records_by_system, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes, progress)
+            records_by_system, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes,
+                                                 progress, baseline_split)
             recorded += [r for records in records_by_system.values() for r in records]
             if rate == headline:
                 head = point
@@ -277,7 +250,9 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,
+                     "baseline_split_mode": settings.baseline_split, "baseline_split": baseline_split,
                      "configs": configs, "machine": _machine()},
+        **about_split,
         "headline_rate": headline,
         "systems": head["systems"],
         "reduction_mean_token_latency": head["reduction_mean_token_latency"],
@@ -305,22 +280,6 @@ def _record_confidences(settings: BenchSettings, family: FamilySpec, records: li
     counts = write_library(records, settings.record_confidences, family.name,
                            f"mfs bench systems {','.join(settings.systems)} seed {settings.seed}")
     notes.append(f"per-token confidences written to {settings.record_confidences} (sequences per member: {counts})")
-
-
-def _add_quality(settings, family, records_by_system, systems, notes, dtype: str) -> None:
-    for metrics in systems.values():
-        metrics["quality_mean_logprob"] = None
-    if not settings.score_quality:
-        notes.append("quality scoring skipped (--no-quality)")
-        return
-    try:
-        quality = score_quality(family, records_by_system, dtype)
-    except ImportError as exc:
-        notes.append(f"quality_mean_logprob skipped: engines.local.scoring unavailable ({exc})")
-        return
-    for name, value in quality.items():
-        systems[name]["quality_mean_logprob"] = value
-    notes.append(f"quality_mean_logprob: mean per-token log-likelihood of each response under {family.members[-1].name}")
 
 
 def _reduction(systems: dict[str, Any], name: str) -> float | None:
@@ -372,68 +331,11 @@ def _progress(settings: BenchSettings, trace: Trace, num_rates: int = 1):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=trace.num_requests * len(settings.systems) * num_rates, unit="req", desc="bench",
+    return tqdm(total=round(trace.num_requests * len(settings.systems) * num_rates), unit="req", desc="bench",
                 file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------- table and CLI
-TABLE_COLUMNS = (("mean_token_latency_s", "tok-lat ms", 1e3), ("ttft_p50_s", "ttft50 ms", 1e3),
-                 ("ttft_p99_s", "ttft99 ms", 1e3), ("tpot_p50_s", "tpot50 ms", 1e3), ("tpot_p99_s", "tpot99 ms", 1e3),
-                 ("e2e_p50_s", "e2e50 s", 1), ("throughput_tok_s", "tok/s", 1), ("prefix_hit_rate", "hit", 1),
-                 ("escalation_rate", "esc", 1), ("preemptions", "preempt", 1), ("num_requests", "reqs ok", 1),
-                 ("num_failed", "failed", 1), ("quality_mean_logprob", "quality", 1))
-
-
-def format_table(result: dict[str, Any]) -> str:
-    header = f"{'system':<18}" + "".join(f"{label:>11}" for _, label, _ in TABLE_COLUMNS)
-    lines = [header, "-" * len(header)]
-    for name, m in result["systems"].items():
-        cells = []
-        for key, _, scale in TABLE_COLUMNS:
-            value = m.get(key)
-            cells.append(f"{'-':>11}" if value is None else f"{value * scale:>11.3f}" if isinstance(value, float)
-                         else f"{value:>11}")
-        lines.append(f"{name:<18}" + "".join(cells))
-    red = result.get("reduction_mean_token_latency")
-    if red is not None:
-        lines.append(f"mean token latency reduction, mfs vs baseline: {red * 100:.1f}%")
-    floor_line = decode_floor_line(result)
-    if floor_line:
-        lines.append(floor_line)
-    failed = {name: m.get("num_failed") for name, m in result["systems"].items() if m.get("num_failed")}
-    if failed:
-        lines.append(f"requests refused or failed (left out of the latency figures): {failed}")
-        paired = paired_line(result)
-        if paired:
-            lines.append(paired)
-    curve = format_curve(result)
-    if curve:
-        lines += [f"(the rows above: the headline rate, {result.get('headline_rate'):g} sessions/s)", "", curve]
-    return "\n".join(lines)
-
-
-def decode_floor_line(result: dict[str, Any], name: str = "mfs") -> str | None:
-    """The decode floors and what they leave for `name`, in words; None when a figure is missing."""
-    systems = result["systems"]
-    ceiling = (result.get("reduction_ceiling") or {}).get(name)
-    floors = {n: systems[n].get("decode_floor_token_latency_s") for n in (name, "baseline") if n in systems}
-    if ceiling is None or None in floors.values():
-        return None
-    return (f"decode floor (each token one solo decode step of its member, no waiting): "
-            + ", ".join(f"{n} {v * 1e3:.2f}" for n, v in floors.items())
-            + f" ms/token; the most {name}'s token placement allows: a {ceiling * 100:.1f}% reduction")
-
-
-def paired_line(result: dict[str, Any], name: str = "mfs") -> str | None:
-    """`name` against the baseline over the requests both served, in words; None when there is no figure."""
-    paired = (result.get("paired_vs_baseline") or {}).get(name)
-    if not paired or paired.get("reduction_mean_token_latency") is None:
-        return None
-    return (f"over the {paired['num_requests']} requests both served: {paired['mean_token_latency_s'] * 1e3:.2f} vs "
-            f"{paired['baseline_mean_token_latency_s'] * 1e3:.2f} ms/token, "
-            f"reduction {paired['reduction_mean_token_latency'] * 100:.1f}%")
-
-
+# ----------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="multiturn")
     parser.add_argument("--rate", type=float, default=None,
@@ -448,6 +350,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
     parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
                         help="SLO: p90 TPOT within this multiple of the lightest-rate baseline's p50 TPOT")
+    parser.add_argument("--baseline-split", choices=("search", "proportional", "traffic"), default="search",
+                        help="the baseline's static split: search (default: the best of a simulated search, see "
+                             "docs/BENCHMARKS.md 7.4), proportional (to weight bytes), traffic (share of routed "
+                             "tokens x layers with floors, the old split)")
     parser.add_argument("--slo-ttft-s", type=float, default=None, help="absolute p90 TTFT limit (with --slo-tpot-s)")
     parser.add_argument("--slo-tpot-s", type=float, default=None, help="absolute p90 TPOT limit (with --slo-ttft-s)")
     parser.add_argument("--sessions", type=int, default=None)
@@ -502,7 +408,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
-                   history=args.history, slo_ttft_x=args.slo_ttft_x, slo_tpot_x=args.slo_tpot_x,
+                   history=args.history, baseline_split=args.baseline_split, slo_ttft_x=args.slo_ttft_x, slo_tpot_x=args.slo_tpot_x,
                    slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                    record_confidences=getattr(args, "record_confidences", None), **chosen)
 

@@ -17,7 +17,8 @@ def demo_settings(family: str, seed: int, with_baseline: bool) -> BenchSettings:
     return BenchSettings(workload="multiturn", sessions=DEMO["sessions"], rate=DEMO["rate"], kv_pages=DEMO["kv_pages"],
                          systems=("mfs", "baseline") if with_baseline else ("mfs",), seed=seed, family=family,
                          quick=True, max_turns=DEMO["max_turns"], max_prompt_tokens=DEMO["max_prompt_tokens"],
-                         max_output_tokens=DEMO["max_output_tokens"], think_s=DEMO["think_s"], score_quality=False)
+                         max_output_tokens=DEMO["max_output_tokens"], think_s=DEMO["think_s"], score_quality=False,
+                         baseline_split="proportional")   # the operator's default split: no pilot, no search
 
 
 def format_demo(result: dict[str, Any]) -> str:

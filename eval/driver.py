@@ -8,6 +8,7 @@ from typing import Any
 
 from eval.metrics_calc import RequestRecord, counter_delta, percentile
 from eval.workloads import Trace, next_prompt
+from orchestrator.core.errors import MFSError
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 
 STATS_INTERVAL_S = 0.5
@@ -116,8 +117,11 @@ def pinned_request(request_id: str, member: str, max_tokens: int) -> Request:
 async def warm_up(engine: Any, members: list[str], tag: str) -> None:
     """One short pinned request per member so first-call allocations stay out of the measurement."""
     for member in members:
-        async for _ in engine.generate(pinned_request(f"{tag}-warmup-{member}", member, 2)):
-            pass
+        try:
+            async for _ in engine.generate(pinned_request(f"{tag}-warmup-{member}", member, 2)):
+                pass
+        except MFSError:                   # a slice too small even for this: nothing to warm
+            continue
 
 
 async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens: int = PROBE_TOKENS) -> dict[str, float]:
@@ -127,12 +131,15 @@ async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens:
     for member in members:
         gaps: list[float] = []
         last = None
-        async for result in engine.generate(pinned_request(f"{tag}-probe-{member}", member, tokens)):
-            now = time.monotonic()
-            if result.new_token_ids:
-                if last is not None:       # the first token comes from the prefill step: not a decode step
-                    gaps.append((now - last) / len(result.new_token_ids))
-                last = now
+        try:
+            async for result in engine.generate(pinned_request(f"{tag}-probe-{member}", member, tokens)):
+                now = time.monotonic()
+                if result.new_token_ids:
+                    if last is not None:       # the first token comes from the prefill step: not a decode step
+                        gaps.append((now - last) / len(result.new_token_ids))
+                    last = now
+        except MFSError:                   # e.g. a static slice too small for the probe: no step cost (floor n/a)
+            continue
         if gaps:
             out[member] = percentile(gaps, 50)
     return out

@@ -1,7 +1,8 @@
-"""The compared systems: MFS, the independent-deployment baseline (best static split) and the ablations."""
+"""The compared systems: MFS, the independent-deployment baseline and the ablations, and the static splits
+(traffic share with floors for `no_shared_pool`; proportional to weight bytes, the operator's default; the
+baseline's own split comes from eval/split_search.py). Pages per request: KVCacheManager.pages_for_tokens."""
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,18 +32,22 @@ class StaticSplit:
     notes: list[str] = field(default_factory=list)
 
 
-def system_overrides(name: str, num_pages: int, split: dict[str, float] | None) -> dict[str, Any]:
-    """Dotted config overrides for system `name` (same engine, same arena size for all)."""
+def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
+                     baseline_split: dict[str, float] | None = None) -> dict[str, Any]:
+    """Dotted config overrides for system `name` (same engine, same arena size for all). The baseline runs
+    on baseline_split when given (the searched split), else on split."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
     base: dict[str, Any] = {"pool.num_pages": num_pages}
     if name in ("baseline", "no_shared_pool") and split is None:
         raise ValueError(f"system {name!r} needs the static split")
     if name == "baseline":
-        # Independent deployments: a fixed slice of the memory each, routing on complexity only,
+        # Independent deployments: a fixed slice of the memory each, each its own server (batch cap, step
+        # budget, turns on the device, re-routes what its slice cannot hold), routing on complexity only,
         # escalation re-submits the whole conversation to a cold larger member, no tiers, no sharing.
         base.update({
-            "pool.static_split": dict(split),
+            "pool.static_split": dict(baseline_split or split),
+            "scheduler.independent_deployments": True,
             "pool.cross_member_sharing": False,
             "pool.host_tier_mb": 0.0,
             "pool.disk_tier_mb": 0.0,
@@ -66,9 +71,47 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None) 
 
 
 def system_config(name: str, family: str, num_pages: int, split: dict[str, float] | None,
-                  extra: dict[str, Any] | None = None) -> MFSConfig:
-    overrides = {"family": family, **system_overrides(name, num_pages, split), **(extra or {})}
+                  extra: dict[str, Any] | None = None, baseline_split: dict[str, float] | None = None) -> MFSConfig:
+    overrides = {"family": family, **system_overrides(name, num_pages, split, baseline_split), **(extra or {})}
     return load_config(overrides=overrides)
+
+
+def pages_rule(family: FamilySpec, config: MFSConfig, num_pages: int):
+    """(member, tokens) -> pages: KVCacheManager.pages_for_tokens of a system configured like `config`
+    (residual pages included when that system records them)."""
+    from orchestrator.core.kv_cache import KVCacheManager
+    from orchestrator.core.page_pool import PagePool
+
+    esc = config.escalation
+    kv = KVCacheManager(family, PagePool(num_pages), config.pool.page_bytes, dtype_bytes(config.engine.dtype),
+                        record_residuals=esc.enabled and esc.reuse_shared_layers and not esc.cold_handover)
+    return kv.pages_for_tokens, kv.tokens_per_block
+
+
+def member_weight_bytes(family: FamilySpec) -> dict[str, int]:
+    """Bytes of each member's checkpoint weights (*.safetensors / *.bin files); members without files
+    (test fakes) get an estimate from their shape (attention + 3 MLP matrices of 4x hidden per layer,
+    plus the embedding, 2 bytes per weight)."""
+    out = {}
+    for m in family.members:
+        files = [f for pattern in ("*.safetensors", "*.bin") for f in m.checkpoint_dir.glob(pattern)]
+        size = sum(f.stat().st_size for f in files if f.is_file())
+        if not size:
+            h = m.hidden_size
+            per_layer = 2 * h * m.num_heads * m.head_dim + 2 * h * m.num_kv_heads * m.head_dim + 3 * h * 4 * h
+            size = 2 * (m.num_layers * per_layer + m.vocab_size * h)
+        out[m.name] = size
+    return out
+
+
+def proportional_split(family: FamilySpec) -> dict[str, float]:
+    """The operator's default: each deployment's slice proportional to its member's weight bytes."""
+    sizes = member_weight_bytes(family)
+    total = sum(sizes.values())
+    fractions = {m: n / total for m, n in sizes.items()}
+    largest = max(fractions, key=fractions.get)
+    fractions[largest] += 1.0 - sum(fractions.values())
+    return fractions
 
 
 def needs_split(names: Iterable[str]) -> bool:
@@ -95,16 +138,19 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
         counts[member] += 1
     total = sum(weight.values()) or 1.0
     share = {m: weight[m] / total for m in names}
-    bytes_per = dtype_bytes(config.engine.dtype)
     longest = max((r.tokens for r in requests), default=1)
+    # Floors through the one page rule (residual pages included when this config records them: the
+    # no_shared_pool ablation does), plus the decode reserve; half a page over so rounding never bites.
+    pages_for_tokens, tokens_per_block = pages_rule(family, config, num_pages)
     floor = {}
     for m in family.members:
-        blocks = math.ceil(longest / m.tokens_per_block(config.pool.page_bytes, bytes_per))
-        blocks += config.pool.decode_reserve_blocks
-        floor[m.name] = max(MIN_SPLIT_FRACTION, blocks * m.num_layers / num_pages)
+        reserve = config.pool.decode_reserve_blocks * tokens_per_block(m.name)
+        pages = pages_for_tokens(m.name, longest + reserve)
+        floor[m.name] = max(MIN_SPLIT_FRACTION, (pages + 0.5) / num_pages)
     fractions, notes = apply_floors(share, floor)
     if sum(floor.values()) > 1.0:
-        notes.append(f"kv pages ({num_pages}) cannot give every member room for the longest request "
+        notes.append(f"traffic split (no_shared_pool, --baseline-split traffic): kv pages ({num_pages}) cannot "
+                     f"give every member room for the longest request "
                      f"({longest} tokens): split floors scaled down")
     return StaticSplit(fractions=fractions, traffic_share=share, requests_by_member=counts, notes=notes)
 
@@ -126,7 +172,7 @@ def apply_floors(share: dict[str, float], floor: dict[str, float]) -> tuple[dict
             break
         for m in below:
             fixed[m] = floor[m]
-            notes.append(f"static split: {m} raised from {share[m]:.3f} to its floor {floor[m]:.3f}")
+            notes.append(f"traffic split: {m} raised from {share[m]:.3f} to its floor {floor[m]:.3f}")
     fractions = {**fixed, **scaled}
     # Exact sum to 1 despite rounding: the config validator insists.
     largest = max(fractions, key=fractions.get)

@@ -122,6 +122,11 @@ class Trace:
                 "max_prompt_tokens": self.spec.max_prompt_tokens, "context_tokens": self.spec.context_tokens,
                 "history": self.spec.history, "max_turns": self.spec.max_turns,
                 "sessions_by_kind": kinds, "prompt_tokens_total": sum(prompts),
+                # what the context and the caps do to the sessions (docs/BENCHMARKS.md 7.5)
+                "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
+                "max_prompt_tokens_sent": max(prompts, default=0),
+                "replies_at_cap_share": (sum(n == self.spec.max_output_tokens for n in outputs) / len(outputs)
+                                         if outputs else None),
                 "output_tokens_total": sum(outputs),
                 "duration_arrivals_s": self.arrival_times_s[-1] if self.arrival_times_s else 0.0,
                 "notes": list(self.notes)}

@@ -39,16 +39,40 @@ def test_baseline_split_is_traffic_share_of_tokens_times_layers():
     assert split.requests_by_member == {"tiny-s": 2, "tiny-m": 1, "tiny-l": 1}
 
 
-def test_baseline_split_floors_keep_every_member_usable_and_sum_to_one():
-    config = load_config(overrides={"pool.num_pages": 512})
+def test_split_floors_use_the_page_rule_residual_pages_included():
+    from orchestrator.core.page_pool import split_pages
+
+    config = load_config(overrides={"pool.num_pages": 1024})
     requests = [RoutedRequest(0.1, 500)] * 5 + [RoutedRequest(0.5, 100)]
-    split = best_static_split(fake_family(), requests, config, 512)
+    split = best_static_split(fake_family(), requests, config, 1024)
     assert sum(split.fractions.values()) == pytest.approx(1.0, abs=1e-12)
     assert all(f > 0 for f in split.fractions.values())
-    # tiny-l got no routed traffic yet must hold the longest request: ceil(500/16)+1 = 33 blocks x 8 layers
-    assert split.fractions["tiny-l"] >= 33 * 8 / 512 - 1e-12
+    pages = split_pages(1024, split.fractions)
+    # the longest request + the decode reserve: ceil(500/16)+1 = 33 blocks. tiny-l got no routed traffic yet
+    # must hold it: 33 x 8 layers; tiny-s and tiny-m record a residual page per block (the nested
+    # handover of this config, what the old arithmetic forgot): 33 x (2+1) and 33 x (4+1)
+    assert pages["tiny-l"] >= 33 * 8 and pages["tiny-m"] >= 33 * 5 and pages["tiny-s"] >= 33 * 3
     assert split.notes
     load_config(overrides={"pool.static_split": split.fractions})   # the validator accepts it
+
+
+def test_proportional_split_follows_weight_bytes(tmp_path):
+    from dataclasses import replace as dc_replace
+
+    from eval.systems import member_weight_bytes, proportional_split
+    from orchestrator.core.family import FamilySpec
+
+    family = fake_family()
+    sizes = member_weight_bytes(family)               # no files: the shape estimate, growing with layers
+    assert sizes["tiny-s"] < sizes["tiny-m"] < sizes["tiny-l"]
+    dirs = []
+    for name, size in (("s", 100), ("m", 300), ("l", 600)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * size)
+        dirs.append(d)
+    with_files = FamilySpec(name="f", members=tuple(dc_replace(m, checkpoint_dir=d) for m, d in zip(family.members, dirs)))
+    assert proportional_split(with_files) == pytest.approx({"tiny-s": 0.1, "tiny-m": 0.3, "tiny-l": 0.6})
 
 
 def test_apply_floors():
@@ -67,6 +91,11 @@ def test_system_knobs():
     assert mfs.pool.host_tier_mb == default.pool.host_tier_mb and mfs.pool.cross_member_sharing
     b = cfg["baseline"]
     assert b.pool.static_split == SPLIT and not b.pool.cross_member_sharing
+    assert b.scheduler.independent_deployments and not mfs.scheduler.independent_deployments
+    assert not cfg["no_shared_pool"].scheduler.independent_deployments
+    searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
+    assert system_config("baseline", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == searched
+    assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == SPLIT
     assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (0.0, 0.0)
     assert not b.router.use_affinity and not b.router.use_load
     assert b.escalation.cold_handover and not b.escalation.warmup
@@ -213,6 +242,23 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     assert [r.tokens_by_member for r in s0] == [{"tiny-s": 3}, {"tiny-s": 2}]    # from the streamed spans
 
 
+def test_probe_skips_a_member_the_engine_refuses():
+    from eval.bench import probe_decode_step_s, warm_up
+    from orchestrator.core.errors import InvalidRequestError
+
+    class SmallSlice(FakeEngine):
+        async def generate(self, request):
+            if request.pinned_member == "tiny-l":
+                raise InvalidRequestError("request needs 32 KV pages on tiny-l; the pool can give it at most 25")
+            async for out in super().generate(request):
+                yield out
+
+    engine = SmallSlice()
+    asyncio.run(warm_up(engine, ["tiny-s", "tiny-l"], "w"))
+    steps = asyncio.run(probe_decode_step_s(engine, ["tiny-s", "tiny-l"], "p", tokens=4))
+    assert set(steps) == {"tiny-s"} and steps["tiny-s"] > 0     # tiny-l: no step cost, its floor reads n/a
+
+
 def test_replay_dataset_history_resends_the_dataset_prompt_and_closed_loop_ends_a_failed_session():
     from dataclasses import replace as dc_replace
 
@@ -273,6 +319,19 @@ def test_tiny_end_to_end_bench(tmp_path):
     for key in ("knee_rate", "reduction_at_knee", "capacity_at_slo", "slo"):
         assert key in result
     assert set(result["capacity_at_slo"]) == {"mfs", "baseline"}
+    # the baseline: independent deployments on the searched split; the operator's default ran as the pilot
+    from eval.systems import proportional_split
+    from orchestrator.core.family import load_family
+
+    baseline_config = result["settings"]["configs"]["baseline"]
+    assert baseline_config["scheduler"]["independent_deployments"]
+    search = result["baseline_split_search"]
+    assert search["best"] == result["settings"]["baseline_split"] == baseline_config["pool"]["static_split"]
+    assert len(search["scores"]) == search["num_feasible"] >= 1 and "simulated" in search["objective"]
+    proportional = result["baseline_proportional"]
+    assert proportional["fractions"] == pytest.approx(proportional_split(load_family(str(family_dir()))))
+    assert proportional["rate"] == 2.0 and proportional["metrics"]["num_failed"] == 0
+    assert all(isinstance(m["reroutes"], int) for m in result["systems"].values())
     assert result["slo"]["ttft_p90_s"] == pytest.approx(5 * result["curve"][0]["systems"]["baseline"]["ttft_p50_s"])
     assert isinstance(result["reduction_mean_token_latency"], float)
     for m in result["systems"].values():       # every member's decode step was probed, the floor is built on it
@@ -319,3 +378,21 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
         run("--trace", str(trace), "--out", str(second))
     with pytest.raises(SystemExit, match="positive"):
         run("--rates", "1,-2")
+
+
+def test_baseline_split_modes_without_a_pilot():
+    """traffic: the old traffic-share split; proportional: weight bytes, no pilot run (nothing is replayed)."""
+    from eval.baseline_split import choose_baseline_split
+    from eval.bench import BenchSettings
+    from eval.systems import StaticSplit, proportional_split
+    from orchestrator.core.family import load_family
+    from tests.test_workloads import family_dir
+
+    family = load_family(str(family_dir()))
+    traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
+    trace = Trace(spec=WorkloadSpec(num_sessions=1), sessions=[], arrival_times_s=[])   # never replayed here
+    split, about = choose_baseline_split(BenchSettings(baseline_split="traffic"), family, trace, (1.0,), traffic)
+    assert split == SPLIT and about == {}
+    split, about = choose_baseline_split(BenchSettings(baseline_split="proportional"), family, trace, (0.5, 1.0), traffic)
+    assert split == proportional_split(family)
+    assert about["baseline_proportional"]["metrics"] is None and about["baseline_proportional"]["rate"] == 0.5

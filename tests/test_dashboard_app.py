@@ -246,3 +246,18 @@ def test_live_mode_before_any_request(stand_in, monkeypatch):
     assert not at.error
     infos = " ".join(texts(at.info))
     assert "No data yet" in infos and "No routing decisions yet" in infos
+
+
+def test_results_view_leads_with_the_curve_when_the_file_has_one(monkeypatch):
+    curve_file = REPO / "tests" / "fixtures" / "bench_results_curve.json"
+    results = json.loads(curve_file.read_text())
+    monkeypatch.setattr(sys, "argv", ["app.py", "--results", str(curve_file)])
+    at = run_app()
+    headers = texts(at.header)
+    assert headers[0] == "Latency against load" and "Summary" in headers
+    metrics = {m.label: m.value for m in at.metric}
+    knee = results["knee_rate"]
+    assert metrics["Knee (baseline at 2x its light-load latency)"] == ("n/a" if knee is None else f"{knee:g} sessions/s")
+    assert any(t.startswith("Capacity at the SLO: mfs") for t in texts(at.caption))
+    assert len(at.dataframe[0].value) == sum(len(p["systems"]) for p in results["curve"])
+    assert not at.error

@@ -265,3 +265,35 @@ def test_sweep_file_from_eval_sweep_is_shown_as_a_sweep(tmp_path):
     assert results["systems"] == {}
     assert sweep[["rate", "reduction_mean_token_latency", "baseline_mean_token_latency_s"]].values.tolist() == [
         [1.0, 0.3, 0.02], [2.0, 0.3, 0.02]]
+
+
+# ---------------------------------------------------------------- load curve (mfs bench --rates)
+CURVE_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "bench_results_curve.json"
+
+
+def test_curve_frame_and_summary_from_a_real_curve_file():
+    results = data.load_results(CURVE_FIXTURE)
+    frame = data.curve_frame(results)
+    rates = [p["rate"] for p in results["curve"]]
+    assert sorted(set(frame["rate"])) == rates and len(rates) >= 2
+    assert len(frame) == sum(len(p["systems"]) for p in results["curve"])
+    row = frame[(frame.rate == rates[-1]) & (frame.system == "mfs")].iloc[0]
+    assert row["mean_token_latency_s"] == results["curve"][-1]["systems"]["mfs"]["mean_token_latency_s"]
+    summary = data.curve_summary(results)
+    assert summary["knee_rate"] == results["knee_rate"]
+    assert set(summary["capacity"]) == set(results["capacity_at_slo"])
+    assert summary["slo"].startswith("p90 TTFT <= ")
+
+
+def test_curve_absent_or_single_rate_shows_nothing_and_bad_curves_are_named(tmp_path):
+    one = {"systems": {"mfs": {}}, "curve": [{"rate": 1.0, "systems": {"mfs": {"mean_token_latency_s": 0.01}}}]}
+    assert data.curve_frame(data.validate_results(one)) is None
+    assert data.curve_frame(data.validate_results({"systems": {"mfs": {}}})) is None
+    for bad, message in (({"curve": {}}, "'curve' must be a list"),
+                         ({"curve": [{"rate": "fast", "systems": {}}]}, r"curve\[0\] must be an object"),
+                         ({"curve": [{"rate": 1, "systems": {"mfs": {"ttft_p90_s": "x"}}}]},
+                          r"curve\[0\].systems.mfs.ttft_p90_s must be a number")):
+        with pytest.raises(data.ResultsError, match=message):
+            data.validate_results({"systems": {"mfs": {}}, **bad})
+    summary = data.curve_summary({"systems": {}})
+    assert summary["knee"] == "n/a" and summary["reduction_at_knee"] == "n/a" and summary["capacity"] == {}

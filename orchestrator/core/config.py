@@ -48,6 +48,10 @@ class SchedulerConfig:
     max_queue: int = 512                 # waiting requests beyond this are refused (HTTP 429)
     preallocate_blocks: bool = True      # reserve a decoding request's next block one token early
     request_timeout_s: float | None = 600.0
+    # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
+    # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
+    # orchestrator/core/deployments.py
+    independent_deployments: bool = False
 
 
 @dataclass(slots=True)
@@ -125,6 +129,8 @@ class MFSConfig:
         _check(self.scheduler.max_running_requests > 0, "scheduler.max_running_requests", "must be positive")
         _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
+        _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,
+               "scheduler.independent_deployments", "needs pool.static_split (each deployment's slice)")
         _check(self.router.profile in self.router.profiles, "router.profile",
                f"{self.router.profile!r} is not one of {sorted(self.router.profiles)}")
         thresholds = self.router.complexity_thresholds

@@ -80,17 +80,7 @@ class Scheduler:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if request.pinned_member is not None and request.pinned_member not in self.family.member_names:
             raise InvalidRequestError(f"unknown member {request.pinned_member}", param="model")
-        needed = len(request.prompt_token_ids) + request.sampling.max_tokens
-        candidates = [request.pinned_member] if request.pinned_member else self.family.member_names
-        for name in candidates:
-            member = self.family.member(name)
-            if len(request.prompt_token_ids) >= member.context_tokens:
-                raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens; member {name} "
-                                          f"holds {member.context_tokens}", param="prompt")
-            pages = self.kv.pages_for_tokens(name, needed)
-            if pages > self._capacity_pages[name]:
-                raise InvalidRequestError(f"request needs {pages} KV pages on {name}; the pool can give it "
-                                          f"at most {self._capacity_pages[name]}", param="max_tokens")
+        self._check_fits(request)
         if self.num_waiting() >= self.config.scheduler.max_queue:
             self.stats.on_request_done(request.pinned_member or "all", "rejected")
             raise QueueFullError(f"queue full ({self.config.scheduler.max_queue} waiting requests)")
@@ -109,6 +99,20 @@ class Scheduler:
         self.events.emit(EventKind.ROUTE, now_s, request.request_id, decision.member, reason=decision.reason)
         self._maybe_warm_up(seq, now_s)
         return decision
+
+    def _check_fits(self, request: Request) -> None:
+        """Every member the request may run on (escalation included) can hold it whole; else InvalidRequestError."""
+        needed = len(request.prompt_token_ids) + request.sampling.max_tokens
+        candidates = [request.pinned_member] if request.pinned_member else self.family.member_names
+        for name in candidates:
+            member = self.family.member(name)
+            if len(request.prompt_token_ids) >= member.context_tokens:
+                raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens; member {name} "
+                                          f"holds {member.context_tokens}", param="prompt")
+            pages = self.kv.pages_for_tokens(name, needed)
+            if pages > self._capacity_pages[name]:
+                raise InvalidRequestError(f"request needs {pages} KV pages on {name}; the pool can give it "
+                                          f"at most {self._capacity_pages[name]}", param="max_tokens")
 
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:

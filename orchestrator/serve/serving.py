@@ -23,6 +23,7 @@ from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec, dtype_bytes, load_family
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.deployments import DeploymentsScheduler
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -72,8 +73,9 @@ class LocalServing:
                                  self.tiers, record_residuals=esc.enabled and esc.reuse_shared_layers and not esc.cold_handover)
         self.events = EventLog()
         self.stats_counters = Stats()
-        self.scheduler = Scheduler(self.family, config, self.pool, self.kv, build_estimator(self.tokenizer),
-                                   self.tiers, self.events, self.stats_counters)
+        scheduler_class = DeploymentsScheduler if config.scheduler.independent_deployments else Scheduler
+        self.scheduler = scheduler_class(self.family, config, self.pool, self.kv, build_estimator(self.tokenizer),
+                                         self.tiers, self.events, self.stats_counters)
         self._executor = executor
         self._lock = threading.Lock()
         self._wake = threading.Event()

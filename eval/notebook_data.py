@@ -1,0 +1,30 @@
+"""What the eval notebooks read: the bench results JSON they are given, or, when there is none (a user opens
+a notebook in Jupyter with no parameters), a tiny bench run in-process. The kernel already runs an event
+loop; run_bench copes (eval.bench.run_coroutine runs the replay on its own thread then)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Small enough for a notebook opened cold (about a minute on 2 busy cores), still a 2-rate curve of
+# closed-loop sessions against the baseline. The traffic split skips the baseline's pilot run and search.
+FALLBACK = dict(sessions=3, max_turns=2, max_prompt_tokens=256, max_output_tokens=16, rates=(1.0, 4.0),
+                baseline_split="traffic")
+
+
+def fallback_settings():
+    from eval.bench import BenchSettings
+
+    return BenchSettings.quick_defaults(progress=False, score_quality=True, **FALLBACK)
+
+
+def load_results(path: str | Path | None) -> dict[str, Any]:
+    """The bench JSON at `path`; when it is missing, a tiny bench (mfs, baseline), said in one line."""
+    target = Path(path) if path else None
+    if target is not None and target.is_file():
+        return json.loads(target.read_text())
+    from eval.bench import run_bench
+
+    print(f"{target} not found: running a tiny bench (mfs, baseline; {FALLBACK})")
+    return run_bench(fallback_settings())
