@@ -61,7 +61,8 @@ def errors_of(nb) -> list:
 
 
 def test_every_notebook_is_tested():
-    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(NAMES)
+    # simulation.ipynb reads mfs simulate output, not the bench's: its own test below
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted([*NAMES, "simulation"])
 
 
 @pytest.mark.slow
@@ -91,3 +92,23 @@ def test_notebook_executes_with_no_parameters(name, monkeypatch):
     assert not errors_of(nb), [e.get("evalue") for e in errors_of(nb)]
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "not found: running a tiny bench" in text
+
+
+@pytest.mark.slow
+def test_simulation_notebook_executes(tmp_path):
+    """simulation.ipynb on a quick simulated curve of the tiny family (its measured step table: seconds)."""
+    import argparse
+
+    from eval.simulate.cli import add_arguments, run_simulation
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    result = run_simulation(parser.parse_args(["--family", str(REPO / "engines" / "families" / "tiny"), "--quick",
+                                               "--sessions", "4", "--rates", "0.5,2", "--no-progress"]))
+    assert result["simulated"]["cost_model"]["name"] == "measured" and [p["rate"] for p in result["curve"]] == [0.5, 2.0]
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps(result))
+    figures = tmp_path / "figures"
+    nb = run_notebook("simulation", {"sim_paths": [str(path)], "figures_dir": str(figures)}, REPO)
+    assert not errors_of(nb)
+    assert (figures / "sim_curve.png").is_file() and (figures / "hit_rates_by_tier.png").is_file()

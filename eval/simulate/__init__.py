@@ -2,7 +2,7 @@
 driven by a virtual clock, with a simulated executor whose step durations come from a cost model.
 
 clock.py        virtual time and the event queue
-cost_model.py   the cost-model interface (a step's shape in, seconds out) and the step-table cost model
+cost_model.py   the cost-model interface (a step's shape in, seconds out): step-table and fitted linear models
 step_table.py   the `mfs-step-table/1` file: per-member decode and prefill grids, interpolation
 aic_table.py    builds a step table with NVIDIA aiconfigurator (runs in its own virtual environment)
 measure.py      builds a step table by timing the local engine on this machine
@@ -11,6 +11,8 @@ confidence.py   per-token confidences recorded from the real tiny family, looked
 executor.py     SimExecutor: the StepExecutor the core drives; tokens from a seeded stream
 node.py         one serving node: the core as LocalServing assembles it, stepped in virtual time
 fleet.py        placements (colocated, per-member, fleet:N) and the front router of a fleet
+setup.py        the family, cost model, memory -> pages and GPU settings a simulation runs on
 driver.py       replays a bench trace through the nodes in virtual time -> the bench's records
 cli.py          `mfs simulate` arguments, the result JSON (the bench schema plus `simulated`)
+validate.py     the CPU bench's curve run for real and simulated on the same traces, and the errors
 """

@@ -36,7 +36,7 @@ from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 # Paper-scale traces: ShareGPT conversations as they are (long histories, real reply lengths).
-PAPER = dict(max_prompt_tokens=8192, max_output_tokens=1024, max_turns=6, think_s=5.0, kv_pages=0)
+PAPER = dict(max_prompt_tokens=4096, max_output_tokens=512, max_turns=4, think_s=5.0, kv_pages=0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +136,9 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     metrics["counters"] = run.counters
     metrics["quality_mean_logprob"] = None
     metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
-                             "wall_s": round(run.wall_s, 2), "front_router": run.router_decisions}
+                             "wall_s": round(run.wall_s, 2), "cpu_s": round(run.cpu_s, 2),
+                             "output_tokens": sum(r.output_tokens for r in run.records),
+                             "front_router": run.router_decisions}
     return run, metrics
 
 

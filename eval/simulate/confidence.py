@@ -120,3 +120,31 @@ class ConfidenceLibrary:
                                "request, member and position get the same value in every system. For a family "
                                "other than the recorded one this assumes its members are as (un)sure as the tiny "
                                "members of the same rank.")}
+
+
+def merge_files(paths: Sequence[str | Path], out: str | Path) -> dict[str, int]:
+    """One library from several recordings (e.g. every rate of a validation run); a request's own sequence is taken
+    from the first file that has it. Returns sequences per member."""
+    members: dict[str, list[list[float]]] = {}
+    by_request: dict[str, int] = {}
+    sources, family = [], None
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        family = family or data.get("family")
+        sources.append(str(data.get("source", path)))
+        for member, seqs in data.get("members", {}).items():
+            offset = len(members.setdefault(member, []))
+            members[member].extend(seqs)
+            for key, index in data.get("by_request", {}).items():
+                if key.endswith(f"|{member}") and key not in by_request:
+                    by_request[key] = offset + index
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"format": CONFIDENCE_FORMAT, "family": family, "source": "; ".join(sources),
+                                     "members": members, "by_request": by_request}))
+    return {m: len(s) for m, s in members.items()}
+
+
+if __name__ == "__main__":      # python -m eval.simulate.confidence OUT IN [IN ...]
+    import sys
+
+    print(merge_files(sys.argv[2:], sys.argv[1]))

@@ -37,6 +37,7 @@ class SimRun:
     busy_s: float
     num_events: int
     wall_s: float
+    cpu_s: float                                   # this process's CPU time (wall time depends on the machine's load)
     router_decisions: dict[str, int] = field(default_factory=dict)
 
 
@@ -44,7 +45,7 @@ NodeFactory = Callable[[VirtualClock, EventQueue, Callable[[RequestOutput, float
 
 
 def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float = STATS_INTERVAL_S) -> SimRun:
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     clock = VirtualClock()
     events = EventQueue(clock)
     records: list[RequestRecord] = []
@@ -120,6 +121,7 @@ def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: 
     return SimRun(records=records, samples=samples, counters=counters, duration_s=duration,
                   num_steps=sum(n.executor.num_steps for n in nodes), busy_s=sum(n.executor.busy_s for n in nodes),
                   num_events=events.num_events, wall_s=time.perf_counter() - started,
+                  cpu_s=time.process_time() - cpu_started,
                   router_decisions=dict(router.decisions))
 
 

@@ -15,15 +15,19 @@ from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
 from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, PRESETS, DeviceMemory,
                                     page_bytes_for, paper_family, tensor_parallel, weight_bytes)
 from eval.simulate.fleet import Placement, PlacementError
-from eval.simulate.step_table import StepTable, load_table, save_table
+from eval.simulate.step_table import StepTable, StepTableError, load_table, save_table
 from orchestrator.core.family import FamilySpec, load_family
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
-MEASURED_TABLE = TABLES_DIR / "tiny_measured.json"
+MEASURED_TABLE = TABLES_DIR / "tiny_measured.json"       # execute() timed offline on a grid (eval.simulate.measure)
+FITTED_MODEL = TABLES_DIR / "tiny_fitted.json"           # fitted to the validation's real bench steps (validate.py)
 # A GPU deployment's scheduler: TensorRT-LLM's defaults are max_batch_size 2048 and max_num_tokens 8192; MFS's
 # defaults are sized for the 2-core CPU engine. These apply to paper-scale families (docs/CONFIG.md, simulate).
+# router.load_saturation_tokens: the default (4096) is a few tiny-family requests; on a GPU a member holds
+# hundreds of multi-thousand-token sequences before it saturates (256 running x 512 tokens).
 GPU_SCHEDULER = {"scheduler.max_running_requests": 256, "scheduler.max_batch_tokens": 8192,
-                 "scheduler.prefill_chunk_tokens": 2048, "scheduler.max_queue": 4096, "engine.dtype": "bfloat16"}
+                 "scheduler.prefill_chunk_tokens": 2048, "scheduler.max_queue": 4096, "engine.dtype": "bfloat16",
+                 "router.load_saturation_tokens": 131072}
 SOLO_DECODE_CONTEXT = 64        # the bench's decode probe: a 4-token prompt, up to 48 generated tokens
 
 
@@ -52,6 +56,23 @@ class SimSetup:
                 for m in self.member_names}
 
 
+def load_cost_model(path: str | Path, name: str) -> CostModel:
+    """An mfs-step-table/1 grid or an mfs-step-fit/1 linear model, by the file's format."""
+    import json
+
+    from eval.simulate.cost_model import FIT_FORMAT, LinearCostModel
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise StepTableError(f"cost model {path}: cannot read it as JSON ({exc})") from None
+    if isinstance(data, dict) and data.get("format") == FIT_FORMAT:
+        model = LinearCostModel.from_dict(data)
+        model.name = name
+        return model
+    return TableCostModel(StepTable.from_dict(data, f"step table {path}"), name)
+
+
 def is_paper_family(name: str) -> bool:
     return name in PRESETS
 
@@ -61,20 +82,22 @@ def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pag
     if placement.kind != "colocated":
         raise PlacementError("the measured cost model describes this machine's one local engine: use --placement "
                              "colocated or fleet:N (nodes of this machine)")
-    path = Path(table_path) if table_path else MEASURED_TABLE
+    # Default: the model fitted to real bench runs (it carries the serving loop's cost under the bench's load);
+    # else the offline grid; else profile the engine now.
+    path = Path(table_path) if table_path else (FITTED_MODEL if FITTED_MODEL.is_file() else MEASURED_TABLE)
     notes = []
     if not path.is_file():
         from eval.simulate.measure import measure_table
 
         save_table(measure_table(family), path)
         notes.append(f"step table measured now on this machine and saved to {path}")
-    table = load_table(path)
+    cost = load_cost_model(path, "measured")
     spec = load_family(family)
     from orchestrator.core.config import load_config
 
     page_bytes = load_config(overrides={"family": family}).pool.page_bytes
     return SimSetup(family_name=spec.name, family=None, member_names=spec.member_names,
-                    cost=TableCostModel(table, "measured"), placement=placement, num_pages=kv_pages,
+                    cost=cost, placement=placement, num_pages=kv_pages,
                     page_bytes=page_bytes, split=None, notes=notes)
 
 

@@ -75,8 +75,9 @@ class PagePool:
 
     def _build_partitions(self, partitions: dict[str, int] | None) -> None:
         if partitions is None:
-            self._partitions.append(_Partition(None, self.num_pages, OrderedDict.fromkeys(
-                PageId(p) for p in range(self.num_pages))))
+            # PageId is a NewType (plain ints at run time): building from the range directly keeps a
+            # GPU-sized arena (~10^6 pages, mfs simulate) from costing seconds per pool.
+            self._partitions.append(_Partition(None, self.num_pages, OrderedDict.fromkeys(range(self.num_pages))))
             return
         if any(n < 0 for n in partitions.values()) or sum(partitions.values()) != self.num_pages:
             raise ValueError(f"partitions must be >= 0 and sum to num_pages={self.num_pages}, got "
@@ -84,10 +85,9 @@ class PagePool:
         start = 0
         for index, (member, size) in enumerate(partitions.items()):
             pages = range(start, start + size)
-            self._partitions.append(_Partition(member, size, OrderedDict.fromkeys(PageId(p) for p in pages)))
+            self._partitions.append(_Partition(member, size, OrderedDict.fromkeys(pages)))
             self._partition_index[member] = index
-            for p in pages:
-                self._partition_of[p] = index
+            self._partition_of[start:start + size] = [index] * size
             start += size
 
     def _partition_for(self, member: str) -> _Partition | None:
