@@ -261,18 +261,24 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
                      "baseline_split_mode": settings.baseline_split, "baseline_split": baseline_split,
                      "configs": configs, "machine": _machine()},
         **about_split,
-        "headline_rate": headline,
-        "systems": head["systems"],
-        "reduction_mean_token_latency": head["reduction_mean_token_latency"],
-        "reductions_vs_baseline": head["reductions_vs_baseline"],
-        "paired_vs_baseline": head["paired_vs_baseline"],
-        "reduction_ceiling": head["reduction_ceiling"],
-        "rates": list(rates),
-        "curve": curve,
-        **summarize_curve(curve, slo_for(settings, curve)),
+        **curve_result(settings, headline, head, rates, curve),
         "notes": list(dict.fromkeys(notes)),
     }
     return result
+
+
+def curve_result(settings: BenchSettings, headline: float, head: dict[str, Any], rates, curve: list) -> dict[str, Any]:
+    """The headline point and the load curve with its knee, SLO and capacities (BENCHMARKS 7.3): the keys
+    `mfs bench` and `mfs simulate` both write."""
+    return {"headline_rate": headline,
+            "systems": head["systems"],
+            "reduction_mean_token_latency": head["reduction_mean_token_latency"],
+            "reductions_vs_baseline": head["reductions_vs_baseline"],
+            "paired_vs_baseline": head["paired_vs_baseline"],
+            "reduction_ceiling": head["reduction_ceiling"],
+            "rates": list(rates),
+            "curve": curve,
+            **summarize_curve(curve, slo_for(settings, curve))}
 
 
 def slo_for(settings: BenchSettings, curve: list[dict[str, Any]]) -> SLO | None:

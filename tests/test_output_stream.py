@@ -62,3 +62,33 @@ def test_one_flush_wakes_the_loop_once_for_a_whole_step():
         return len(calls), got
     num_calls, got = asyncio.run(scenario())
     assert num_calls == 1 and all(o.new_token_ids == [7] for o in got)
+
+
+def test_until_finished_aborts_only_a_consumer_that_left_early():
+    from contextlib import aclosing
+
+    async def consume(stream, take):
+        abandoned = []
+        got = []
+        async with aclosing(stream.until_finished(lambda: abandoned.append(True))) as items:
+            async for item in items:
+                got.append(item.new_token_ids)
+                if len(got) == take:
+                    break
+        return got, abandoned
+
+    async def scenario():
+        left = OutputStream()
+        left.put(out([1]))
+        early = asyncio.create_task(consume(left, take=1))
+        await asyncio.sleep(0)
+        left.put(out([2]))               # arrives after the consumer left
+        got, abandoned = await early
+        assert got == [[1]] and abandoned == [True]
+
+        done = OutputStream()
+        done.put(out([1]))
+        done.put(out([2], finished=True))   # merged with [1] on one get()
+        got, abandoned = await consume(done, take=99)
+        assert got == [[1, 2]] and abandoned == []
+    asyncio.run(scenario())

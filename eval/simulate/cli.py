@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
-                        curve_rates, format_table, settings_from_args, slo_for, static_split_for)
-from eval.curve import summarize_curve
+                        curve_rates, curve_result, format_table, settings_from_args, static_split_for)
 from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summarize
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, simulate
@@ -187,15 +186,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),
                      "static_split_traffic_share": getattr(split, "traffic_share", None),
                      "configs": {n: config_to_dict(c) for n, c in configs.items()}},
-        "headline_rate": headline,
-        "systems": head["systems"],
-        "reduction_mean_token_latency": head["reduction_mean_token_latency"],
-        "reductions_vs_baseline": head["reductions_vs_baseline"],
-        "paired_vs_baseline": head["paired_vs_baseline"],
-        "reduction_ceiling": head["reduction_ceiling"],
-        "rates": list(rates),
-        "curve": curve,
-        **summarize_curve(curve, slo_for(settings, curve)),
+        **curve_result(settings, headline, head, rates, curve),
         "notes": notes,
         "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu, "placement": setup.placement.label,
                       "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,

@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,21 +254,12 @@ class ProcessServing:
         stream = OutputStream()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._send(("add", request))
-        finished = False
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async with aclosing(stream.until_finished(lambda: self.abort(request_id))) as items:
+                async for item in items:   # a client gone early aborts: its pages return at the engine's next step
+                    yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)   # client went away: pages return at the engine's next step
 
     def abort(self, request_id: RequestId, finish_reason: FinishReason | None = None) -> None:
         self._send(("abort", request_id, finish_reason))

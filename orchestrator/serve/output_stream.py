@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from orchestrator.core.types import RequestId, RequestOutput
@@ -59,6 +59,24 @@ class OutputStream:
         while self._items and not isinstance(self._items[0], BaseException) and not item.finished:
             item = merge_outputs(item, self._items.popleft())
         return item
+
+    async def until_finished(self, on_abandoned: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+        """Yields outputs until the finished one (an error item is raised); if the consumer stops early
+        (client gone), on_abandoned() runs so the request is aborted and its pages return."""
+        finished = False
+        try:
+            while True:
+                item = await self.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                on_abandoned()
 
 
 class StepBatcher:

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from orchestrator.core.complexity import estimator_for_vocab
@@ -124,21 +125,12 @@ class LocalServing:
         request_id = request.request_id
         stream = OutputStream()
         self.core.add_request(request, self._batcher.sink(request_id, stream))   # raises InvalidRequest/QueueFull
-        finished = False
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async with aclosing(stream.until_finished(lambda: self.abort(request_id))) as items:
+                async for item in items:   # a client gone early aborts: its pages return at the next step
+                    yield item
         finally:
             self.core.detach(request_id)
-            if not finished:
-                self.abort(request_id)   # client went away: pages return at the next step
 
     def abort(self, request_id: RequestId, finish_reason: FinishReason | None = None) -> None:
         self.core.abort(request_id, finish_reason=finish_reason)
