@@ -33,7 +33,8 @@ def format_demo(result: dict[str, Any]) -> str:
         lines.append(f"  TTFT p50              : {_ms(m['ttft_p50_s'])}")
         lines.append(f"  TPOT p50              : {_ms(m['tpot_p50_s'])}")
         escalations = ", ".join(f"{k}: {v}" for k, v in m["escalations"].items() if v) or "none"
-        lines.append(f"  escalations           : {sum(r['escalated'] for r in m['per_request'])} ({escalations})")
+        # a request can escalate twice (s -> m -> l): requests escalated, then every hop
+        lines.append(f"  escalated requests    : {sum(r['escalated'] for r in m['per_request'])} (hops {escalations})")
     reduction = result.get("reduction_mean_token_latency")
     if reduction is not None:
         direction = "lower" if reduction >= 0 else "higher"
