@@ -79,7 +79,11 @@ def fleet(tmp_path_factory):
     config_path = tmp / "replica.yaml"
     config_path.write_text(json.dumps({"family": str(family_dir()), "pool": {"num_pages": 512, "host_tier_mb": 0},
                                        "engine": {"device": "cpu", "num_threads": 1},
-                                       "scheduler": {"request_timeout_s": 120}}))
+                                       "scheduler": {"request_timeout_s": 120},
+                                       # a replica keeps a session on its member (nested families default to
+                                       # 0 since issue 13); this file checks the fleet's stickiness, so exact
+                                       # turn-2 hits need the member fixed too
+                                       "router": {"session_bonus": 0.2}}))
     port = free_port_block(NUM_PORTS)
     log_dir = tmp / "logs"
     with (tmp / "fleet.out").open("wb") as out:
