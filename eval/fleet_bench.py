@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from orchestrator.serve.fleet import port_is_free
 from orchestrator.sharegpt import iter_conversations
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,18 +44,10 @@ def free_base_port(count: int) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             base = sock.getsockname()[1]
-        if base + count < 65000 and all(_free(p) for p in range(base, base + count)):
+        if base + count < 65000 and all(port_is_free("127.0.0.1", p) for p in range(base, base + count)):
             return base
     raise RuntimeError("no block of free ports")
 
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 @contextlib.contextmanager

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from eval.bench import BenchSettings, config_for, prepare, run_system as run_real
-from eval.metrics_calc import percentile
 from eval.simulate.confidence import ConfidenceLibrary, write_library
 from eval.simulate.cost_model import LinearCostModel, fit_linear, plan_shapes
 from eval.simulate.fleet import Placement
@@ -55,11 +54,6 @@ def _instrument(log: list):
     return attach
 
 
-def _with_p90(metrics: dict[str, Any]) -> dict[str, Any]:
-    ttft = [r["ttft_s"] for r in metrics["per_request"] if r["ttft_s"] is not None and r["error"] is None]
-    return {**metrics, "ttft_p90_s": percentile(ttft, 90)}
-
-
 def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
     family, trace, split, notes = prepare(settings)
     out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}}
@@ -68,7 +62,7 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
         log: list = []
         records, metrics = asyncio.run(run_real(name, config_for(name, settings, split), trace, instrument=_instrument(log)))
         records_all += records
-        out["systems"][name] = _with_p90(metrics)
+        out["systems"][name] = metrics   # summarize() already carries ttft_p90_s
         gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
         out["steps"][name] = {"observations": [(shapes, seconds) for _, seconds, shapes in log],
                               "gaps_s": [g for g in gaps if 0 <= g < BACK_TO_BACK_S]}
@@ -103,7 +97,7 @@ def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostMode
     for name in settings.systems:
         _, metrics = run_sim(name, config_for(name, settings, real_rate["split"]), setup, real_rate["trace"], library,
                              tokenizer.vocab_size, 0.5)
-        out[name] = _with_p90(metrics)
+        out[name] = metrics
     return out
 
 

@@ -90,19 +90,30 @@ def victim_key(order: str) -> Callable[[Sequence], tuple]:
 @dataclass(frozen=True, slots=True)
 class DecodeProfile:
     """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token
-    per step (every decoding request decodes in every step) and ends after `steps_left` steps."""
+    per step (every decoding request decodes in every step) and ends after `steps_left` steps. Growth is
+    computed per asked step (peak_growth reads one step per profile), not tabulated for every step."""
 
     steps_left: int               # steps until it ends
-    growth_pages: tuple[int, ...]  # growth_pages[t]: pages it will have allocated beyond now at step t
+    tokens_now: int
+    final_tokens: int
+    held_pages: int
     private_pages: int            # pages only it references: available again when it ends
+    pages_for: Callable[[int], int]
+    slack_tokens: int             # the scheduler may grow a request's table this many tokens ahead
+
+    def growth_at(self, t: int) -> int:
+        """Pages it will have allocated beyond now at step t (0 <= t < steps_left)."""
+        return max(0, self.pages_for(min(self.final_tokens, self.tokens_now + t + self.slack_tokens)) - self.held_pages)
+
+    @property
+    def growth_pages(self) -> tuple[int, ...]:
+        return tuple(self.growth_at(t) for t in range(self.steps_left))
 
 
 def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pages: int, private_pages: int,
                    pages_for: Callable[[int], int], slack_tokens: int) -> DecodeProfile:
     """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation)."""
-    growth = tuple(max(0, pages_for(min(final_tokens, tokens_now + t + slack_tokens)) - held_pages)
-                   for t in range(steps_left))
-    return DecodeProfile(steps_left, growth, private_pages)
+    return DecodeProfile(steps_left, tokens_now, final_tokens, held_pages, private_pages, pages_for, slack_tokens)
 
 
 def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
@@ -115,6 +126,6 @@ def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
         t = candidate.steps_left - 1
         total = 0
         for p in profiles:
-            total += p.growth_pages[t] if t < p.steps_left else -p.private_pages
+            total += p.growth_at(t) if t < p.steps_left else -p.private_pages
         best = max(best, total)
     return best

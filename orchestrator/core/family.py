@@ -67,11 +67,14 @@ class FamilySpec:
     members: tuple[MemberSpec, ...]     # small to large
     root: Path | None = None
 
+    # name -> member, built once: member() is called per token and per request on the scheduling path
+    _by_name: dict[str, MemberSpec] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {m.name: m for m in self.members})
+
     def member(self, name: str) -> MemberSpec:
-        for m in self.members:
-            if m.name == name:
-                return m
-        raise KeyError(name)
+        return self._by_name[name]
 
     @property
     def member_names(self) -> list[str]:

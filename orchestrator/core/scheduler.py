@@ -56,7 +56,6 @@ class Scheduler:
         self._capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
                                for m in family.members}
-        self._partitioned = config.pool.static_split is not None
         self.demand = PoolDemand(family, config, pool, kv, self._running, self._waiting, self._capacity_pages)
         self._step = 0                                   # schedule() calls so far: the aging clock
         self._victim_key = victim_key(config.scheduler.victim_order)
@@ -151,12 +150,6 @@ class Scheduler:
             for name in running:
                 extra[name] = self.demand.delay_and_pressure(name, request, self._step_cost_s)
         return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1], **extra[n]) for n in running}
-
-    def _partition_of(self, member: str) -> str | None:
-        return self.demand.partition_of(member)
-
-    def _in_partition(self, seq: Sequence, member: str) -> bool:
-        return self.demand.in_partition(seq, member)
 
     def reserved_pages(self, member: str) -> int:
         """Pages reserved for the running requests' remaining decode in `member`'s pool (pool_demand.py)."""
@@ -274,7 +267,7 @@ class Scheduler:
             if self.config.scheduler.preallocate_blocks and self.kv.grow(seq.kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not self.kv.grow(seq.kv, len(seq.token_ids)):
-                victim = min((s for s in self._running.values() if self._in_partition(s, seq.member)),
+                victim = min((s for s in self._running.values() if self.demand.in_partition(s, seq.member)),
                              key=self._victim_key)
                 if victim is seq and self._release_pins(seq.member, now_s):
                     continue
@@ -319,7 +312,7 @@ class Scheduler:
         released = False
         for queue in self._waiting.values():
             for seq in queue:
-                if seq.pinned_kv is not None and self._in_partition(seq, member):
+                if seq.pinned_kv is not None and self.demand.in_partition(seq, member):
                     self._release_pin(seq)
                     released = True
         return released
@@ -345,7 +338,7 @@ class Scheduler:
             kept: deque[Sequence] = deque()
             while queue:
                 seq = queue.popleft()
-                part = self._partition_of(seq.member)
+                part = self.demand.partition_of(seq.member)
                 if (len(self._running) >= max_running or seq.member in blocked
                         or not self._try_admit(seq, plan, now_s, held.get(part, 0))):
                     if seq.is_warmup:
@@ -375,7 +368,7 @@ class Scheduler:
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
         # Headroom matters only when others share the pages: alone, a request always fits (add_request
         # checked its whole length against the capacity), so it must never wait for a reserve.
-        shared_with_others = any(self._in_partition(s, seq.member) for s in self._running.values())
+        shared_with_others = any(self.demand.in_partition(s, seq.member) for s in self._running.values())
         reserve = 0
         if shared_with_others and self.config.scheduler.decode_reservation != "block":
             # Beside every running request's remaining decode, with room for this one's own.
