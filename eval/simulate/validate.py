@@ -4,11 +4,14 @@ For each rate: one trace (the bench's), run by `mfs bench`'s own run_system for 
 execute() timed (shapes and seconds of every step, and the gaps between back-to-back steps), and the replies'
 per-token confidences recorded. Then a linear cost model is fitted to the observed steps of the OTHER rates
 (leave-one-rate-out: the simulated rate's own steps never set its costs), to every rate's steps (in_sample), and
-to the simulated run's own steps only (same_run: on a shared machine the cost of a step drifts between runs; this
-variant isolates how well the simulated core reproduces the queueing given that run's step costs), and
+to that rate's runs' steps (same_run: on a shared machine the cost of a step drifts between runs), and to each
+system's own run only (own_steps: this VM's speed drifts by up to 2x within a minute, so even two systems run one
+after the other at one rate see different machines; this variant isolates how well the simulated core reproduces
+queueing and batching given the step costs the machine had during that very run), and
 the same trace is simulated with the bench's configs and the recorded confidences. Reported per system and
 rate: mean token latency, TTFT p50/p90, TPOT p50 and throughput, simulated / real - 1, and whether the systems
-are ordered the same way.
+are ordered the same way; and a fixed workload timed before and after every real run (machine_probe_ms), so the
+machine's own drift is on record beside the errors.
 
     python -m eval.simulate.validate --quick --rates 0.5,1,2 --out validation.json
 """
@@ -33,6 +36,7 @@ from eval.step_profile import BACK_TO_BACK_S
 METRICS = (("mean_token_latency_s", "mean token latency"), ("ttft_p50_s", "TTFT p50"), ("ttft_p90_s", "TTFT p90"),
            ("tpot_p50_s", "TPOT p50"), ("throughput_tok_s", "throughput"))
 TARGET_ERROR = 0.15
+VARIANTS = ("held_out", "held_out_scaled", "in_sample", "same_run", "own_steps")
 
 
 def _instrument(log: list):
@@ -54,13 +58,37 @@ def _instrument(log: list):
     return attach
 
 
+def machine_probe_ms(repeats: int = 5) -> list[float]:
+    """The machine's speed now: ms for a fixed decode-shaped workload (batch 32 through 8 layers of tiny-l's
+    MLP widths and its LM head), `repeats` times. The same work taking longer = a slower machine (this VM's
+    vCPUs share physical cores with other tenants: seen drifting 3.4-6.7 ms within 30 s with nothing else here)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(32, 256, generator=gen)
+    up, down, head = (torch.randn(256, 640, generator=gen), torch.randn(640, 256, generator=gen),
+                      torch.randn(256, 4096, generator=gen))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(20):
+            x = x0
+            for _ in range(8):
+                x = (x @ up) @ down
+            x @ head
+        times.append((time.perf_counter() - started) / 20 * 1e3)
+    return times
+
+
 def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
     family, trace, split, notes = prepare(settings)
-    out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}}
+    out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}, "probe_ms": {}}
     records_all = []
     for name in settings.systems:
         log: list = []
+        before = machine_probe_ms()
         records, metrics = asyncio.run(run_real(name, config_for(name, settings, split), trace, instrument=_instrument(log)))
+        out["probe_ms"][name] = {"before": before, "after": machine_probe_ms()}
         records_all += records
         out["systems"][name] = metrics   # summarize() already carries ttft_p90_s
         gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
@@ -70,19 +98,51 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
     return out
 
 
-def fit(real: dict[float, dict], rates: list[float], members: list[str]) -> LinearCostModel:
+def fit(real: dict[float, dict], rates: list[float], members: list[str], system: str | None = None) -> LinearCostModel:
+    """Fitted to the steps of the given rates' runs (of one system's run only when `system` is given)."""
     observations, gaps = [], []
     for rate in rates:
-        for steps in real[rate]["steps"].values():
+        for name, steps in real[rate]["steps"].items():
+            if system is not None and name != system:
+                continue
             observations += steps["observations"]
             gaps += steps["gaps_s"]
     coefficients = fit_linear(observations, members)
     overhead = sum(gaps) / len(gaps) if gaps else 0.0
-    return LinearCostModel(coefficients, overhead, f"fitted to {len(observations)} steps of real bench runs at rates "
+    whose = f"{system}'s run" if system else "real bench runs"
+    return LinearCostModel(coefficients, overhead, f"fitted to {len(observations)} steps of {whose} at rates "
                                                    f"{', '.join(map(str, rates))} on this machine")
 
 
-def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostModel, conf_path: Path) -> dict[str, Any]:
+def probe_of(real_rate: dict, system: str) -> float | None:
+    """The median machine probe around one system's real run (None for runs saved before probes existed)."""
+    probe = real_rate.get("probe_ms", {}).get(system)
+    if not probe:
+        return None
+    values = sorted(probe["before"] + probe["after"])
+    return values[len(values) // 2]
+
+
+def scaled(cost: LinearCostModel, factor: float) -> LinearCostModel:
+    """The same cost model on a machine `factor` times slower (every coefficient and the loop overhead)."""
+    return LinearCostModel({m: tuple(c * factor for c in coef) for m, coef in cost.coefficients.items()},
+                           cost.overhead_s * factor, f"{cost.source}, x{factor:.3f} by the machine probe",
+                           cost.copy_gb_s)
+
+
+def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, systems: tuple[str, ...],
+                 cost: LinearCostModel) -> dict[str, LinearCostModel] | None:
+    """Per system: `cost` (fitted on fit_rates' runs) scaled by that run's probe over the fit runs' mean probe."""
+    fitted_on = [p for r in fit_rates for n in real[r]["steps"] if (p := probe_of(real[r], n)) is not None]
+    if not fitted_on or any(probe_of(real[rate], n) is None for n in systems):
+        return None
+    reference = sum(fitted_on) / len(fitted_on)
+    return {n: scaled(cost, probe_of(real[rate], n) / reference) for n in systems}
+
+
+def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostModel | dict[str, LinearCostModel],
+                  conf_path: Path) -> dict[str, Any]:
+    """Every system simulated on `cost` (one model, or one per system)."""
     from eval.simulate.cli import run_system as run_sim
     from orchestrator.core.family import load_family
     from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -91,10 +151,11 @@ def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostMode
     tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
     library = ConfidenceLibrary.load(conf_path, seed=settings.seed)
     library.map_members(family.member_names, family.member_names)
-    setup = SimSetup(family_name=family.name, family=None, member_names=family.member_names, cost=cost,
-                     placement=Placement("colocated"), num_pages=settings.kv_pages, page_bytes=0, split=None)
     out = {}
     for name in settings.systems:
+        setup = SimSetup(family_name=family.name, family=None, member_names=family.member_names,
+                         cost=cost[name] if isinstance(cost, dict) else cost, placement=Placement("colocated"),
+                         num_pages=settings.kv_pages, page_bytes=0, split=None)
         _, metrics = run_sim(name, config_for(name, settings, real_rate["split"]), setup, real_rate["trace"], library,
                              tokenizer.vocab_size, 0.5)
         out[name] = metrics
@@ -145,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         held_out = fit({r: real[r][1] for r in rates}, others, members)
         in_sample = fit({r: real[r][1] for r in rates}, rates, members)
         same_run = fit({r: real[r][1] for r in rates}, [rate], members)
+        own_steps = {name: fit({r: real[r][1] for r in rates}, [rate], members, system=name) for name in systems}
+        held_out_scaled = probe_scaled({r: real[r][1] for r in rates}, others, rate, systems, held_out)
         conf = work / f"confidences_r{rate}.json"
         results[str(rate)] = {
             "held_out": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out, conf)),
@@ -152,16 +215,23 @@ def main(argv: list[str] | None = None) -> int:
             "in_sample": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, in_sample, conf)),
                           "cost_model": in_sample.describe()},
             "same_run": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, same_run, conf)),
-                         "cost_model": same_run.describe()}}
+                         "cost_model": same_run.describe()},
+            "own_steps": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, own_steps, conf)),
+                          "cost_model": {n: m.describe() for n, m in own_steps.items()}},
+            "machine_probe_ms": real_rate.get("probe_ms")}
+        if held_out_scaled is not None:
+            results[str(rate)]["held_out_scaled"] = {
+                **compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out_scaled, conf)),
+                "cost_model": {n: m.describe() for n, m in held_out_scaled.items()}}
     def worst_of(variant: str) -> float | None:
-        return max((abs(n["mean_token_latency_s"]) for r in results.values() for n in r[variant]["errors"].values()
-                    if n["mean_token_latency_s"] is not None), default=None)
+        return max((abs(n["mean_token_latency_s"]) for r in results.values() if variant in r
+                    for n in r[variant]["errors"].values() if n["mean_token_latency_s"] is not None), default=None)
     worst = worst_of("held_out")
     summary = {"rates": rates, "systems": list(systems), "target_error": TARGET_ERROR,
                "worst_abs_error_mean_token_latency_held_out": worst,
-               "worst_abs_error_mean_token_latency": {v: worst_of(v) for v in ("held_out", "in_sample", "same_run")},
-               "same_order_every_rate": {v: all(r[v]["same_order"] for r in results.values())
-                                         for v in ("held_out", "in_sample", "same_run")},
+               "worst_abs_error_mean_token_latency": {v: worst_of(v) for v in VARIANTS},
+               "same_order_every_rate": {v: all(r[v]["same_order"] for r in results.values() if v in r)
+                                         for v in VARIANTS if any(v in r for r in results.values())},
                "same_order_every_rate_held_out": all(r["held_out"]["same_order"] for r in results.values()),
                "by_rate": results, "command": "python -m eval.simulate.validate " + " ".join(argv or [])}
     Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
@@ -170,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.save_fit).write_text(json.dumps(fitted.to_dict(), indent=1))
         print(f"wrote {args.save_fit}")
     for rate, r in results.items():
-        for variant in ("held_out", "in_sample", "same_run"):
+        for variant in (v for v in VARIANTS if v in r):
             for name, errs in r[variant]["errors"].items():
                 real_v = r[variant]["real"][name]["mean_token_latency_s"]
                 sim_v = r[variant]["simulated"][name]["mean_token_latency_s"]
-                print(f"rate {rate} {variant:<9} {name:<9} tok-lat real {real_v * 1e3:7.2f} sim {sim_v * 1e3:7.2f} ms | " +
+                print(f"rate {rate} {variant:<15} {name:<9} tok-lat real {real_v * 1e3:7.2f} sim {sim_v * 1e3:7.2f} ms | " +
                       "  ".join(f"{label} {e * 100:+.0f}%" for (key, label) in METRICS if (e := errs[key]) is not None) +
                       f" | order {'same' if r[variant]['same_order'] else 'DIFFERENT'}")
     for variant, value in summary["worst_abs_error_mean_token_latency"].items():

@@ -1,0 +1,55 @@
+"""The validation's pure parts: the linear fit recovers known costs, per-system fits see only that system's
+steps, and the machine-probe scaling multiplies every cost by the probe ratio."""
+import pytest
+
+from eval.simulate.cost_model import BatchShape, LinearCostModel
+from eval.simulate.validate import fit, probe_of, probe_scaled, scaled
+
+COEF = {"a": (0.002, 0.0001, 0.0005, 0.00002, 0.003), "b": (0.004, 0.0002, 0.001, 0.00004, 0.006)}
+
+
+def _step(member: str, decodes: int, context: int, prefill: int) -> tuple[list[BatchShape], float]:
+    shape = BatchShape(member, tuple([context] * decodes), ((prefill, context),) if prefill else ())
+    return [shape], LinearCostModel(COEF, 0.0, "truth").batch_s(shape)
+
+
+def _run(factor: float, members=("a", "b")) -> dict:
+    steps = [(shapes, seconds * factor) for m in members for d in (1, 2, 5, 9) for c in (100, 400)
+             for p in (0, 32, 128) for shapes, seconds in [_step(m, d, c, p)]]
+    return {"observations": steps, "gaps_s": [0.001 * factor] * 3}
+
+
+def test_fit_recovers_known_coefficients_and_gap():
+    real = {1.0: {"steps": {"mfs": _run(1.0)}}}
+    model = fit(real, [1.0], ["a", "b"])
+    for member, truth in COEF.items():
+        assert model.coefficients[member] == pytest.approx(truth, abs=1e-9)
+    assert model.overhead_s == pytest.approx(0.001)
+
+
+def test_fit_of_one_system_sees_only_its_steps():
+    real = {1.0: {"steps": {"mfs": _run(1.0), "baseline": _run(3.0)}}}
+    fast = fit(real, [1.0], ["a", "b"], system="mfs")
+    slow = fit(real, [1.0], ["a", "b"], system="baseline")
+    assert slow.coefficients["a"][0] == pytest.approx(3 * fast.coefficients["a"][0])
+    assert "baseline's run" in slow.source
+
+
+def test_scaled_multiplies_every_cost():
+    model = LinearCostModel(COEF, 0.002, "x")
+    shape = BatchShape("b", (300, 300), ((32, 10),))
+    double = scaled(model, 2.0)
+    assert double.batch_s(shape) == pytest.approx(2 * model.batch_s(shape))
+    assert double.step_overhead_s() == pytest.approx(0.004)
+
+
+def test_probe_scaling_uses_the_runs_probe_over_the_fit_runs_mean():
+    probe = lambda ms: {"before": [ms, ms, 99.0], "after": [ms, ms, 0.0]}     # the median ignores one outlier each
+    real = {0.5: {"steps": {"mfs": {}, "baseline": {}}, "probe_ms": {"mfs": probe(4.0), "baseline": probe(6.0)}},
+            1.0: {"steps": {"mfs": {}, "baseline": {}}, "probe_ms": {"mfs": probe(10.0), "baseline": probe(5.0)}}}
+    assert probe_of(real[0.5], "mfs") == 4.0
+    model = LinearCostModel(COEF, 0.001, "x")
+    per_system = probe_scaled(real, [0.5], 1.0, ("mfs", "baseline"), model)
+    assert per_system["mfs"].overhead_s == pytest.approx(0.001 * 10.0 / 5.0)
+    assert per_system["baseline"].overhead_s == pytest.approx(0.001 * 5.0 / 5.0)
+    assert probe_scaled({0.5: {"steps": {"mfs": {}}}, 1.0: real[1.0]}, [0.5], 1.0, ("mfs",), model) is None
