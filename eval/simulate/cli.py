@@ -17,8 +17,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from eval.baseline_split import choose_baseline_split
 from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
-                        curve_rates, curve_result, format_table, settings_from_args, static_split_for)
+                        complexity_estimator, curve_rates, curve_result, format_table, settings_from_args,
+                        static_split_for)
 from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summarize
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, simulate
@@ -141,6 +143,34 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     return run, metrics
 
 
+def stats_interval_s(trace: Trace) -> float:
+    return max(STATS_INTERVAL_S, (trace.arrival_times_s[-1] if trace.arrival_times_s else 0.0) / 2000)
+
+
+def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
+                          confidences: ConfidenceLibrary, tokenizer) -> dict[str, Any]:
+    """The bench's own baseline split (eval/baseline_split.py), with the pilot simulated: the baseline on the
+    operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
+    solo decode steps. Replaces configs["baseline"]; returns what the JSON says about the split."""
+    family = setup.family or load_family(settings.family)
+    extra = {**setup.overrides, **settings.extra_overrides}
+
+    def config_on(fractions: dict[str, float]):
+        return system_config("baseline", settings.family, setup.num_pages, fractions, extra)
+
+    def run_pilot(fractions: dict[str, float], rate: float):
+        config = config_on(fractions)
+        at_rate = trace.at_rate(rate)
+        run, metrics = run_system("baseline_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
+                                  stats_interval_s(at_rate))
+        return config, run.records, {k: v for k, v in metrics.items() if k not in CURVE_DROP}
+
+    chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
+                                          split, complexity_estimator(tokenizer), run_pilot)
+    configs["baseline"] = config_on(chosen)
+    return {"baseline_split_mode": settings.baseline_split, "baseline_split": chosen, **about}
+
+
 def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
               interval_s: float) -> dict[str, Any]:
     """Every system on `trace` (one rate): the point's JSON block, as eval.bench.run_point builds it."""
@@ -168,11 +198,14 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     confidences.map_members(setup.member_names, tiny.member_names)
     configs, split = system_configs(setup, settings, trace, tokenizer)
     sim_started = time.perf_counter()
+    about_split: dict[str, Any] = {"baseline_split_mode": None if "baseline" not in configs else
+                                   "placement" if setup.split is not None else "traffic"}
+    if "baseline" in configs and setup.split is None and settings.baseline_split != "traffic":
+        about_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer)
     points = []
     for rate in rates:
         at_rate = trace.at_rate(rate)
-        interval = max(STATS_INTERVAL_S, (at_rate.arrival_times_s[-1] if at_rate.arrival_times_s else 0.0) / 2000)
-        points.append(run_point(setup, configs, at_rate, confidences, tokenizer.vocab_size, interval))
+        points.append(run_point(setup, configs, at_rate, confidences, tokenizer.vocab_size, stats_interval_s(at_rate)))
     sim_s = time.perf_counter() - sim_started
     head = next(p for p in points if p["rate"] == headline)
     curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
@@ -185,7 +218,10 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         "workload": trace.at_rate(headline).summary(),
         "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),
                      "static_split_traffic_share": getattr(split, "traffic_share", None),
+                     "baseline_split_mode": about_split.pop("baseline_split_mode"),
+                     "baseline_split": about_split.pop("baseline_split", getattr(split, "fractions", split)),
                      "configs": {n: config_to_dict(c) for n, c in configs.items()}},
+        **about_split,
         **curve_result(settings, headline, head, rates, curve),
         "notes": notes,
         "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu, "placement": setup.placement.label,
