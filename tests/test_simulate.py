@@ -320,3 +320,33 @@ def test_a_refused_turn_ends_a_closed_loop_session():
     too_long = list(range(3, 3 + 1100))
     run = run_nodes(trace_of([[(too_long, 2, 0.0), (PROMPT, 2, 1.0)]], [0.0], history="closed"))
     assert run.records[1].error == "session ended: turn 0 failed"
+
+
+def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pilot():
+    from dataclasses import replace
+
+    from eval.bench import BenchSettings, static_split_for
+    from eval.simulate.cli import search_baseline_split, system_configs
+    from eval.simulate.fleet import Placement
+    from eval.simulate.setup import SimSetup
+    from orchestrator.core.family import load_family
+    from orchestrator.serve.tokenizer import FamilyTokenizer
+    from tests.fakes_serving import family_dir
+
+    family = load_family(str(family_dir()))
+    tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
+    settings = replace(BenchSettings.quick_defaults(), family=str(family_dir()), systems=("mfs", "baseline"),
+                       kv_pages=512, score_quality=False, extra_overrides={"escalation.enabled": False})
+    setup = SimSetup(family_name="tiny", family=None, member_names=family.member_names, cost=FakeCost(),
+                     placement=Placement("colocated"), num_pages=512, page_bytes=0, split=None)
+    sessions = [[(PROMPT, 4, 0.0), (PROMPT + [9] * 30, 3, 1.0)], [(list(range(100, 160)), 5, 0.0)]]
+    trace = trace_of(sessions, [0.0, 0.5])
+    configs, split = system_configs(setup, settings, trace, tokenizer)
+    traffic = dict(configs["baseline"].pool.static_split)
+    about = search_baseline_split(setup, settings, trace, [1.0, 2.0], split, configs, library(), tokenizer)
+    assert about["baseline_split_mode"] == "search"
+    assert configs["baseline"].pool.static_split == about["baseline_split"]     # the baseline runs the chosen split
+    pilot = about["baseline_proportional"]
+    assert pilot["rate"] == 1.0 and pilot["metrics"]["num_requests"] == 3       # the pilot ran, simulated, at the lightest rate
+    assert about["baseline_split_search"]["num_candidates"] > 100
+    assert traffic == split.fractions                                          # before the search: the traffic split
