@@ -162,13 +162,17 @@ class EngineCore:
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
                 continue
-            try:
-                self.step()
-            except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                if on_step_error is not None:
-                    on_step_error(exc)
-                self.fail_all(f"engine step failed: {self.last_error}")
+            self.step_or_fail(on_step_error)
+
+    def step_or_fail(self, on_step_error: Callable[[Exception], None] | None = None) -> None:
+        """One step; if it raises, the requests it had fail (each sink gets an MFSError), never the loop."""
+        try:
+            self.step()
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            if on_step_error is not None:
+                on_step_error(exc)
+            self.fail_all(f"engine step failed: {self.last_error}")
 
     def step(self) -> None:
         tick = self.step_clock or _no_clock

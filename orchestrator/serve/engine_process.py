@@ -162,12 +162,7 @@ class _EngineCore:
                     self.pending_stats = None
             self.flush(conn)                           # admission errors
             if core.has_work():
-                try:
-                    core.step()
-                except Exception as exc:  # a failed step fails its requests, never the engine
-                    log.exception("engine step failed")
-                    core.last_error = f"{type(exc).__name__}: {exc}"
-                    core.fail_all(f"engine step failed: {core.last_error}")
+                core.step_or_fail(lambda exc: log.error("engine step failed", exc_info=exc))
 
     def flush(self, conn) -> None:
         if self.pending:
