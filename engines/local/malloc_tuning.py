@@ -3,9 +3,10 @@
 Why: each forward allocates and frees buffers of a few MB (gathered K/V pages, attention and MLP activations).
 glibc serves an allocation above its mmap threshold with a fresh mmap and gives it back on free (and trims
 the heap top past its trim threshold), so every step pays page faults and zeroing for memory it just released:
-perf showed ~15% of an engine step in the kernel's page-fault path, and a 32-sequence decode step at 160
-tokens of context took 60-100 ms of CPU with the defaults against 25-32 ms with these settings
-(docs/BENCHMARKS.md, "Serving throughput"). The thresholds stay fixed once set (glibc stops adapting them).
+perf showed ~10% of an in-process serving-shaped loop in the kernel's page-fault path, and a 32-sequence decode
+step at 160 tokens of context took 59-79 ms of CPU with the defaults against 25-32 ms with these settings; the
+served engine gained less (+4% / +10% tok/s, docs/BENCHMARKS.md section 10, "The engine's CPU per token").
+The thresholds stay fixed once set (glibc stops adapting them).
 """
 from __future__ import annotations
 
