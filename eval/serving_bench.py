@@ -410,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="another checkout of MFS to run as system mfs-before (a paired before/after)")
     parser.add_argument("--with-thread", action="store_true",
                         help="also run this tree with engine.process: thread as system mfs-thread (the split's share)")
+    parser.add_argument("--mfs-config", action="append", default=[], metavar="NAME=YAML",
+                        help="also run this tree with that config file as system mfs-NAME (repeatable; e.g. "
+                             "t2=threads2.yaml for an engine.num_threads A/B in the same rounds)")
     parser.add_argument("--out", type=Path, help="write the runs as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -432,6 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         systems.insert(1, "mfs-before")
     if args.with_thread:
         systems.insert(1, "mfs-thread")
+    variants = {}
+    for item in args.mfs_config:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            parser.error(f"--mfs-config wants NAME=YAML with an existing file, got {item!r}")
+        variants[f"mfs-{name}"] = Path(path).resolve()
+        systems.insert(1, f"mfs-{name}")
     load = Load(args.concurrency, args.input_tokens, args.output_tokens, args.num_requests, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="mfs-serving-bench-") as tmp:
         servers = []
@@ -443,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                 config = Path(tmp) / "thread.yaml"
                 config.write_text("engine:\n  process: thread\n")
                 spec = mfs_spec(port, ["--config", str(config), *args.mfs_arg], name="mfs-thread")
+            elif system in variants:
+                spec = mfs_spec(port, ["--config", str(variants[system]), *args.mfs_arg], name=system)
             elif system == "mfs-before":
                 spec = mfs_spec(port, [], args.before_tree.resolve(), "mfs-before")
             else:

@@ -10,6 +10,7 @@ from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan
 
 from engines.local.arena import KVArena
 from engines.local.checkpoint import TORCH_DTYPES, LayerWeights, load_checkpoint
+from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
 from engines.local.sampler import Sampler
 
@@ -45,11 +46,14 @@ class LocalExecutor:
     """Implements orchestrator.core.engine_api.StepExecutor. All decisions come in the plan; this owns tensors only."""
 
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
-                 device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True) -> None:
+                 device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True,
+                 malloc_mmap_threshold_mb: int = 32) -> None:
+        """malloc_mmap_threshold_mb: see engines/local/malloc_tuning.py (process-wide; 0 = glibc defaults)."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        self.malloc_tuned = tune_malloc(malloc_mmap_threshold_mb)
         self.family = family
         self.num_pages = num_pages
         self.page_bytes = page_bytes

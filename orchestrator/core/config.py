@@ -123,6 +123,8 @@ class EngineConfig:
     # issue 15: the local engine core (scheduler + model) in its own process (separate) or a thread of the
     # HTTP process (thread); separate keeps the event loop and the engine off each other's GIL
     process: str = "separate"             # separate | thread
+    # issue 15: glibc mmap threshold for the engine's process (engines/local/malloc_tuning.py); 0 = glibc default
+    malloc_mmap_threshold_mb: int = 32
 
 
 @dataclass(slots=True)
@@ -175,6 +177,8 @@ class MFSConfig:
         _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
         _check(self.engine.process in ("separate", "thread"), "engine.process",
                f"must be separate or thread, got {self.engine.process!r}")
+        _check(0 <= self.engine.malloc_mmap_threshold_mb <= 32, "engine.malloc_mmap_threshold_mb",
+               "must be in [0, 32] (glibc's ceiling on 64-bit)")
         _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
                f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
 

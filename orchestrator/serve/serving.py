@@ -89,7 +89,8 @@ class LocalServing:
         cfg = self.config
         return LocalExecutor(self.family, num_pages=self.pool.num_pages, page_bytes=cfg.pool.page_bytes,
                              dtype=cfg.engine.dtype, device=_device(cfg.engine.device),
-                             num_threads=engine_threads(cfg.engine.num_threads))
+                             num_threads=engine_threads(cfg.engine.num_threads),
+                             malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb)
 
     def _is_running(self) -> bool:
         return self._running
