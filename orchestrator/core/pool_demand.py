@@ -105,8 +105,9 @@ class PoolDemand:
         capacity = max(1, self._capacity_pages[member])
         used = self.pool.num_used_pages(member if self._partitioned else None)   # shared pages count once
         pressure = min(1.0, (used + reserved) / capacity)
+        step_s = step_cost_s or 0.0
         if len(request.prompt_token_ids) >= spec.context_tokens:
-            return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
+            return {"pool_pressure": pressure, "pages_per_token": pages_per_token, "step_s": step_s}
         need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
         queued_tokens = 0
         for queue in self._waiting.values():
@@ -126,5 +127,6 @@ class PoolDemand:
             steps = max((d.remaining_steps for d in demands), default=0)
         budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
         steps += queued_tokens / max(1, budget)
-        delay_s = steps * (step_cost_s or 0.0)
-        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}
+        delay_s = steps * step_s
+        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token,
+                "step_s": step_s}
