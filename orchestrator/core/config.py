@@ -94,6 +94,7 @@ class RouterConfig:
     downgrade_delay_s: float = 0.25       # the winner's expected wait that triggers a downgrade
     downgrade_max_gap: float = 0.15       # quality guard: complexity at most this far above the smaller band
     downgrade_delay_fraction: float | None = None  # also trigger at this share of the request's decode time
+    downgrade_running: int | None = None  # also trigger when the winner already runs this many requests
 
 
 @dataclass(slots=True)
@@ -162,6 +163,8 @@ class MFSConfig:
         _check(self.router.downgrade_max_gap >= 0, "router.downgrade_max_gap", "must be >= 0")
         _check(self.router.downgrade_delay_fraction is None or self.router.downgrade_delay_fraction > 0,
                "router.downgrade_delay_fraction", "must be > 0 or null")
+        _check(self.router.downgrade_running is None or self.router.downgrade_running >= 1,
+               "router.downgrade_running", "must be >= 1 or null")
         _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,
                "scheduler.independent_deployments", "needs pool.static_split (each deployment's slice)")
         _check(self.router.profile in self.router.profiles, "router.profile",

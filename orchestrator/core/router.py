@@ -185,8 +185,11 @@ class Router:
                 if target is not None:
                     load = loads.get(winner, _IDLE)
                     trigger = self._trigger_s(load, decode_tokens)
-                    why = (f"{winner} expected wait {load.expected_delay_s * 1000:.0f} ms >= {trigger * 1000:.0f} ms, "
-                           f"{names[target]} within the complexity gap")
+                    if load.expected_delay_s >= trigger:
+                        why = f"{winner} expected wait {load.expected_delay_s * 1000:.0f} ms >= {trigger * 1000:.0f} ms"
+                    else:
+                        why = f"{winner} runs {load.num_running} >= {config.downgrade_running} requests"
+                    why += f", {names[target]} within the complexity gap"
             if target is not None:
                 reason += f"; {why}, downgraded to {names[target]}"
                 downgraded_from, winner = MemberName(winner), names[target]
@@ -223,7 +226,8 @@ class Router:
         the request's complexity is at most downgrade_max_gap above that member's band (else None)."""
         config, names = self.config, self._names
         winner = loads.get(names[winner_index], _IDLE)
-        if winner.expected_delay_s < self._trigger_s(winner, decode_tokens):
+        busy = config.downgrade_running is not None and winner.num_running >= config.downgrade_running
+        if not busy and winner.expected_delay_s < self._trigger_s(winner, decode_tokens):
             return None
         for index in range(winner_index - 1, -1, -1):
             band_top = self._thresholds[index] if index < len(self._thresholds) else 1.0
