@@ -148,6 +148,19 @@ def test_delay_fraction_downgrades_a_short_reply_at_a_smaller_wait():
     assert _route(router, request(40), 0.75, loads=unknown).member == "tiny-l"
 
 
+def test_running_count_downgrade_fires_on_a_busy_winner_within_the_gap():
+    router = Router(FAMILY, RouterConfig(downgrade_running=2))
+    busy = {"tiny-s": IDLE, "tiny-m": MemberLoad(1, 0, 10, 0), "tiny-l": MemberLoad(2, 0, 100, 0)}
+    decision = _route(router, _request(500), 0.75, loads=busy)
+    assert decision.member == "tiny-m" and decision.downgraded_from == "tiny-l"
+    assert "tiny-l runs 2 >= 2 requests, tiny-m within the complexity gap" in decision.reason
+    quiet = {**busy, "tiny-l": MemberLoad(1, 0, 100, 0)}
+    assert _route(router, _request(500), 0.75, loads=quiet).member == "tiny-l"          # under the count
+    far = _route(router, _request(500), 0.7 + router.config.downgrade_max_gap + 0.01, loads=busy)
+    assert far.member == "tiny-l" and far.downgraded_from is None                        # the quality guard
+    assert _route(Router(FAMILY, RouterConfig()), _request(500), 0.75, loads=busy).member == "tiny-l"   # off
+
+
 def test_expected_delay_and_pool_pressure_enter_the_score(router):
     loads = {"tiny-s": MemberLoad(0, 0, 0, 0, pool_pressure=0.5, pages_per_token=0.25),
              "tiny-m": MemberLoad(0, 0, 0, 0, expected_delay_s=0.5, pool_pressure=0.5, pages_per_token=0.5)}
