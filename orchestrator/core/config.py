@@ -94,7 +94,7 @@ class RouterConfig:
     downgrade_delay_s: float = 0.25       # the winner's expected wait that triggers a downgrade
     downgrade_max_gap: float = 0.15       # quality guard: complexity at most this far above the smaller band
     downgrade_delay_fraction: float | None = None  # also trigger at this share of the request's decode time
-    downgrade_running: int | None = None  # also trigger when the winner already runs this many requests
+    downgrade_running: int | None = 2     # also trigger when the winner already runs this many requests (CPU-sized)
 
 
 @dataclass(slots=True)
