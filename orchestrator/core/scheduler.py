@@ -383,7 +383,8 @@ class Scheduler:
             own = self.demand.demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
             # Its prefix hits on a running request's private pages take them off that request's return.
             claimed = (self.kv.arena_hits(seq.member, match, seq.hashes)
-                       if match.num_full_blocks or match.num_shared_blocks else ())
+                       if self.config.scheduler.decode_reservation == "peak"
+                       and (match.num_full_blocks or match.num_shared_blocks) else ())
             reserve = self.demand.reserved_pages(seq.member, claimed) + max(0, own)
         elif shared_with_others:
             reserve = self._reserve_pages[seq.member]
