@@ -84,10 +84,12 @@ class Router:
     Affinity and session are 0 when config.use_affinity is False, load and pressure when config.use_load
     is False. components[member] holds the weighted contributions (load and pressure are negative), so
     they sum to scores[member]. The highest total wins, ties go to the smaller member.
-    Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation) or
-    whose expected delay is at least config.downgrade_delay_s moves to the largest smaller member that
-    is neither, and (delay rule) whose complexity band ends at most config.downgrade_max_gap below the
-    request's complexity: the quality guard.
+    Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation), or
+    busy (it already runs config.downgrade_running requests, or its expected delay is at least
+    config.downgrade_delay_s, or that share config.downgrade_delay_fraction of the request's decode time
+    there) moves to the largest smaller member that is neither saturated nor expected to wait that long,
+    and (busy rule) whose complexity band ends at most config.downgrade_max_gap below the request's
+    complexity: the quality guard.
     """
 
     __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus")
