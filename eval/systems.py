@@ -28,6 +28,7 @@ PRE13_ROUTING = {
     "router.pressure_weight": 0.0,
     "router.delay_saturation_s": 1e9,
     "router.downgrade_delay_s": 1e9,
+    "router.downgrade_running": None,
 }
 DEFAULT_SYSTEMS = ("mfs", "baseline")
 # A member with no routed traffic still needs pages: the baseline escalates into it (cold handover).

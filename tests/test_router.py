@@ -105,7 +105,7 @@ def test_session_bonus_defaults_to_zero_for_nested_and_applies_to_independent_fa
 
 def _delayed(router, large_delay_s: float, medium_delay_s: float = 0.0) -> dict:
     return {"tiny-s": IDLE, "tiny-m": MemberLoad(1, 0, 10, 0, expected_delay_s=medium_delay_s),
-            "tiny-l": MemberLoad(2, 3, 100, 300, expected_delay_s=large_delay_s)}
+            "tiny-l": MemberLoad(1, 3, 100, 300, expected_delay_s=large_delay_s)}   # under downgrade_running
 
 
 def test_expected_delay_downgrade_fires_within_the_complexity_gap_and_says_so(router):
@@ -123,6 +123,44 @@ def test_expected_delay_downgrade_respects_the_quality_guard_and_the_trigger(rou
     assert below.member == "tiny-l" and below.downgraded_from is None    # wait under the trigger
     both = _route(router, _request(500), 0.75, loads=_delayed(router, trigger, medium_delay_s=trigger))
     assert both.member == "tiny-l" and both.downgraded_from is None      # the smaller one is no better
+
+
+def test_delay_fraction_downgrades_a_short_reply_at_a_smaller_wait():
+    # downgrade_delay_fraction 0.5: the trigger is half the request's own decode time on the winner
+    # (max_tokens x step_s), when that is below downgrade_delay_s (0.25 s).
+    router = Router(FAMILY, RouterConfig(downgrade_delay_fraction=0.5))
+    step_s = 0.004
+    loads = {"tiny-s": IDLE, "tiny-m": MemberLoad(1, 0, 10, 0, step_s=step_s),
+             "tiny-l": MemberLoad(1, 3, 100, 300, expected_delay_s=0.1, step_s=step_s)}
+
+    def request(max_tokens):
+        return Request(request_id=RequestId("r1"), prompt_token_ids=list(range(500)),
+                       sampling=SamplingParams(max_tokens=max_tokens), arrival_s=0.0)
+    short = _route(router, request(40), 0.75, loads=loads)              # trigger 0.5 x 40 x 4 ms = 80 ms
+    assert short.member == "tiny-m" and short.downgraded_from == "tiny-l"
+    assert "expected wait 100 ms >= 80 ms" in short.reason
+    long = _route(router, request(60), 0.75, loads=loads)               # trigger 120 ms: 100 ms is under it
+    assert long.member == "tiny-l" and long.downgraded_from is None
+    huge = _route(router, request(1000), 0.75, loads=loads)             # capped at downgrade_delay_s
+    assert huge.member == "tiny-l"
+    assert _route(Router(FAMILY, RouterConfig()), request(40), 0.75, loads=loads).member == "tiny-l"   # off
+    unknown = {**loads, "tiny-l": MemberLoad(1, 3, 100, 300, expected_delay_s=0.1)}   # no step time yet
+    assert _route(router, request(40), 0.75, loads=unknown).member == "tiny-l"
+
+
+def test_running_count_downgrade_fires_on_a_busy_winner_within_the_gap():
+    router = Router(FAMILY, RouterConfig(downgrade_running=2))
+    busy = {"tiny-s": IDLE, "tiny-m": MemberLoad(1, 0, 10, 0), "tiny-l": MemberLoad(2, 0, 100, 0)}
+    decision = _route(router, _request(500), 0.75, loads=busy)
+    assert decision.member == "tiny-m" and decision.downgraded_from == "tiny-l"
+    assert "tiny-l runs 2 >= 2 requests, tiny-m within the complexity gap" in decision.reason
+    quiet = {**busy, "tiny-l": MemberLoad(1, 0, 100, 0)}
+    assert _route(router, _request(500), 0.75, loads=quiet).member == "tiny-l"          # under the count
+    far = _route(router, _request(500), 0.7 + router.config.downgrade_max_gap + 0.01, loads=busy)
+    assert far.member == "tiny-l" and far.downgraded_from is None                        # the quality guard
+    assert RouterConfig().downgrade_running == 2                                         # the default
+    off = Router(FAMILY, RouterConfig(downgrade_running=None))
+    assert _route(off, _request(500), 0.75, loads=busy).member == "tiny-l"
 
 
 def test_expected_delay_and_pool_pressure_enter_the_score(router):

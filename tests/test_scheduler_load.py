@@ -204,3 +204,75 @@ def test_peak_growth_counts_what_ends_before_the_peak():
     # Summing both ends would reserve 12; A's 4 private pages are back before B needs its last ones.
     assert peak_growth([a, b]) == max(2 + b.growth_pages[3], b.growth_pages[-1] - 4) == 6
     assert peak_growth([]) == 0
+
+
+# ----------------------------------------------------------------------------- reservation bugs (2026-12-01)
+HANDOVER_PROMPT = list(range(40, 52))      # 12 tokens: 3 blocks of 4
+
+
+def _shared_prefix_run(num_pages: int, c_max: int, b_max: int, b_tail: list[int], b_step: int = 2) -> tuple[Harness, list]:
+    """a (s, 2 tokens) finishes at step 2 holding private pages; c (m, fixed length) grows long after;
+    b (m) arrives at b_step with a's prompt, so its lower layers and residual are a prefix hit on a's pages.
+    Returns the harness and (step, reserved, available, running) after every step."""
+    h = Harness(**{"pool.num_pages": num_pages})
+    h.submit("c", list(range(60, 68)), max_tokens=c_max, pinned_member=MemberName("m"))
+    h.submit("a", HANDOVER_PROMPT, max_tokens=2, pinned_member=MemberName("s"))
+    states = []
+    for step in range(1, 80):
+        if step == b_step:
+            h.submit("b", HANDOVER_PROMPT + b_tail, max_tokens=b_max, pinned_member=MemberName("m"))
+        h.step()
+        h.scheduler.demand.clear()
+        states.append((step, h.scheduler.reserved_pages("m"), h.pool.num_available_pages("m"),
+                       sorted(str(r) for r in h.scheduler._running)))
+        if not h.scheduler.has_work():
+            break
+    return h, states
+
+
+def test_peak_reservation_does_not_credit_pages_an_admission_shares():
+    # The stateful test's bug (seed 314148103300451312151391228776905994476, minimal form): the peak
+    # reservation credits a's 21 private pages as returned when a ends (step 2), and c's late growth
+    # needs them. b's prefix hit shares 6 of them (2 blocks x 2 lower layers + 2 residual inputs), so
+    # they are not returned; before the fix b was admitted in step 2 on that credit and the reservation
+    # then exceeded the available pages (25 reserved, 16 available).
+    h, states = _shared_prefix_run(54, c_max=20, b_max=4, b_tail=[3])
+    assert all(reserved <= available for _, reserved, available, _ in states), states
+    assert states[0] == (1, 16, 35, ["a", "c"])
+    assert states[1] == (2, 20, 39, ["c"])               # b waits: beside c's growth it does not fit
+    assert _admitted_step(h, "b") == 21                  # c finished at step 20
+    assert h.scheduler.snapshot(h.now)["counters"]["preemptions"] == 0
+
+
+def test_reservation_with_shared_pages_counts_them_as_kept():
+    # The same, at the level of PoolDemand: claiming a running request's private page raises the
+    # reservation by exactly the lost credit; claiming a cached or already shared page changes nothing.
+    h = Harness(**{"pool.num_pages": 54})
+    h.submit("c", list(range(60, 68)), max_tokens=20, pinned_member=MemberName("m"))
+    h.submit("a", HANDOVER_PROMPT, max_tokens=3, pinned_member=MemberName("s"))
+    h.step()
+    demand, seqs = h.scheduler.demand, h.scheduler._running
+    a_pages = seqs[RequestId("a")].kv.all_pages()
+    base = demand.reserved_pages("m")
+    assert base == 16
+    one = demand.reserved_pages("m", [a_pages[0]])
+    two = demand.reserved_pages("m", a_pages[:2])
+    assert (one, two) == (base + 1, base + 2)
+    assert demand.reserved_pages("m") == base             # claims are never cached
+
+
+def test_handover_reuse_that_would_outgrow_the_pool_recomputes_the_lower_layers():
+    # b alone (admitted without a reserve) with a's 3 blocks as a shared prefix would hold 3 residual
+    # input pages to its end beside pages_for_tokens(40 tokens) = 50 pages: 53 > 50. Before the fix it
+    # preempted itself at step 35 although its length is fixed; now it recomputes the lower layers.
+    h, states = _shared_prefix_run(50, c_max=12, b_max=24, b_tail=[3] * 4)
+    assert all(reserved <= available for _, reserved, available, _ in states), states
+    admits = [e for e in h.scheduler.events.recent() if e.kind is EventKind.ADMIT and e.request_id == "b"]
+    assert [(round(e.time_s / 0.01), e.data["shared_tokens"]) for e in admits] == [(13, 0)]
+    assert h.scheduler.snapshot(h.now)["counters"]["preemptions"] == 0
+    assert h.final("b").finish_reason.value == "length" and len(h.tokens("b")) == 24
+    # With room for the residual inputs the handover still reuses the shared layers.
+    h2, states2 = _shared_prefix_run(56, c_max=12, b_max=24, b_tail=[3] * 4)
+    admits2 = [e for e in h2.scheduler.events.recent() if e.kind is EventKind.ADMIT and e.request_id == "b"]
+    assert [e.data["shared_tokens"] for e in admits2] == [12]
+    assert h2.scheduler.snapshot(h2.now)["counters"]["preemptions"] == 0

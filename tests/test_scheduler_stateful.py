@@ -154,11 +154,11 @@ class OpenLengthMachine(ReservationMachine):
     exact = False
 
 
-# derandomize: CI runs the same 50 examples every time. A random run found a case (seed
-# 314148103300451312151391228776905994476: a cancel, then seven fixed-length submits) where the reservation
-# exceeds the available pages by one; it is an open bug of the `peak` reservation, reported in docs/BENCHMARKS.md 9.
-ReservationMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
-                                                derandomize=True)
+# Random, as every property test should be: a random run (seed 314148103300451312151391228776905994476) found
+# that the `peak` reservation credited a finishing request's private pages although an admission had just
+# shared them as its prefix (fixed in PoolDemand.reserved_pages(claimed_pages); the minimal case is
+# tests/test_scheduler_load.py::test_peak_reservation_does_not_credit_pages_an_admission_shares).
+ReservationMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
 OpenLengthMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 TestReservation = ReservationMachine.TestCase
 TestOpenLength = OpenLengthMachine.TestCase

@@ -93,6 +93,8 @@ class RouterConfig:
     pressure_weight: float = 0.3          # global pool pressure x the member's pages per token
     downgrade_delay_s: float = 0.25       # the winner's expected wait that triggers a downgrade
     downgrade_max_gap: float = 0.15       # quality guard: complexity at most this far above the smaller band
+    downgrade_delay_fraction: float | None = None  # also trigger at this share of the request's decode time
+    downgrade_running: int | None = 2     # also trigger when the winner already runs this many requests (CPU-sized)
 
 
 @dataclass(slots=True)
@@ -161,6 +163,10 @@ class MFSConfig:
                "scheduler.decode_step_token_budget", "must be positive or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
         _check(self.router.downgrade_max_gap >= 0, "router.downgrade_max_gap", "must be >= 0")
+        _check(self.router.downgrade_delay_fraction is None or self.router.downgrade_delay_fraction > 0,
+               "router.downgrade_delay_fraction", "must be > 0 or null")
+        _check(self.router.downgrade_running is None or self.router.downgrade_running >= 1,
+               "router.downgrade_running", "must be >= 1 or null")
         _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,
                "scheduler.independent_deployments", "needs pool.static_split (each deployment's slice)")
         _check(self.router.profile in self.router.profiles, "router.profile",

@@ -180,6 +180,11 @@ class KVCacheManager:
             raise RuntimeError("page pool short after can_allocate said yes")  # invariant
         return seq, loads
 
+    def arena_hits(self, member: str, match: PrefixMatch, hashes: list[bytes]) -> list[PageId]:
+        """The arena pages attach() would share for this match (read only: nothing is acquired)."""
+        return [page for *_, key in self._table_slots(member, match, hashes)
+                if key is not None and (page := self.pool.lookup(key)) is not None]
+
     def _table_slots(self, member: str, match: PrefixMatch, hashes: list[bytes]) -> list[_Slot]:
         """The matched part of a request's tables, in table order: full blocks (every layer under its key, and
         the residual this member records if some tier holds it), then shared blocks (lower layers under their

@@ -6,6 +6,7 @@ waiting requests; changes nothing but its own cache. Pure: no clock, no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Collection
 
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
@@ -14,7 +15,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.types import Request, RequestId
+from orchestrator.core.types import PageId, Request, RequestId
 
 
 class PoolDemand:
@@ -50,18 +51,27 @@ class PoolDemand:
         final = expected_final_tokens(seq, self.ratio.value, context)
         return max(0, self.kv.pages_for_tokens(seq.member, final) - seq.kv.num_blocks * self.kv.pages_per_block(seq.member))
 
-    def reserved_pages(self, member: str) -> int:
+    def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
         """Pages reserved for the running requests' remaining decode in `member`'s pool (0 in block mode).
         remaining: every request's pages to its (expected) end, summed. peak: decoding requests of fixed
         length are followed step by step (their growth, then their private pages back when they end) and
-        the peak of the sum is reserved; the others count as in remaining. Cached until the state changes."""
+        the peak of the sum is reserved; the others count as in remaining. Cached until the state changes.
+
+        claimed_pages: arena pages an admission is about to share (its prefix hits). A running request's
+        private page among them stops being private, so its end returns nothing: the reservation the
+        admission must leave free is the one after the sharing, not before (issue 13's known bug: a hit
+        on a finishing request's pages made the reservation exceed the available pages)."""
         mode = self.config.scheduler.decode_reservation
         if mode == "block":
             return 0
+        # Only a page held by exactly one request now can change its owner's credit (peak mode only).
+        claimed = (frozenset(p for p in claimed_pages if self.pool.refcount(p) == 1)
+                   if mode == "peak" else frozenset())
         part = self.partition_of(member)
-        cached = self._cache.get(part)
-        if cached is not None:
-            return cached
+        if not claimed:
+            cached = self._cache.get(part)
+            if cached is not None:
+                return cached
         constant, profiles = 0, []
         slack = self.kv.tokens_per_block(member) if self.config.scheduler.preallocate_blocks else 1
         for seq in self._running.values():
@@ -71,13 +81,14 @@ class PoolDemand:
                 context = self.family.member(seq.member).context_tokens
                 final = expected_final_tokens(seq, 1.0, context)
                 held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
-                private = sum(1 for p in seq.kv.all_pages() if self.pool.refcount(p) == 1)
+                private = sum(1 for p in seq.kv.all_pages() if self.pool.refcount(p) == 1 and p not in claimed)
                 profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
                                                lambda n, m=seq.member: self.kv.pages_for_tokens(m, n), slack))
             else:
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)
-        self._cache[part] = reserved
+        if not claimed:
+            self._cache[part] = reserved
         return reserved
 
     def demand_pages(self, seq: Sequence) -> int:
@@ -94,8 +105,9 @@ class PoolDemand:
         capacity = max(1, self._capacity_pages[member])
         used = self.pool.num_used_pages(member if self._partitioned else None)   # shared pages count once
         pressure = min(1.0, (used + reserved) / capacity)
+        step_s = step_cost_s or 0.0
         if len(request.prompt_token_ids) >= spec.context_tokens:
-            return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
+            return {"pool_pressure": pressure, "pages_per_token": pages_per_token, "step_s": step_s}
         need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
         queued_tokens = 0
         for queue in self._waiting.values():
@@ -115,5 +127,6 @@ class PoolDemand:
             steps = max((d.remaining_steps for d in demands), default=0)
         budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
         steps += queued_tokens / max(1, budget)
-        delay_s = steps * (step_cost_s or 0.0)
-        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}
+        delay_s = steps * step_s
+        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token,
+                "step_s": step_s}

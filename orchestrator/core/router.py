@@ -24,6 +24,7 @@ class MemberLoad:
     expected_delay_s: float = 0.0   # expected wait before this request could be admitted there (scheduler's estimate)
     pool_pressure: float = 0.0      # share of its pool's pages held or reserved by running requests
     pages_per_token: float = 0.0    # KV pages one token costs on this member
+    step_s: float = 0.0             # measured time of one busy engine step (the scheduler's EMA); 0 = unknown
 
     @property
     def total_tokens(self) -> int:
@@ -83,10 +84,12 @@ class Router:
     Affinity and session are 0 when config.use_affinity is False, load and pressure when config.use_load
     is False. components[member] holds the weighted contributions (load and pressure are negative), so
     they sum to scores[member]. The highest total wins, ties go to the smaller member.
-    Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation) or
-    whose expected delay is at least config.downgrade_delay_s moves to the largest smaller member that
-    is neither, and (delay rule) whose complexity band ends at most config.downgrade_max_gap below the
-    request's complexity: the quality guard.
+    Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation), or
+    busy (it already runs config.downgrade_running requests, or its expected delay is at least
+    config.downgrade_delay_s, or that share config.downgrade_delay_fraction of the request's decode time
+    there) moves to the largest smaller member that is neither saturated nor expected to wait that long,
+    and (busy rule) whose complexity band ends at most config.downgrade_max_gap below the request's
+    complexity: the quality guard.
     """
 
     __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus")
@@ -179,11 +182,16 @@ class Router:
                 tokens = loads.get(winner, _IDLE).total_tokens
                 why = f"{winner} saturated ({tokens} >= {config.load_saturation_tokens} tokens)"
             else:
-                target = self._delay_downgrade_target(best_index, complexity, loads)
+                decode_tokens = request.sampling.max_tokens
+                target = self._delay_downgrade_target(best_index, complexity, loads, decode_tokens)
                 if target is not None:
-                    delay = loads.get(winner, _IDLE).expected_delay_s
-                    why = (f"{winner} expected wait {delay * 1000:.0f} ms >= {config.downgrade_delay_s * 1000:.0f} ms, "
-                           f"{names[target]} within the complexity gap")
+                    load = loads.get(winner, _IDLE)
+                    trigger = self._trigger_s(load, decode_tokens)
+                    if load.expected_delay_s >= trigger:
+                        why = f"{winner} expected wait {load.expected_delay_s * 1000:.0f} ms >= {trigger * 1000:.0f} ms"
+                    else:
+                        why = f"{winner} runs {load.num_running} >= {config.downgrade_running} requests"
+                    why += f", {names[target]} within the complexity gap"
             if target is not None:
                 reason += f"; {why}, downgraded to {names[target]}"
                 downgraded_from, winner = MemberName(winner), names[target]
@@ -204,18 +212,31 @@ class Router:
                 return index
         return None   # everyone is saturated: stay put, the queue absorbs it
 
+    def _trigger_s(self, load: MemberLoad, decode_tokens: int) -> float:
+        """The expected wait at which a member counts as too slow for this request: downgrade_delay_s, or
+        with downgrade_delay_fraction that share of the request's own decode time there when smaller
+        (a wait costs a short reply more per token than a long one)."""
+        trigger = self.config.downgrade_delay_s
+        fraction = self.config.downgrade_delay_fraction
+        if fraction is not None and load.step_s > 0.0:
+            trigger = min(trigger, fraction * max(1, decode_tokens) * load.step_s)
+        return trigger
+
     def _delay_downgrade_target(self, winner_index: int, complexity: float,
-                                loads: dict[str, MemberLoad]) -> int | None:
+                                loads: dict[str, MemberLoad], decode_tokens: int = 1) -> int | None:
         """Largest smaller member whose expected delay is under the trigger, when the winner's is not and
         the request's complexity is at most downgrade_max_gap above that member's band (else None)."""
         config, names = self.config, self._names
-        if loads.get(names[winner_index], _IDLE).expected_delay_s < config.downgrade_delay_s:
+        winner = loads.get(names[winner_index], _IDLE)
+        busy = config.downgrade_running is not None and winner.num_running >= config.downgrade_running
+        if not busy and winner.expected_delay_s < self._trigger_s(winner, decode_tokens):
             return None
         for index in range(winner_index - 1, -1, -1):
             band_top = self._thresholds[index] if index < len(self._thresholds) else 1.0
             if complexity - band_top > config.downgrade_max_gap:
                 return None          # smaller ones are further below: the guard only tightens
-            if loads.get(names[index], _IDLE).expected_delay_s < config.downgrade_delay_s:
+            load = loads.get(names[index], _IDLE)
+            if load.expected_delay_s < self._trigger_s(load, decode_tokens):
                 return index
         return None
 

@@ -366,6 +366,14 @@ class Scheduler:
         seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
         allow_shared = cfg.reuse_shared_layers and not cfg.cold_handover
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
+        if match.num_shared_blocks:
+            # A handover holds one residual input page per shared block to its end, beyond
+            # pages_for_tokens: if its whole length would then exceed the pool, it recomputes the lower
+            # layers instead (else alone, admitted without a reserve, it would preempt itself).
+            longest = len(seq.token_ids) + max(0, seq.request.sampling.max_tokens - seq.num_generated)
+            if (self.kv.pages_for_tokens(seq.member, longest) + match.num_shared_blocks
+                    > self._capacity_pages[seq.member]):
+                match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=False)
         # Headroom matters only when others share the pages: alone, a request always fits (add_request
         # checked its whole length against the capacity), so it must never wait for a reserve.
         shared_with_others = any(self.demand.in_partition(s, seq.member) for s in self._running.values())
@@ -373,7 +381,11 @@ class Scheduler:
         if shared_with_others and self.config.scheduler.decode_reservation != "block":
             # Beside every running request's remaining decode, with room for this one's own.
             own = self.demand.demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
-            reserve = self.reserved_pages(seq.member) + max(0, own)
+            # Its prefix hits on a running request's private pages take them off that request's return.
+            claimed = (self.kv.arena_hits(seq.member, match, seq.hashes)
+                       if self.config.scheduler.decode_reservation == "peak"
+                       and (match.num_full_blocks or match.num_shared_blocks) else ())
+            reserve = self.demand.reserved_pages(seq.member, claimed) + max(0, own)
         elif shared_with_others:
             reserve = self._reserve_pages[seq.member]
         if not seq.held:
