@@ -18,30 +18,30 @@ from typing import Any
 MACHINE_KEYS = frozenset({"wall_s", "cpu_s", "trace_build_s", "simulate_s", "command"})
 
 
-def differences(a: Any, b: Any, path: str = "", limit: int = 20) -> list[str]:
-    """Paths where a and b differ (exactly: floats included), skipping MACHINE_KEYS; at most `limit`."""
+def differences(a: Any, b: Any, path: str = "", limit: int = 20, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Paths where a and b differ (exactly: floats included), skipping MACHINE_KEYS and `skip`; at most `limit`."""
     out: list[str] = []
-    _walk(a, b, path, out, limit)
+    _walk(a, b, path, out, limit, MACHINE_KEYS | skip)
     return out
 
 
-def _walk(a: Any, b: Any, path: str, out: list[str], limit: int) -> None:
+def _walk(a: Any, b: Any, path: str, out: list[str], limit: int, skip: frozenset[str]) -> None:
     if len(out) >= limit:
         return
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(dict.fromkeys([*a, *b])):
-            if key in MACHINE_KEYS:
+            if key in skip:
                 continue
             if key not in a or key not in b:
                 out.append(f"{path}/{key}: only in {'second' if key not in a else 'first'}")
                 continue
-            _walk(a[key], b[key], f"{path}/{key}", out, limit)
+            _walk(a[key], b[key], f"{path}/{key}", out, limit, skip)
     elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             out.append(f"{path}: {len(a)} items vs {len(b)}")
             return
         for i, (x, y) in enumerate(zip(a, b)):
-            _walk(x, y, f"{path}[{i}]", out, limit)
+            _walk(x, y, f"{path}[{i}]", out, limit, skip)
     elif a != b or type(a) is not type(b):
         out.append(f"{path}: {a!r} vs {b!r}")
 
@@ -50,12 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("first")
     parser.add_argument("second")
+    parser.add_argument("--skip", action="append", default=[], metavar="KEY",
+                        help="also skip this key wherever it appears (e.g. settings, when one run built the trace "
+                             "and the other replayed it with --trace: the same trace, other command-line settings)")
     args = parser.parse_args(argv)
     with open(args.first) as f:
         first = json.load(f)
     with open(args.second) as f:
         second = json.load(f)
-    found = differences(first, second)
+    found = differences(first, second, skip=frozenset(args.skip))
     if found:
         print(f"DIFFERENT: {args.first} vs {args.second}")
         for line in found:

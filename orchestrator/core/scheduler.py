@@ -15,7 +15,7 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.demand import victim_key
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, handover_target, in_warmup_band
-from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.events import EventKind, EventLog, Stats, pages_block
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
@@ -604,7 +604,19 @@ class Scheduler:
         self._released.append(seq.request_id)
 
     # ------------------------------------------------------------------ stats
+    def pages_snapshot(self) -> dict:
+        """snapshot(...)["pages"] alone (the simulator samples it every half second of virtual time)."""
+        return pages_block(self.family.member_names, self._pages_state())
+
     def snapshot(self, now_s: float) -> dict:
+        pages = self._pages_state()
+        loads = self.loads()
+        return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
+                                   pages=pages, queue_depth=self.num_waiting(),
+                                   running={n: l.num_running for n, l in loads.items()},
+                                   waiting={n: l.num_waiting for n, l in loads.items()})
+
+    def _pages_state(self) -> dict:
         counts = self.pool.counts()
         tier_counts = self.tiers.counts() if self.tiers is not None else {"host": 0, "disk": 0}
         by_member = {name: {"used": 0, "cached": 0, "host": 0, "disk": 0} for name in self.family.member_names}
@@ -621,12 +633,7 @@ class Scheduler:
                 if owner is not None:
                     for tier, n in tiers.items():
                         by_member[owner][tier] += n
-        loads = self.loads()
-        pages = {"total": self.pool.num_pages, "page_bytes": self.config.pool.page_bytes,
-                 "by_state": {"free": counts["free"], "used": counts["used"], "cached": counts["cached"],
-                              "host": tier_counts.get("host", 0), "disk": tier_counts.get("disk", 0)},
-                 "by_member": by_member}
-        return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
-                                   pages=pages, queue_depth=self.num_waiting(),
-                                   running={n: l.num_running for n, l in loads.items()},
-                                   waiting={n: l.num_waiting for n, l in loads.items()})
+        return {"total": self.pool.num_pages, "page_bytes": self.config.pool.page_bytes,
+                "by_state": {"free": counts["free"], "used": counts["used"], "cached": counts["cached"],
+                             "host": tier_counts.get("host", 0), "disk": tier_counts.get("disk", 0)},
+                "by_member": by_member}
