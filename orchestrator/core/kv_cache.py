@@ -286,8 +286,10 @@ class KVCacheManager:
 
     def register_full_blocks(self, seq: SeqKV, hashes: list[bytes], num_computed_tokens: int) -> None:
         """Gives every newly full, fully computed block its keys so later requests can hit it."""
-        spec = self.family.member(seq.member)
         full = min(len(hashes), num_computed_tokens // seq.tokens_per_block)
+        if full <= seq.num_registered_blocks:
+            return              # nothing newly full (every decode step but one per block)
+        spec = self.family.member(seq.member)
         for block in range(seq.num_registered_blocks, full):
             for layer, lineage in enumerate(spec.layer_lineages):
                 self.pool.register(seq.block_tables[layer][block], PageKey(lineage, hashes[block]))
