@@ -145,9 +145,13 @@ class TraceFileError(ValueError):
 
 
 def save_trace(trace: Trace, path: str | Path, tokenizer_hash: str) -> None:
+    # The sessions as asdict would give them (same keys, same order), without its deep copy of every token list.
+    sessions = [{"session_id": s.session_id, "kind": s.kind, "conversation_id": s.conversation_id,
+                 "turns": [{"prompt_token_ids": t.prompt_token_ids, "max_tokens": t.max_tokens,
+                            "think_time_s": t.think_time_s, "user_token_ids": t.user_token_ids} for t in s.turns]}
+                for s in trace.sessions]
     data = {"format": TRACE_FORMAT, "tokenizer_hash": tokenizer_hash, "spec": asdict(trace.spec),
-            "arrival_times_s": trace.arrival_times_s, "notes": trace.notes,
-            "sessions": [asdict(s) for s in trace.sessions]}
+            "arrival_times_s": trace.arrival_times_s, "notes": trace.notes, "sessions": sessions}
     Path(path).write_text(json.dumps(data))
 
 
@@ -247,6 +251,7 @@ class _SessionBuilder:
 
     def __init__(self, spec: WorkloadSpec, tokenizer: FamilyTokenizer, pool: Sequence[Conversation]):
         self.spec, self.tokenizer, self.pool = spec, tokenizer, pool
+        self._max_token_bytes = tokenizer.max_token_bytes()
         self.used: set[int] = set()
         self.cursor = {k: 0 for k in SESSION_KINDS}
 
@@ -263,7 +268,11 @@ class _SessionBuilder:
         return None
 
     def _turns(self, kind: str, conversation: Conversation, think_rng: random.Random) -> list[Turn] | None:
-        fitting = self._fitting_turns(conversation, closed=kind == "multiturn" and self.spec.history == "closed")
+        # Only the turns a kind uses are tokenised: the first max_turns (at least 2: fewer rejects the
+        # session), the first, or all of them (long: the longest that fits).
+        limit = {"multiturn": max(2, self.spec.max_turns), "short": 1}.get(kind)
+        fitting = self._fitting_turns(conversation, closed=kind == "multiturn" and self.spec.history == "closed",
+                                      limit=limit)
         if kind == "multiturn":
             if len(fitting) < 2:
                 return None  # a multi-turn session needs at least two turns to show reuse
@@ -283,28 +292,58 @@ class _SessionBuilder:
             return None
         return [Turn(longest[-1].prompt_token_ids, longest[-1].max_tokens, 0.0, list(longest[-1].prompt_token_ids))]
 
-    def _fitting_turns(self, conversation: Conversation, closed: bool) -> list[Turn]:
+    def _fitting_turns(self, conversation: Conversation, closed: bool, limit: int | None = None) -> list[Turn]:
         """One Turn (think time 0) per user turn whose prompt + reply fit, measured the way the replay will
         send it (closed: our own fixed-length replies; else the dataset's); stops at the first that does
-        not (later turns only grow)."""
+        not (later turns only grow), or after `limit` turns.
+
+        Tokenising is the cost of a trace (ShareGPT has texts of 10^5 characters): a text is encoded only when
+        its tokens are used, and never when its length alone (at least bytes / max_token_bytes tokens) already
+        decides; the turns are exactly those of encoding everything."""
         spec, out = self.spec, []
         messages = list(conversation.messages)
         closed_length = 0
         for index in range(0, len(messages) - 1, 2):
+            if limit is not None and len(out) >= limit:
+                break
             reply = messages[index + 1]
             if messages[index]["role"] != "user" or reply["role"] != "assistant":
                 break
-            prompt = self.tokenizer.apply_chat_template(messages[: index + 1], add_generation_prompt=True)
-            reply_tokens = len(self.tokenizer.encode(reply["content"], add_special_tokens=False))
-            max_tokens = max(spec.min_output_tokens, min(spec.max_output_tokens, reply_tokens))
-            user = prompt if index == 0 else self._user_part(messages[: index + 1])
+            if self._at_least_tokens(reply["content"]) >= spec.max_output_tokens:
+                max_tokens = max(spec.min_output_tokens, spec.max_output_tokens)
+            else:
+                reply_tokens = len(self.tokenizer.encode(reply["content"], add_special_tokens=False))
+                max_tokens = max(spec.min_output_tokens, min(spec.max_output_tokens, reply_tokens))
+            prompt_text = self.tokenizer.render_chat(messages[: index + 1], add_generation_prompt=True)
+            if index == 0 or not closed:
+                # The whole prompt is sent (first turn, or dataset history): too long by its size alone?
+                if self._too_long(self._at_least_tokens(prompt_text), max_tokens):
+                    break
+                prompt = self.tokenizer.encode(prompt_text, add_special_tokens=False)
+                user = prompt if index == 0 else self._user_part(messages[: index + 1])
+            else:
+                # Closed history sends our prompt so far, our reply and this user part: decide on those first.
+                user = self._user_part(messages[: index + 1])
+                if self._too_long(closed_length + out[-1].max_tokens + len(user), max_tokens):
+                    break
+                prompt = self.tokenizer.encode(prompt_text, add_special_tokens=False)
             length = len(user) if index == 0 else closed_length + out[-1].max_tokens + len(user)
             sent = length if closed else len(prompt)
-            if sent > spec.max_prompt_tokens or sent + max_tokens > spec.context_tokens:
+            if self._too_long(sent, max_tokens):
                 break
             closed_length = length
             out.append(Turn(prompt, max_tokens, 0.0, user))
         return out
+
+    def _too_long(self, sent_tokens: int, max_tokens: int) -> bool:
+        return sent_tokens > self.spec.max_prompt_tokens or sent_tokens + max_tokens > self.spec.context_tokens
+
+    def _at_least_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of text (0 when the tokenizer gives none): a byte-level BPE token stands
+        for at most max_token_bytes bytes."""
+        if self._max_token_bytes is None:
+            return 0
+        return -(-len(text.encode()) // self._max_token_bytes)
 
     def _user_part(self, messages: list[dict[str, str]]) -> list[int]:
         """The tokens a chat client appends after the previous reply: the template rendered with a marker in

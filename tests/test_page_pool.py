@@ -219,3 +219,46 @@ def test_check_invariants_detects_corruption() -> None:
     pool._refcount[0] = 0   # corrupt: refcount 0 but not queued
     with pytest.raises(AssertionError):
         pool.check_invariants()
+
+
+def test_free_queue_takes_never_used_pages_then_freed_ones_in_free_order() -> None:
+    """The never-used pages are a range, not a queue entry each: the order is still the old queue's."""
+    pool = PagePool(6, partitions={"s": 4, "m": 2})
+    a = pool.allocate("s", 2)
+    assert a == [0, 1]
+    pool.release(PageId(1))
+    pool.release(PageId(0))
+    assert pool.counts()["free"] == 6 and PageId(0) in pool._partitions[0].free
+    assert pool.allocate("s", 4) == [2, 3, 1, 0]         # never-used first (id order), then freed (free order)
+    assert pool.allocate("m", 1) == [4]
+    pool.release_pages([PageId(3), PageId(2)])
+    b = pool.allocate("s", 2)
+    assert b == [3, 2]
+    pool.check_invariants()
+
+
+def test_release_pages_is_release_in_turn() -> None:
+    one, many = PagePool(8), PagePool(8)
+    for pool in (one, many):
+        pages = pool.allocate("s", 6)
+        for i, page in enumerate(pages[:4]):
+            pool.register(page, key(i))
+        pool.acquire(pages[0], "m")
+    order = [PageId(p) for p in (5, 3, 0, 1, 4, 2, 0)]
+    for page in order:
+        one.release(page)
+    many.release_pages(order)
+    for attr in ("_refcount", "_key", "_owner", "_used_by", "_cached_by", "_num_used_pages"):
+        assert getattr(one, attr) == getattr(many, attr)
+    assert list(one._partitions[0].cached) == list(many._partitions[0].cached) == [3, 1, 2, 0]
+    assert one.allocate("s", 4) == many.allocate("s", 4) == [6, 7, 5, 4]
+    many.check_invariants()
+
+
+def test_num_private_counts_pages_referenced_once() -> None:
+    pool = PagePool(4)
+    pages = pool.allocate("s", 3)
+    pool.register(pages[0], key(0))
+    pool.acquire(pages[0], "s")
+    assert pool.num_private(pages) == 2 and pool.num_private([pages[0]]) == 0
+    assert pool.num_private([pages[1]]) == 1 and pool.num_private([]) == 0

@@ -329,3 +329,43 @@ def test_scheduler_emits_into_the_log_and_counters_it_is_given():
     assert h.scheduler.events is log and h.scheduler.stats is stats
     kinds = {e.kind for e in log.recent()}
     assert {EventKind.ROUTE, EventKind.ADMIT, EventKind.FINISH} <= kinds
+
+
+def test_chunk_tables_are_the_live_tables_cut_to_the_chunk_and_never_change_after():
+    """A decode reuses one copy of its tables while it reads the same number of blocks; the core only appends to
+    the live tables, so a chunk's tables stay what they were when it was planned."""
+    h = Harness()
+    h.submit("a", PROMPT, max_tokens=12, pinned_member=MemberName("m"))
+    seen = []
+    for _ in range(14):
+        plan = h.step()
+        for batch in plan.batches:
+            for chunk in batch.chunks:
+                kv = h.scheduler._running["a"].kv if "a" in h.scheduler._running else None
+                blocks = -(-(chunk.start_pos + len(chunk.token_ids)) // 4)
+                if kv is not None:
+                    assert chunk.block_tables == [t[:blocks] for t in kv.block_tables]
+                seen.append((chunk, [list(t) for t in chunk.block_tables]))
+        if not h.scheduler.has_work():
+            break
+    assert h.final("a").finish_reason is FinishReason.LENGTH
+    assert all(chunk.block_tables == copy for chunk, copy in seen)       # nothing changed them afterwards
+    widths = [len(chunk.block_tables[0]) for chunk, _ in seen]
+    assert widths == sorted(widths) and len(set(widths)) > 1               # the tables grew block by block
+    shared = [a.block_tables is b.block_tables for (a, _), (b, _) in zip(seen, seen[1:])
+              if len(a.block_tables[0]) == len(b.block_tables[0])]
+    assert shared and all(shared)                                          # one copy per width
+
+
+def test_timeout_still_aborts_the_oldest_request_only():
+    h = Harness(**{"scheduler.request_timeout_s": 1.0, "scheduler.max_running_requests": 1})
+    h.submit("old", PROMPT, max_tokens=150, pinned_member=MemberName("m"))
+    h.now = 0.6
+    h.submit("new", PROMPT[:8], max_tokens=4, pinned_member=MemberName("m"))
+    for _ in range(45):
+        h.step()
+    assert h.final("old").finish_reason is FinishReason.CANCELLED and "timed out" in h.final("old").error
+    assert "new" not in h.outputs or not h.outputs["new"][-1].finished or \
+        h.final("new").finish_reason is not FinishReason.CANCELLED
+    h.run()
+    assert h.final("new").finish_reason is FinishReason.LENGTH

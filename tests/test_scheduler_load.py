@@ -276,3 +276,33 @@ def test_handover_reuse_that_would_outgrow_the_pool_recomputes_the_lower_layers(
     admits2 = [e for e in h2.scheduler.events.recent() if e.kind is EventKind.ADMIT and e.request_id == "b"]
     assert [e.data["shared_tokens"] for e in admits2] == [12]
     assert h2.scheduler.snapshot(h2.now)["counters"]["preemptions"] == 0
+
+
+def test_peak_growth_is_the_maximum_over_every_candidate_step():
+    """peak_growth skips candidate steps whose upper bound cannot beat the best: the same maximum as visiting every
+    candidate (the plain O(n^2) definition), on random decoding requests."""
+    import random
+
+    from orchestrator.core.demand import decode_profile, peak_growth
+
+    def every_candidate(profiles):
+        best = 0
+        for candidate in profiles:
+            t = candidate.steps_left - 1
+            best = max(best, sum(p.growth_at(t) if t < p.steps_left else -p.private_pages for p in profiles))
+        return best
+
+    rng = random.Random(7)
+    for _ in range(300):
+        block, per_block = rng.choice([(4, 3), (16, 5), (32, 36)])
+
+        def pages(n, block=block, per_block=per_block):
+            return -(-n // block) * per_block
+        profiles = []
+        for _ in range(rng.randint(0, 12)):
+            now = rng.randint(1, 200)
+            final = now + rng.randint(0, 90)
+            slack = rng.choice([1, block])
+            held = pages(now + rng.choice([0, 1, slack]))
+            profiles.append(decode_profile(final - now + 1, now, final, held, rng.randint(0, held), pages, slack))
+        assert peak_growth(profiles) == every_candidate(profiles)

@@ -133,6 +133,10 @@ class ReservationMachine(RuleBasedStateMachine):
     def reservations_hold(self):
         scheduler, pool = self.h.scheduler, self.h.pool
         pool.check_invariants()
+        # Admission tries the one-pass bound before the exact peak: it must never be below it.
+        scheduler.demand.clear()
+        bound = scheduler.demand.reserved_pages_bound("s")
+        assert scheduler.demand.reserved_pages("s") <= bound
         counters = scheduler.snapshot(self.h.now)["counters"]
         assert counters["preemptions"] == sum(counters["preemptions_by_kind"].values())
         if self.exact:

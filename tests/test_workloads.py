@@ -218,3 +218,46 @@ def test_format_1_trace_replays_with_dataset_history(tokenizer, conversations, t
     assert _flat(old) == _flat(trace)
     with pytest.raises(TraceFileError, match="--history dataset"):
         with_history(old, "closed")
+
+
+class _EncodeEverything:
+    """The tokenizer with no length bound: the trace builder then encodes every text it reads (the old way)."""
+
+    def __init__(self, tokenizer):
+        self._inner = tokenizer
+
+    def max_token_bytes(self):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("name,history", [("multiturn", "closed"), ("mixed", "closed"), ("multiturn", "dataset")])
+def test_skipping_encodes_builds_the_same_trace(tokenizer, conversations, name, history):
+    """Texts whose size alone decides are not encoded and turns past max_turns not tokenised: same trace exactly.
+    Tight caps make the length bound decide often (long first messages, long replies)."""
+    assert tokenizer.max_token_bytes() is not None and tokenizer.max_token_bytes() >= 13   # '<|assistant|>'
+    for caps in (dict(max_prompt_tokens=256, max_output_tokens=16, max_turns=2),
+                 dict(max_prompt_tokens=1024, max_output_tokens=128, max_turns=4)):
+        spec = _spec(name=name, history=history, num_sessions=40, **caps)
+        fast = build_trace(spec, tokenizer, conversations)
+        slow = build_trace(spec, _EncodeEverything(tokenizer), conversations)
+        assert _flat(fast) == _flat(slow)
+        assert [[t.user_token_ids for t in s.turns] for s in fast.sessions] == \
+               [[t.user_token_ids for t in s.turns] for s in slow.sessions]
+        assert fast.notes == slow.notes
+
+
+def test_saved_trace_is_asdict_of_the_trace(tokenizer, conversations, tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from eval.workloads import save_trace
+
+    trace = build_trace(_spec(num_sessions=6), tokenizer, conversations)
+    save_trace(trace, tmp_path / "t.json", "h")
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["sessions"] == [asdict(s) for s in trace.sessions]
+    assert list(data["sessions"][0]) == list(asdict(trace.sessions[0]))          # same key order
+    assert list(data["sessions"][0]["turns"][0]) == list(asdict(trace.sessions[0].turns[0]))

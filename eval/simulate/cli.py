@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--max-turns", type=int, default=None)
     parser.add_argument("--think-s", type=float, default=None)
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="simulate up to N systems at once, each in its own process (same output; N cores)")
 
 
 def sim_settings(args: argparse.Namespace) -> BenchSettings:
@@ -143,7 +145,7 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     return run, metrics
 
 
-def stats_interval_s(trace: Trace) -> float:
+def stats_interval_for(trace: Trace) -> float:
     return max(STATS_INTERVAL_S, (trace.arrival_times_s[-1] if trace.arrival_times_s else 0.0) / 2000)
 
 
@@ -162,7 +164,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
         config = config_on(fractions)
         at_rate = trace.at_rate(rate)
         run, metrics = run_system("baseline_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
-                                  stats_interval_s(at_rate))
+                                  stats_interval_for(at_rate))
         return config, run.records, {k: v for k, v in metrics.items() if k not in CURVE_DROP}
 
     chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
@@ -172,16 +174,50 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
 
 
 def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
-              interval_s: float) -> dict[str, Any]:
-    """Every system on `trace` (one rate): the point's JSON block, as eval.bench.run_point builds it."""
-    records_by_system, systems = {}, {}
-    for name, config in configs.items():
-        run, metrics = run_system(name, config, setup, trace, confidences, vocab_size, interval_s)
-        records_by_system[name], systems[name] = run.records, metrics
+              interval_s: float, jobs: int = 1) -> dict[str, Any]:
+    """Every system on `trace` (one rate): the point's JSON block, as eval.bench.run_point builds it. jobs > 1:
+    the systems run in forked processes (each simulation is a function of its inputs alone: same output)."""
+    args = (setup, trace, confidences, vocab_size, interval_s)
+    if jobs > 1 and len(configs) > 1:
+        results = _run_forked(configs, args, jobs)
+    else:
+        results = {name: _records_and_metrics(name, config, *args) for name, config in configs.items()}
+    records_by_system = {name: records for name, (records, _) in results.items()}
+    systems = {name: metrics for name, (_, metrics) in results.items()}
     return {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
             "reduction_mean_token_latency": _reduction(systems, "mfs"),
             "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
             "paired_vs_baseline": _paired(records_by_system), "reduction_ceiling": _ceilings(systems)}
+
+
+def _records_and_metrics(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
+                         vocab_size: int, interval_s: float) -> tuple[list, dict[str, Any]]:
+    run, metrics = run_system(name, config, setup, trace, confidences, vocab_size, interval_s)
+    return run.records, metrics
+
+
+_FORKED: tuple | None = None       # what forked workers simulate (inherited through fork, never pickled)
+
+
+def _forked_system(name: str) -> tuple[list, dict[str, Any]]:
+    configs, args = _FORKED
+    records, metrics = _records_and_metrics(name, configs[name], *args)
+    for record in records:         # only latencies are read back (eval.bench._paired): do not ship the tokens
+        record.prompt_token_ids, record.output_token_ids, record.output_logprobs = [], [], []
+    return records, metrics
+
+
+def _run_forked(configs: dict, args: tuple, jobs: int) -> dict[str, tuple[list, dict[str, Any]]]:
+    import multiprocessing
+
+    global _FORKED
+    _FORKED = (configs, args)
+    try:
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(configs))) as pool:
+            results = pool.map(_forked_system, list(configs), chunksize=1)
+    finally:
+        _FORKED = None
+    return dict(zip(configs, results))
 
 
 def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,7 +241,8 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     points = []
     for rate in rates:
         at_rate = trace.at_rate(rate)
-        points.append(run_point(setup, configs, at_rate, confidences, tokenizer.vocab_size, stats_interval_s(at_rate)))
+        points.append(run_point(setup, configs, at_rate, confidences, tokenizer.vocab_size, stats_interval_for(at_rate),
+                                jobs=getattr(args, "jobs", 1)))
     sim_s = time.perf_counter() - sim_started
     head = next(p for p in points if p["rate"] == headline)
     curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}

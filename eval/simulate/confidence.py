@@ -74,6 +74,7 @@ class ConfidenceLibrary:
     by_request: dict[str, int] = field(default_factory=dict)
     seed: int = 0
     _mapping: dict[str, str] = field(default_factory=dict)
+    _chosen: dict[tuple[str, str], list[float]] = field(default_factory=dict)   # (key, member) -> its sequence
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_LIBRARY, seed: int = 0) -> "ConfidenceLibrary":
@@ -97,9 +98,16 @@ class ConfidenceLibrary:
         n, k = len(simulated), len(have)
         self._mapping = {name: have[int(i * (k - 1) / (n - 1) + 0.5) if n > 1 else k - 1]
                          for i, name in enumerate(simulated)}
+        self._chosen.clear()
         return dict(self._mapping)
 
     def value(self, key: str, member: str, position: int) -> float:
+        seq = self._chosen.get((key, member))
+        if seq is None:         # chosen once per request and member (value() runs for every simulated token)
+            seq = self._chosen[(key, member)] = self._sequence(key, member)
+        return seq[position % len(seq)]
+
+    def _sequence(self, key: str, member: str) -> list[float]:
         recorded = self._mapping.get(member, member)
         sequences = self.members.get(recorded)
         if sequences is None:
@@ -107,8 +115,7 @@ class ConfidenceLibrary:
         index = self.by_request.get(f"{key}|{recorded}")
         if index is None or index >= len(sequences):
             index = zlib.crc32(f"{self.seed}|{key}|{recorded}".encode()) % len(sequences)
-        seq = sequences[index]
-        return seq[position % len(seq)]
+        return sequences[index]
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "source": self.source,

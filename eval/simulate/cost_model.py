@@ -40,10 +40,22 @@ def plan_shapes(plan: StepPlan, family: FamilySpec) -> list[BatchShape]:
         if not batch.chunks:
             continue
         spec = family.member(batch.member)
-        nested = any(family.member(other).index > spec.index and family.shared_depth(batch.member, other) == spec.num_layers
-                     for other in present)
+        nested = any(_nests_in(family, batch.member, other) for other in present)
         shapes.append(batch_shape(batch, spec.num_layers, own_forward=not nested))
     return shapes
+
+
+_NESTS: dict[tuple[int, str, str], tuple[FamilySpec, bool]] = {}   # asked every simulated step: answered once
+
+
+def _nests_in(family: FamilySpec, member: str, other: str) -> bool:
+    """Whether member's layers are the lower layers of the larger member `other` (it rides in other's forward)."""
+    entry = _NESTS.get((id(family), member, other))
+    if entry is None or entry[0] is not family:
+        spec = family.member(member)
+        nests = family.member(other).index > spec.index and family.shared_depth(member, other) == spec.num_layers
+        entry = _NESTS[(id(family), member, other)] = (family, nests)
+    return entry[1]
 
 
 def batch_shape(batch: MemberBatch, num_layers: int, own_forward: bool = True) -> BatchShape:

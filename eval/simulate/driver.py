@@ -107,8 +107,7 @@ def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: 
             next_turn(index, k, now)
 
     def sample() -> None:
-        samples.append({"t_s": clock(), "stats": {"pages": _sum_pages([n.scheduler.snapshot(clock())["pages"]
-                                                                      for n in nodes])}})
+        samples.append({"t_s": clock(), "stats": {"pages": _sum_pages([n.scheduler.pages_snapshot() for n in nodes])}})
         if remaining[0] > 0 or pending:
             events.push(clock() + stats_interval_s, sample)
 

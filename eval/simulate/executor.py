@@ -9,6 +9,7 @@ page_bytes zeros, so the host tier's byte accounting is exact while holding no r
 """
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 
@@ -81,6 +82,4 @@ class SimExecutor:
 
 
 def _log(p: float) -> float:
-    import math
-
     return math.log(p) if p > 0 else -1e9

@@ -9,6 +9,7 @@ SGLang's new-token ratio). Pure: no clock, no I/O.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -119,11 +120,32 @@ def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pag
 def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
     """The most pages the requests will need beyond now at any future step: the growth of those still
     running minus the private pages of those that ended. It only changes direction when one ends, so
-    the maximum is just before some end (or now)."""
+    the maximum is just before some end (or now).
+
+    Each candidate step costs a pass over every request (O(n^2) in all: ~10^4 growth_at calls per admission at
+    GPU scale), so candidates are visited by an upper bound of their total, each running request at its last
+    step's growth (growth only grows with the step), and the visit stops when no bound beats the best found:
+    the same maximum as visiting them all."""
     profiles = list(profiles)
+    if not profiles:
+        return 0
+    ends = sorted(p.steps_left for p in profiles)
+    by_end = sorted(profiles, key=lambda p: p.steps_left)
+    # ended_private[j]: private pages of the j requests ending first; still_growth[j]: final growth of the rest.
+    ended_private, still_growth = [0], [0]
+    for p in by_end:
+        ended_private.append(ended_private[-1] + p.private_pages)
+    for p in reversed(by_end):
+        still_growth.append(still_growth[-1] + p.growth_at(p.steps_left - 1))
+    still_growth.reverse()
+    bounds = []
+    for t in sorted({p.steps_left - 1 for p in profiles}):
+        ended = bisect.bisect_right(ends, t)            # requests with steps_left <= t have ended at step t
+        bounds.append((still_growth[ended] - ended_private[ended], t))
     best = 0
-    for candidate in profiles:
-        t = candidate.steps_left - 1
+    for bound, t in sorted(bounds, reverse=True):
+        if bound <= best:
+            break
         total = 0
         for p in profiles:
             total += p.growth_at(t) if t < p.steps_left else -p.private_pages

@@ -15,6 +15,7 @@ Pure core: no torch, no I/O.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.scheduler import Scheduler
@@ -112,13 +113,11 @@ class DeploymentsScheduler(Scheduler):
                 self._turn = index
                 break
         chosen = names[self._turn]
-        hidden = {rid: s for rid, s in self._running.items() if s.member != chosen}
-        for rid in hidden:              # the base batch builder sees the chosen deployment only
-            del self._running[rid]
+        # The base batch builder sees the chosen deployment only, in admission order (the running dict's own
+        # order), through a filtered copy: the running dict itself is never reordered.
+        running = self._running
+        self._running = OrderedDict((rid, s) for rid, s in running.items() if s.member == chosen)
         try:
             super()._build_batches(plan)
         finally:
-            self._running.update(hidden)
-            # restore admission order (the base class relies on it for victims and batches)
-            for rid in sorted(self._running, key=lambda r: self._running[r].admit_order):
-                self._running.move_to_end(rid)
+            self._running = running

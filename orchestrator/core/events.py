@@ -209,18 +209,11 @@ class Stats:
             waits = {m: sorted(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
             routes = [{**r, "scores": dict(r["scores"]), "matched_prefix_tokens": dict(r["matched_prefix_tokens"])}
                       for r in self._routes]
-        by_member = pages.get("by_member", {})
         return {
             "time_s": float(time_s),
             "family": family,
             "members": members,
-            "pages": {
-                "total": int(pages.get("total", 0)),
-                "page_bytes": int(pages.get("page_bytes", 0)),
-                "by_state": {**_zeros(PAGE_STATES), **pages.get("by_state", {})},
-                "by_member": {m: {**_zeros(MEMBER_PAGE_STATES), **by_member.get(m, {})}
-                              for m in _union(members, by_member)},
-            },
+            "pages": pages_block(members, pages),
             "queue_depth": int(queue_depth),
             "running": {m: running.get(m, 0) for m in _union(members, running)},
             "waiting": {m: waiting.get(m, 0) for m in _union(members, waiting)},
@@ -229,6 +222,18 @@ class Stats:
                                  "p99": percentile(v, 99)} for m, v in waits.items()},
             "recent_routes": routes,
         }
+
+
+def pages_block(members: Sequence[str], pages: Mapping[str, Any]) -> dict[str, Any]:
+    """The snapshot's "pages" entry: pages as the scheduler counts them, zeros for every state and member."""
+    by_member = pages.get("by_member", {})
+    return {
+        "total": int(pages.get("total", 0)),
+        "page_bytes": int(pages.get("page_bytes", 0)),
+        "by_state": {**_zeros(PAGE_STATES), **pages.get("by_state", {})},
+        "by_member": {m: {**_zeros(MEMBER_PAGE_STATES), **by_member.get(m, {})}
+                      for m in _union(list(members), by_member)},
+    }
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

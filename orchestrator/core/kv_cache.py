@@ -7,6 +7,7 @@ members of a nested family find each other's lower-layer pages; independent memb
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 from orchestrator.core.block_hash import chain_block_hashes, hash_seed
 from orchestrator.core.family import FamilySpec
@@ -51,13 +52,29 @@ class SeqKV:
     residual_out: list[PageId] | None = None              # [block]: exit-depth residual pages this member writes
     residual_in: dict[int, PageId] = field(default_factory=dict)  # block -> residual page feeding a handover
     num_registered_blocks: int = 0
+    # The tables cut to the first n blocks as the last chunk got them (n, tables, residual_out): a decoding
+    # request asks for the same n for tokens_per_block steps in a row, and copying 28-36 layer tables per
+    # token was the simulator's top cost. Valid while the live tables keep their first n pages: they only
+    # grow at the end, and release() replaces them (and drops this).
+    _view: tuple[int, list[list[PageId]], list[PageId] | None] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_tables[0])
 
+    def tables_upto(self, num_blocks: int) -> tuple[list[list[PageId]], list[PageId] | None]:
+        """The block tables and residual_out of the first num_blocks blocks: copies the chunk may keep (the
+        core never changes them), shared between the steps that read the same number of blocks."""
+        view = self._view
+        if view is None or view[0] != num_blocks:
+            residual = self.residual_out[:num_blocks] if self.residual_out is not None else None
+            view = (num_blocks, [table[:num_blocks] for table in self.block_tables], residual)
+            self._view = view
+        return view[1], view[2]
+
     def all_pages(self) -> list[PageId]:
-        pages = [p for table in self.block_tables for p in table]
+        pages = list(chain.from_iterable(self.block_tables))
         pages.extend(self.residual_out or ())
         pages.extend(self.residual_in.values())
         return pages
@@ -274,8 +291,10 @@ class KVCacheManager:
 
     def register_full_blocks(self, seq: SeqKV, hashes: list[bytes], num_computed_tokens: int) -> None:
         """Gives every newly full, fully computed block its keys so later requests can hit it."""
-        spec = self.family.member(seq.member)
         full = min(len(hashes), num_computed_tokens // seq.tokens_per_block)
+        if full <= seq.num_registered_blocks:
+            return              # nothing newly full (every decode step but one per block)
+        spec = self.family.member(seq.member)
         for block in range(seq.num_registered_blocks, full):
             for layer, lineage in enumerate(spec.layer_lineages):
                 self.pool.register(seq.block_tables[layer][block], PageKey(lineage, hashes[block]))
@@ -286,13 +305,15 @@ class KVCacheManager:
     def release(self, seq: SeqKV) -> None:
         """Drops the request's references; keyed pages stay cached (delayed reclamation, LRU)."""
         # Release deepest blocks first so a prefix's head stays in the arena longest (LRU order).
+        order: list[PageId] = []
+        residual_out = seq.residual_out
         for block in reversed(range(seq.num_blocks)):
-            for table in seq.block_tables:
-                self.pool.release(table[block])
-            if seq.residual_out is not None and block < len(seq.residual_out):
-                self.pool.release(seq.residual_out[block])
-        for page in seq.residual_in.values():
-            self.pool.release(page)
+            order.extend([table[block] for table in seq.block_tables])
+            if residual_out is not None and block < len(residual_out):
+                order.append(residual_out[block])
+        order.extend(seq.residual_in.values())
+        self.pool.release_pages(order)
         seq.block_tables = [[] for _ in seq.block_tables]
         seq.residual_out = [] if seq.residual_out is not None else None
         seq.residual_in = {}
+        seq._view = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from operator import itemgetter
 from dataclasses import dataclass, field
 
 from orchestrator.core.config import MemberLimit
@@ -12,14 +13,46 @@ from orchestrator.core.types import PageId, PageKey
 # (reusable, evictable, LRU); USED = refcount > 0, with or without a key.
 
 
+class _FreeQueue:
+    """The free pages in the order they are taken: the never-used pages of the partition's id range, in id
+    order, then the pages freed since, in the order they were freed. Keeping the never-used ones as a range
+    (not one queue entry per page) makes a GPU-sized arena (~10^6 pages) cost nothing to build."""
+
+    __slots__ = ("next_fresh", "end", "freed")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.next_fresh = start                                  # never-used pages: [next_fresh, end)
+        self.end = end
+        self.freed: OrderedDict[PageId, None] = OrderedDict()    # freed since (values unused)
+
+    def __len__(self) -> int:
+        return self.end - self.next_fresh + len(self.freed)
+
+    def __contains__(self, page: PageId) -> bool:
+        return self.next_fresh <= page < self.end or page in self.freed
+
+    def take(self, num_pages: int) -> list[PageId]:
+        """The first num_pages free pages (at most len(self)), removed from the queue."""
+        fresh = min(num_pages, self.end - self.next_fresh)
+        pages = list(range(self.next_fresh, self.next_fresh + fresh))
+        self.next_fresh += fresh
+        freed = self.freed
+        for _ in range(min(num_pages - fresh, len(freed))):
+            pages.append(freed.popitem(last=False)[0])
+        return pages
+
+    def push(self, page: PageId) -> None:
+        self.freed[page] = None
+
+
 @dataclass(slots=True)
 class _Partition:
     """A set of pages with its own queues. The elastic pool is one partition shared by every member."""
 
     name: str | None
     num_pages: int
-    # Both queues are ordered sets (values unused): O(1) append, pop head, delete anywhere.
-    free: OrderedDict[PageId, None] = field(default_factory=OrderedDict)     # no key; taken first
+    free: _FreeQueue                                                         # no key; taken first
+    # An ordered set (values unused): O(1) append, pop head, delete anywhere.
     cached: OrderedDict[PageId, None] = field(default_factory=OrderedDict)   # head = least recently released
     floor_members: list[str] = field(default_factory=list)                   # members with a floor here
 
@@ -75,17 +108,14 @@ class PagePool:
 
     def _build_partitions(self, partitions: dict[str, int] | None) -> None:
         if partitions is None:
-            # PageId is a NewType (plain ints at run time): building from the range directly keeps a
-            # GPU-sized arena (~10^6 pages, mfs simulate) from costing seconds per pool.
-            self._partitions.append(_Partition(None, self.num_pages, OrderedDict.fromkeys(range(self.num_pages))))
+            self._partitions.append(_Partition(None, self.num_pages, _FreeQueue(0, self.num_pages)))
             return
         if any(n < 0 for n in partitions.values()) or sum(partitions.values()) != self.num_pages:
             raise ValueError(f"partitions must be >= 0 and sum to num_pages={self.num_pages}, got "
                              f"{partitions} (use page_pool.split_pages)")
         start = 0
         for index, (member, size) in enumerate(partitions.items()):
-            pages = range(start, start + size)
-            self._partitions.append(_Partition(member, size, OrderedDict.fromkeys(pages)))
+            self._partitions.append(_Partition(member, size, _FreeQueue(start, start + size)))
             self._partition_index[member] = index
             self._partition_of[start:start + size] = [index] * size
             start += size
@@ -134,22 +164,26 @@ class PagePool:
             return None
         part = self._partition_for(member)
         assert part is not None  # can_allocate is False for a member without a partition
-        pages: list[PageId] = []
-        for _ in range(num_pages):
-            if part.free:
-                page, _ = part.free.popitem(last=False)
-            else:
-                page, _ = part.cached.popitem(last=False)
-                key = self._key[page]
+        pages = part.free.take(num_pages)
+        if len(pages) < num_pages:
+            keys, cached, cached_by, owners = self._key, part.cached, self._cached_by, self._owner
+            for _ in range(num_pages - len(pages)):
+                page, _ = cached.popitem(last=False)
+                key = keys[page]
                 assert key is not None
                 # The arena copy is about to be overwritten: record it so the caller can save it to a tier.
                 del self._page_of_key[key]
-                self._key[page] = None
-                self._cached_by[self._owner[page]] -= 1  # type: ignore[index]
+                keys[page] = None
+                cached_by[owners[page]] -= 1  # type: ignore[index]
                 self._evictions.append((page, key))
-            self._refcount[page] = 1
-            self._set_used_owner(page, member)
-            pages.append(page)
+                pages.append(page)
+        refcount, owners = self._refcount, self._owner
+        for page in pages:
+            refcount[page] = 1
+            owners[page] = member
+        self._used_by[member] = self._used_by.get(member, 0) + num_pages
+        self._cached_by.setdefault(member, 0)
+        self._num_used_pages += num_pages
         return pages
 
     def take_evictions(self) -> list[tuple[PageId, PageKey]]:
@@ -178,23 +212,31 @@ class PagePool:
 
     def release(self, page: PageId) -> None:
         """One reference less; at 0 a keyed page becomes CACHED at the LRU tail, a keyless one FREE."""
-        count = self._refcount[page]
-        if count <= 0:
-            raise ValueError(f"page {page} released at refcount {count}")
-        self._refcount[page] = count - 1
-        if count > 1:
-            return
-        owner = self._owner[page]
-        assert owner is not None
-        self._used_by[owner] -= 1
-        self._num_used_pages -= 1
-        part = self._partitions[self._partition_of[page]]
-        if self._key[page] is not None:
-            part.cached[page] = None
-            self._cached_by[owner] += 1
-        else:
-            part.free[page] = None
-            self._owner[page] = None
+        self.release_pages((page,))
+
+    def release_pages(self, pages: Iterable[PageId]) -> None:
+        """release() of each page in turn (the order sets the LRU order); one call for a request's pages."""
+        refcount, owners, keys, used_by, cached_by = (self._refcount, self._owner, self._key, self._used_by,
+                                                      self._cached_by)
+        partitions, partition_of = self._partitions, self._partition_of
+        for page in pages:
+            count = refcount[page]
+            if count <= 0:
+                raise ValueError(f"page {page} released at refcount {count}")
+            refcount[page] = count - 1
+            if count > 1:
+                continue
+            owner = owners[page]
+            assert owner is not None
+            used_by[owner] -= 1
+            self._num_used_pages -= 1
+            part = partitions[partition_of[page]]
+            if keys[page] is not None:
+                part.cached[page] = None
+                cached_by[owner] += 1
+            else:
+                part.free.push(page)
+                owners[page] = None
 
     def demote(self, page: PageId) -> None:
         """Moves a CACHED page to the LRU head: evicted first (e.g. its session's TTL expired)."""
@@ -229,7 +271,7 @@ class PagePool:
             del part.cached[page]
             self._cached_by[self._owner[page]] -= 1  # type: ignore[index]
             self._owner[page] = None
-            part.free[page] = None
+            part.free.push(page)
 
     def _set_used_owner(self, page: PageId, member: str) -> None:
         self._owner[page] = member
@@ -246,6 +288,13 @@ class PagePool:
 
     def owner(self, page: PageId) -> str | None:
         return self._owner[page]
+
+    def num_private(self, pages: list[PageId]) -> int:
+        """How many of `pages` have refcount 1 (only their one holder references them): counted in C, as the
+        scheduler's peak reservation asks it for every running request's ~10^3 pages on every admission."""
+        if len(pages) < 2:
+            return sum(1 for page in pages if self._refcount[page] == 1)
+        return itemgetter(*pages)(self._refcount).count(1)
 
     def is_cached(self, page: PageId) -> bool:
         return self._refcount[page] == 0 and self._key[page] is not None

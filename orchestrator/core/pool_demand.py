@@ -32,10 +32,12 @@ class PoolDemand:
         self._partitioned = config.pool.static_split is not None
         self.ratio = NewTokenRatio(config.scheduler)
         self._cache: dict[str | None, int] = {}   # partition -> reserved_pages; cleared on every change
+        self._demands: dict[str | None, list[RunningDemand]] = {}   # partition -> running demands; likewise
 
     def clear(self) -> None:
         """The running set or a request's pages changed: reservations must be recomputed."""
         self._cache.clear()
+        self._demands.clear()
 
     def partition_of(self, member: str) -> str | None:
         return member if self._partitioned else None
@@ -81,7 +83,8 @@ class PoolDemand:
                 context = self.family.member(seq.member).context_tokens
                 final = expected_final_tokens(seq, 1.0, context)
                 held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
-                private = sum(1 for p in seq.kv.all_pages() if self.pool.refcount(p) == 1 and p not in claimed)
+                pages = seq.kv.all_pages()
+                private = self.pool.num_private(pages) - (sum(1 for p in pages if p in claimed) if claimed else 0)
                 profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
                                                lambda n, m=seq.member: self.kv.pages_for_tokens(m, n), slack))
             else:
@@ -90,6 +93,29 @@ class PoolDemand:
         if not claimed:
             self._cache[part] = reserved
         return reserved
+
+    def reserved_pages_bound(self, member: str) -> int:
+        """An upper bound of reserved_pages(member) in one pass over the running requests: each decoding request
+        of fixed length counted at its whole growth to its end (peak_growth never reserves more for it: its
+        growth at any step is at most that, and a request that ended gives pages back). Admission checks this
+        first and computes the exact peak only when the bound does not fit (it almost always fits)."""
+        mode = self.config.scheduler.decode_reservation
+        if mode == "block":
+            return 0
+        cached = self._cache.get(self.partition_of(member))
+        if cached is not None:
+            return cached
+        total = 0
+        for seq in self._running.values():
+            if not self.in_partition(seq, member):
+                continue
+            if mode == "peak" and seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
+                final = expected_final_tokens(seq, 1.0, self.family.member(seq.member).context_tokens)
+                held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
+                total += max(0, self.kv.pages_for_tokens(seq.member, final) - held)
+            else:
+                total += self.future_pages(seq)
+        return total
 
     def demand_pages(self, seq: Sequence) -> int:
         """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
@@ -118,10 +144,13 @@ class PoolDemand:
                     need += self.demand_pages(seq)
                     queued_tokens += len(seq.token_ids)
         available = self.pool.num_available_pages(member) - reserved
-        demands = [RunningDemand(s.kv.num_blocks * self.kv.pages_per_block(s.member), self.future_pages(s),
-                                 max(0, expected_final_tokens(s, self.ratio.value, context_tokens=self.family.member(s.member).context_tokens)
-                                     - len(s.token_ids)) + 1)
-                   for s in self._running.values() if s.kv is not None and self.in_partition(s, member)]
+        demands = self._demands.get(self.partition_of(member))
+        if demands is None:     # the same for every member of a partition and every arrival until the next change
+            demands = self._demands[self.partition_of(member)] = [
+                RunningDemand(s.kv.num_blocks * self.kv.pages_per_block(s.member), self.future_pages(s),
+                              max(0, expected_final_tokens(s, self.ratio.value, context_tokens=self.family.member(s.member).context_tokens)
+                                  - len(s.token_ids)) + 1)
+                for s in self._running.values() if s.kv is not None and self.in_partition(s, member)]
         steps = steps_until_fit(need, available, demands)
         if steps is None:
             steps = max((d.remaining_steps for d in demands), default=0)

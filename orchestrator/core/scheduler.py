@@ -6,6 +6,7 @@ Step shape: schedule(now) -> StepPlan (the engine runs it) -> update(plan, sampl
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict, deque
 
@@ -14,7 +15,7 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.demand import victim_key
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, handover_target, in_warmup_band
-from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.events import EventKind, EventLog, Stats, pages_block
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
@@ -50,6 +51,10 @@ class Scheduler:
         # session -> (last finish time, its pages and their keys): TTL ageing of idle sessions' cache
         self._session_pages: OrderedDict[str, tuple[float, list[tuple[PageId, object]]]] = OrderedDict()
         self._admit_counter = itertools.count()
+        # (arrival_s, tie-break, seq) of every request added, popped lazily once it left _by_id: the oldest
+        # tells whether any request can have timed out, without a pass over all of them every step.
+        self._arrivals: list[tuple[float, int, Sequence]] = []
+        self._arrival_counter = itertools.count()
         self._eos = {m.name: frozenset(m.eos_token_ids) for m in family.members}
         # Most pages each member can ever hold (its slice, minus the other members' floors, under its ceiling):
         # a request needing more is refused at once rather than left waiting for room that never comes.
@@ -91,6 +96,7 @@ class Scheduler:
         if self._can_escalate(seq):
             seq.monitor = ConfidenceMonitor(self.config.escalation)
         self._by_id[request.request_id] = seq
+        heapq.heappush(self._arrivals, (request.arrival_s, next(self._arrival_counter), seq))
         self._enqueue(seq)
         self.stats.record_route(decision)
         self.events.emit(EventKind.ROUTE, now_s, request.request_id, decision.member, reason=decision.reason)
@@ -236,7 +242,7 @@ class Scheduler:
 
     def _process_aborts(self, now_s: float) -> list[RequestOutput]:
         timeout = self.config.scheduler.request_timeout_s
-        if timeout is not None:
+        if timeout is not None and self._oldest_arrival_timed_out(now_s, timeout):
             for seq in list(self._by_id.values()):
                 if not seq.is_warmup and now_s - seq.request.arrival_s > timeout:
                     self._aborts.append((seq.request_id, f"timed out after {timeout:.0f} s", None))
@@ -254,6 +260,14 @@ class Scheduler:
             if warm is not None:
                 self._finish(warm, now_s, outcome=None)
         return outputs
+
+    def _oldest_arrival_timed_out(self, now_s: float, timeout_s: float) -> bool:
+        """Whether the earliest arrival among the requests still known has waited past the timeout (then
+        some request has; if not, none has, as now - arrival only grows with older arrivals)."""
+        arrivals = self._arrivals
+        while arrivals and self._by_id.get(arrivals[0][2].request_id) is not arrivals[0][2]:
+            heapq.heappop(arrivals)
+        return bool(arrivals) and now_s - arrivals[0][0] > timeout_s
 
     def _ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs;
@@ -380,12 +394,8 @@ class Scheduler:
         reserve = 0
         if shared_with_others and self.config.scheduler.decode_reservation != "block":
             # Beside every running request's remaining decode, with room for this one's own.
-            own = self.demand.demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids))
-            # Its prefix hits on a running request's private pages take them off that request's return.
-            claimed = (self.kv.arena_hits(seq.member, match, seq.hashes)
-                       if self.config.scheduler.decode_reservation == "peak"
-                       and (match.num_full_blocks or match.num_shared_blocks) else ())
-            reserve = self.demand.reserved_pages(seq.member, claimed) + max(0, own)
+            own = max(0, self.demand.demand_pages(seq) - self.kv.pages_for_tokens(seq.member, len(seq.token_ids)))
+            reserve = self._decode_reserve(seq, match, own + (0 if seq.held else held_pages)) + own
         elif shared_with_others:
             reserve = self._reserve_pages[seq.member]
         if not seq.held:
@@ -422,6 +432,23 @@ class Scheduler:
         self.events.emit(EventKind.ADMIT, now_s, seq.request_id, seq.member, cached_tokens=match.num_full_tokens,
                          shared_tokens=match.num_shared_tokens, loads=len(loads))
         return True
+
+    def _decode_reserve(self, seq: Sequence, match, other_pages: int) -> int:
+        """The pages reserved for the running requests' decode, as admission passes them to attach: the exact
+        peak reservation (reserved_pages: O(running^2) at GPU scale), or its one-pass upper bound when even
+        that bound leaves room for every page this request could take (all its pages and residual inputs,
+        pinned hits included, plus other_pages): attach then admits exactly as it would with the exact one."""
+        bound = self.demand.reserved_pages_bound(seq.member)
+        blocks = -(-len(seq.token_ids) // self.kv.tokens_per_block(seq.member))
+        pages = blocks * self.kv.pages_per_block(seq.member) + match.num_shared_blocks
+        available = self.pool.counts()["free"] if seq.is_warmup else self.pool.num_available_pages(seq.member)
+        if pages + bound + other_pages <= available:
+            return bound     # the bound credits no returned pages, so prefix claims cannot push the peak above it
+        # Its prefix hits on a running request's private pages take them off that request's return.
+        claimed = (self.kv.arena_hits(seq.member, match, seq.hashes)
+                   if self.config.scheduler.decode_reservation == "peak"
+                   and (match.num_full_blocks or match.num_shared_blocks) else ())
+        return self.demand.reserved_pages(seq.member, claimed)
 
     def _build_batches(self, plan: StepPlan) -> None:
         cfg = self.config.scheduler
@@ -461,11 +488,10 @@ class Scheduler:
             # are never read, so any valid page pads them.
             first = min(kv.residual_in)
             residual_in = [kv.residual_in.get(b, kv.residual_in[first]) for b in range(blocks_needed)]
+        tables, residual_out = kv.tables_upto(blocks_needed)
         return SeqChunk(request_id=seq.request_id, token_ids=seq.token_ids[start:end], start_pos=start,
-                        block_tables=[table[:blocks_needed] for table in kv.block_tables], sample=sample,
-                        sampling=seq.request.sampling, start_layer=start_layer, residual_table=residual_in,
-                        residual_table_out=kv.residual_out[:blocks_needed] if kv.residual_out is not None else None,
-                        num_generated=seq.num_generated)
+                        block_tables=tables, sample=sample, sampling=seq.request.sampling, start_layer=start_layer,
+                        residual_table=residual_in, residual_table_out=residual_out, num_generated=seq.num_generated)
 
     def drop_failed_loads(self, plan: StepPlan, failed_pages: list[PageId], now_s: float) -> StepPlan:
         """A tier block failed its checksum: forget it and recompute the affected requests."""
@@ -480,6 +506,7 @@ class Scheduler:
         for batch in plan.batches:
             batch.chunks = [c for c in batch.chunks if c.request_id not in affected]
         plan.batches = [b for b in plan.batches if b.chunks]
+        self.demand.clear()         # the running set changed outside schedule/update
         return plan
 
     # ------------------------------------------------------------------ update
@@ -589,7 +616,19 @@ class Scheduler:
         self._released.append(seq.request_id)
 
     # ------------------------------------------------------------------ stats
+    def pages_snapshot(self) -> dict:
+        """snapshot(...)["pages"] alone (the simulator samples it every half second of virtual time)."""
+        return pages_block(self.family.member_names, self._pages_state())
+
     def snapshot(self, now_s: float) -> dict:
+        pages = self._pages_state()
+        loads = self.loads()
+        return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
+                                   pages=pages, queue_depth=self.num_waiting(),
+                                   running={n: l.num_running for n, l in loads.items()},
+                                   waiting={n: l.num_waiting for n, l in loads.items()})
+
+    def _pages_state(self) -> dict:
         counts = self.pool.counts()
         tier_counts = self.tiers.counts() if self.tiers is not None else {"host": 0, "disk": 0}
         by_member = {name: {"used": 0, "cached": 0, "host": 0, "disk": 0} for name in self.family.member_names}
@@ -606,12 +645,7 @@ class Scheduler:
                 if owner is not None:
                     for tier, n in tiers.items():
                         by_member[owner][tier] += n
-        loads = self.loads()
-        pages = {"total": self.pool.num_pages, "page_bytes": self.config.pool.page_bytes,
-                 "by_state": {"free": counts["free"], "used": counts["used"], "cached": counts["cached"],
-                              "host": tier_counts.get("host", 0), "disk": tier_counts.get("disk", 0)},
-                 "by_member": by_member}
-        return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
-                                   pages=pages, queue_depth=self.num_waiting(),
-                                   running={n: l.num_running for n, l in loads.items()},
-                                   waiting={n: l.num_waiting for n, l in loads.items()})
+        return {"total": self.pool.num_pages, "page_bytes": self.config.pool.page_bytes,
+                "by_state": {"free": counts["free"], "used": counts["used"], "cached": counts["cached"],
+                             "host": tier_counts.get("host", 0), "disk": tier_counts.get("disk", 0)},
+                "by_member": by_member}

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NamedTuple, NewType
 
 RequestId = NewType("RequestId", str)
 PageId = NewType("PageId", int)
 MemberName = NewType("MemberName", str)
 
 
-@dataclass(frozen=True, slots=True)
-class PageKey:
+class PageKey(NamedTuple):
     """Identity of a page's contents: what one layer's KV (or a residual block) holds for a prefix.
 
     lineage: hash of everything that determines this layer's values for a given prefix (embeddings,
@@ -23,6 +22,8 @@ class PageKey:
     layer whose OUTPUT it stores, suffixed with ":residual".
     block_hash: chained hash of the token blocks up to and including this one (seeded with the
     tokenizer's content hash and the request's cache_salt).
+    A tuple: the page pool hashes and compares keys for every page it registers or looks up, and a tuple
+    does that in C (a frozen dataclass did it in Python; same hash, same equality between keys).
     """
 
     lineage: str

@@ -37,6 +37,15 @@ class FamilyTokenizer:
         env.globals["raise_exception"] = _raise
         self._chat_template = env.from_string(template) if isinstance(template, str) else None
         self.vocab_size = self._tokenizer.get_vocab_size()
+        self._max_token_bytes: int | None = 0          # 0: not computed yet (max_token_bytes)
+
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token can stand for, when that is bounded: a byte-level BPE with no
+        normalizer whose added tokens absorb no whitespace (each byte of the text then lands in exactly one
+        token, so a text of n bytes has at least n / max_token_bytes tokens). None for any other tokenizer."""
+        if self._max_token_bytes == 0:
+            self._max_token_bytes = _max_token_bytes(json.loads(self._tokenizer.to_str()))
+        return self._max_token_bytes
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -66,6 +75,20 @@ class FamilyTokenizer:
     def vocab_texts(self) -> list[str]:
         """Every id's text, index = id (what the core's complexity estimator reads)."""
         return [self.token_text(token_id) for token_id in range(self.vocab_size)]
+
+
+def _max_token_bytes(spec: dict) -> int | None:
+    """max_token_bytes from a tokenizer.json: the longest vocab entry (byte-level: one character per byte) or
+    added token, or None when the tokenizer is not a plain byte-level BPE."""
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or spec.get("normalizer") is not None or pre.get("type") != "ByteLevel":
+        return None
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") or t.get("normalized") or t.get("single_word") for t in added):
+        return None
+    vocab = model.get("vocab") or {}
+    longest = max((len(token) for token in vocab), default=0)
+    return max([longest, *(len(t["content"].encode()) for t in added)]) or None
 
 
 def _token_text(value) -> str | None:
