@@ -350,3 +350,31 @@ def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pi
     assert pilot["rate"] == 1.0 and pilot["metrics"]["num_requests"] == 3       # the pilot ran, simulated, at the lightest rate
     assert about["baseline_split_search"]["num_candidates"] > 100
     assert traffic == split.fractions                                          # before the search: the traffic split
+
+
+def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_deployments_together(tmp_path):
+    from eval.bench import BenchSettings
+    from eval.simulate.cli import system_configs
+    from eval.simulate.setup import GPU_SCHEDULER, paper_setup
+
+    def hf(layers, hidden):
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
+    g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
+    table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
+                      members={n: MemberCosts(g, g, hf_config=hf(4, 512)) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
+    save_table(table, tmp_path / "t.json")
+    setup = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"))
+    settings = BenchSettings(family="qwen3", systems=("mfs", "baseline"), baseline_split="traffic")
+    configs, _ = system_configs(setup, settings, trace_of([[(PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
+    per_engine = GPU_SCHEDULER["scheduler.max_running_requests"]
+    assert configs["mfs"].scheduler.max_running_requests == 3 * per_engine
+    assert configs["baseline"].scheduler.independent_deployments
+    assert configs["baseline"].scheduler.max_running_requests == per_engine     # per deployment (DeploymentsScheduler)
+
+
+def _tokenizer():
+    from orchestrator.core.family import load_family
+    from orchestrator.serve.tokenizer import FamilyTokenizer
+
+    return FamilyTokenizer(load_family("tiny").members[0].checkpoint_dir)

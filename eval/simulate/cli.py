@@ -118,6 +118,13 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
                                    split.fractions if split is not None and hasattr(split, "fractions") else split,
                                    extra)
                for name in settings.systems}
+    if setup.family is not None:
+        # A GPU family's cap (GPU_SCHEDULER) is one engine's batch: independent deployments get it per member
+        # (DeploymentsScheduler), so a system running every member in one engine gets it once per member too:
+        # the same number of sequences in flight, not a third of it.
+        for config in configs.values():
+            if not config.scheduler.independent_deployments:
+                config.scheduler.max_running_requests *= len(setup.member_names)
     return configs, split
 
 
