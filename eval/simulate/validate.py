@@ -200,14 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.core.family import load_family
 
     members = load_family(base.family).member_names
+    runs = {r: real[r][1] for r in rates}
+    in_sample = fit(runs, rates, members)      # the same for every rate (and what --save-fit writes)
     for rate in rates:
         settings, real_rate = real[rate]
         others = [r for r in rates if r != rate] or [rate]
-        held_out = fit({r: real[r][1] for r in rates}, others, members)
-        in_sample = fit({r: real[r][1] for r in rates}, rates, members)
-        same_run = fit({r: real[r][1] for r in rates}, [rate], members)
-        own_steps = {name: fit({r: real[r][1] for r in rates}, [rate], members, system=name) for name in systems}
-        held_out_scaled = probe_scaled({r: real[r][1] for r in rates}, others, rate, systems, held_out)
+        held_out = fit(runs, others, members)
+        same_run = fit(runs, [rate], members)
+        own_steps = {name: fit(runs, [rate], members, system=name) for name in systems}
+        held_out_scaled = probe_scaled(runs, others, rate, systems, held_out)
         conf = work / f"confidences_r{rate}.json"
         results[str(rate)] = {
             "held_out": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out, conf)),
@@ -236,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                "by_rate": results, "command": "python -m eval.simulate.validate " + " ".join(argv or [])}
     Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
     if args.save_fit:          # the in-sample fit over every rate: mfs simulate's default measured cost model
-        fitted = fit({r: real[r][1] for r in rates}, rates, members)
-        Path(args.save_fit).write_text(json.dumps(fitted.to_dict(), indent=1))
+        Path(args.save_fit).write_text(json.dumps(in_sample.to_dict(), indent=1))
         print(f"wrote {args.save_fit}")
     for rate, r in results.items():
         for variant in (v for v in VARIANTS if v in r):
