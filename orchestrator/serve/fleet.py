@@ -274,8 +274,22 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) ->
         await wait_healthy(list(plan.gateways.values()), args.startup_timeout_s)
         if plan.replicas:                   # ours are up: the gateways must have taken them all in
             await wait_workers_healthy(list(plan.gateway_urls.values()), len(plan.replicas), args.startup_timeout_s)
+        else:                               # replicas started elsewhere may be down: say so, serve the rest
+            try:
+                await wait_workers_healthy(list(plan.gateway_urls.values()), len(plan.worker_urls),
+                                           args.startup_timeout_s)
+            except RuntimeError as exc:
+                print(f"mfs fleet: warning: {exc}; serving with the healthy ones", file=sys.stderr, flush=True)
         def write_plan() -> None:          # fleet.json: URLs and current pids (rewritten on every restart)
             (log_dir / "fleet.json").write_text(json.dumps(plan.describe(), indent=1))
+        # fleet.json and the banner announce a fleet that answers: only once the front is listening
+        # (CI caught a client that read fleet.json and connected before the bind).
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            if serving.done():
+                await serving
+                raise RuntimeError(f"the front did not start on {args.host}:{args.port}")
+            await asyncio.sleep(0.05)
         write_plan()
         print(f"mfs fleet: http://{args.host}:{args.port}  ({len(plan.worker_urls)} replicas, policy {args.policy}; "
               f"Ctrl+C stops all)", flush=True)
@@ -286,7 +300,7 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) ->
         print(f"  logs {log_dir}", flush=True)
         restart_delay_s = None if args.restart_delay_s < 0 else args.restart_delay_s
         watcher = asyncio.ensure_future(supervise(children, restart_delay_s, stopping, write_plan))
-        await server.serve()
+        await serving
         stopping.set()
         await watcher
         return 0
