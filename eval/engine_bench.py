@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     parser.add_argument("--malloc-mmap-threshold-mb", type=int, default=32,
                         help="the engine's glibc malloc setting (engine.malloc_mmap_threshold_mb; process-wide, so "
                              "transformers runs under it too; 0 = glibc defaults)")
+    parser.add_argument("--torch-attention", action="store_true",
+                        help="the engine's decode attention as gather + SDPA (engine.native_attention: false)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     page_bytes = BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4)
     blocks = -(-(args.prompt_tokens + args.tokens) // BLOCK_TOKENS)
     executor = LocalExecutor(family, num_pages=max(BATCH_SIZES) * member.num_layers * blocks, page_bytes=page_bytes,
-                             num_threads=args.threads, malloc_mmap_threshold_mb=args.malloc_mmap_threshold_mb)
+                             num_threads=args.threads, malloc_mmap_threshold_mb=args.malloc_mmap_threshold_mb,
+                             native_attention=not args.torch_attention)
     hf = AutoModelForCausalLM.from_pretrained(member.checkpoint_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     machine = matmul_flop_per_s()
     print(f"family {family.name} member {member.name}: {member.num_layers} layers, hidden {member.hidden_size}, "
           f"prompt {args.prompt_tokens} + {args.tokens} new tokens, fp32, {args.threads} thread(s), "
-          f"malloc mmap threshold {args.malloc_mmap_threshold_mb} MB (both sides; tuned: {executor.malloc_tuned})")
+          f"malloc mmap threshold {args.malloc_mmap_threshold_mb} MB (both sides; tuned: {executor.malloc_tuned}); "
+          f"decode attention {'native, in place' if executor.decode_kernel else 'gather + SDPA'}")
     print(f"machine matmul: {machine / 1e9:.1f} GFLOP/s")
     print(f"{'batch':>5} {'engine tok/s':>13} {'step ms':>8} {'HF tok/s':>10} {'HF step ms':>10} {'ratio':>6} "
           f"{'cpu ms':>7} {'HF cpu ms':>9} {'cpu ratio':>9} {'GFLOP/s':>8} {'of peak':>7}")

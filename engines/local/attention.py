@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engines.local.paged_decode import PagedDecodeKernel
+
 
 @dataclass(slots=True)
 class AttnGroup:
@@ -17,6 +19,7 @@ class AttnGroup:
     pages: list[torch.Tensor]       # per segment layer: [num_seqs * num_blocks] page ids (padding -> page 0, masked)
     num_keys: int                   # keys attended per sequence (a prefix of the gathered blocks)
     mask: torch.Tensor | None       # additive [seqs, 1, groups * q_tokens | 1, num_keys]; None = attend to all
+    key_lengths: torch.Tensor | None = None   # decode group: [seqs] int64 keys per sequence (the native kernel's)
 
 
 def prefill_group(row0: int, n: int, start: int, table: torch.Tensor, num_groups: int,
@@ -38,7 +41,7 @@ def decode_group(members: list[int], rows: list[int], tables: torch.Tensor, leng
     """members: indices into tables [chunks, layers, blocks]; rows: their token rows; lengths: keys per sequence."""
     device = tables.device
     pages = tables[torch.tensor(members, device=device), :, :num_blocks]           # [seqs, layers, blocks]
-    pages = pages.transpose(0, 1).reshape(tables.shape[1], -1)                  # [layers, seqs * blocks]
+    pages = pages.transpose(0, 1).contiguous().view(tables.shape[1], -1)        # [layers, seqs * blocks]
     longest = max(lengths)
     mask = None
     if min(lengths) != longest:                  # equal lengths: slicing the keys is the whole mask
@@ -49,13 +52,20 @@ def decode_group(members: list[int], rows: list[int], tables: torch.Tensor, leng
     all_rows = rows == list(range(num_tokens))
     row_index = slice(0, num_tokens) if all_rows else torch.tensor(rows, device=device)
     return AttnGroup(rows=row_index, num_seqs=len(members), q_tokens=1,
-                     pages=list(pages.unbind(0)), num_keys=longest, mask=mask)
+                     pages=list(pages.unbind(0)), num_keys=longest, mask=mask,
+                     key_lengths=torch.tensor(lengths, dtype=torch.int64, device=device))
 
 
 def attend(q: torch.Tensor, kv_rows: tuple[torch.Tensor, torch.Tensor], group: AttnGroup, layer: int,
-           kv_heads: int, head_dim: int) -> torch.Tensor:
-    """q [seqs * q_tokens, heads, dim] -> [seqs * q_tokens, heads, dim]; layer indexes group.pages."""
+           kv_heads: int, head_dim: int, kv_view: torch.Tensor | None = None,
+           decode_kernel: PagedDecodeKernel | None = None) -> torch.Tensor:
+    """q [seqs * q_tokens, heads, dim] -> [seqs * q_tokens, heads, dim]; layer indexes group.pages.
+    With decode_kernel and kv_view, a decode group reads its keys in place (paged_decode.py) where it can."""
     seqs, n, dim = group.num_seqs, group.q_tokens, head_dim
+    if decode_kernel is not None and n == 1 and group.key_lengths is not None and kv_view is not None:
+        out = decode_kernel(q, kv_view, group.pages[layer], group.key_lengths, dim ** -0.5)
+        if out is not None:
+            return out
     groups = q.shape[1] // kv_heads
     k_rows, v_rows = kv_rows
     page_index = group.pages[layer]                                       # [seqs * blocks]

@@ -12,6 +12,7 @@ from engines.local.arena import KVArena
 from engines.local.checkpoint import TORCH_DTYPES, LayerWeights, load_checkpoint
 from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
+from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
 
 
@@ -47,8 +48,10 @@ class LocalExecutor:
 
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
                  device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True,
-                 malloc_mmap_threshold_mb: int = 32) -> None:
-        """malloc_mmap_threshold_mb: see engines/local/malloc_tuning.py (process-wide; 0 = glibc defaults)."""
+                 malloc_mmap_threshold_mb: int = 32, native_attention: bool = True) -> None:
+        """malloc_mmap_threshold_mb: see engines/local/malloc_tuning.py (process-wide; 0 = glibc defaults).
+        native_attention: float32 CPU decodes read K/V in place from the pages (engines/local/paged_decode.py;
+        compiled on first use, the torch path where no C compiler exists)."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
         if num_threads is not None:
@@ -62,6 +65,8 @@ class LocalExecutor:
         self.arena = KVArena(num_pages, page_bytes, self.device)
         self.sampler = Sampler(self.device)
         self.models: dict[str, PagedCausalLM] = {}
+        uses_kernel = native_attention and dtype == "float32" and self.device.type == "cpu"
+        self.decode_kernel = PagedDecodeKernel.load() if uses_kernel else None
         # same lineage = same weights for that layer (and all below): load once, share the tensors
         by_lineage: dict[str, LayerWeights] = {}
         shared: dict[int, torch.Tensor] = {}          # a tied head's [in, out] copy, once per embedding
@@ -70,7 +75,8 @@ class LocalExecutor:
             weights = load_checkpoint(member.checkpoint_dir, dtype=dtype, device=self.device, reuse_layers=reuse)
             for lineage, layer in zip(member.layer_lineages, weights.layers):
                 by_lineage.setdefault(lineage, layer)
-            self.models[member.name] = PagedCausalLM(member, weights, dtype, shared=shared)
+            self.models[member.name] = PagedCausalLM(member, weights, dtype, shared=shared,
+                                                     decode_kernel=self.decode_kernel)
         # (smaller, larger) pairs whose batches may run as one forward on the larger model; checked once here
         self.nested_pairs: set[tuple[str, str]] = set()
         if merge_nested:

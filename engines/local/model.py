@@ -15,6 +15,7 @@ from orchestrator.core.types import SeqChunk
 from engines.local.arena import KVArena
 from engines.local.attention import AttnGroup, attend, decode_group, prefill_group
 from engines.local.checkpoint import CheckpointWeights, LayerWeights
+from engines.local.paged_decode import PagedDecodeKernel
 
 
 _TABLE_CACHE_LIMIT = 4096     # requests whose table tensors are kept; release() normally drops them first
@@ -85,7 +86,9 @@ class PagedCausalLM:
     """One member's weights plus the paged forward. Holds no KV: every forward gets the arena."""
 
     def __init__(self, member: MemberSpec, weights: CheckpointWeights, dtype: str = "float32",
-                 shared: dict[int, torch.Tensor] | None = None) -> None:
+                 shared: dict[int, torch.Tensor] | None = None,
+                 decode_kernel: PagedDecodeKernel | None = None) -> None:
+        """decode_kernel: decode attention read in place from the pages (None: gather + SDPA)."""
         config = weights.config
         if (config.num_layers, config.hidden_size, config.num_kv_heads, config.head_dim) != (
                 member.num_layers, member.hidden_size, member.num_kv_heads, member.head_dim):
@@ -98,6 +101,7 @@ class PagedCausalLM:
         self.torch_dtype = weights.embed.dtype
         self.num_groups = config.num_heads // config.num_kv_heads   # query heads per kv head
         self.layers = [_prepare_layer(w) for w in weights.layers]
+        self.decode_kernel = decode_kernel
         self._table_cache: dict[str, tuple[list[list[int]], torch.Tensor]] = {}
         # a tied head stays the embedding (lookups want rows); its [in, out] copy is shared between members
         shared = {} if shared is None else shared
@@ -278,11 +282,12 @@ class PagedCausalLM:
         kv_view.index_put_(segment.writes[layer], torch.cat((k, v)))
         only = segment.groups[0] if len(segment.groups) == 1 else None
         if only is not None and isinstance(only.rows, slice) and only.rows == slice(0, t):   # no scatter needed
-            out = attend(q, kv_rows, only, layer, kv_heads, dim)
+            out = attend(q, kv_rows, only, layer, kv_heads, dim, kv_view, self.decode_kernel)
         else:
             out = q.new_empty(t, heads, dim)
             for group in segment.groups:
-                out[group.rows] = attend(q[group.rows], kv_rows, group, layer, kv_heads, dim)
+                out[group.rows] = attend(q[group.rows], kv_rows, group, layer, kv_heads, dim, kv_view,
+                                         self.decode_kernel)
         attended = out.reshape(t, heads * dim)
         # residual adds fused into the matmuls
         x = torch.addmm(x, attended, w.o) if w.o_bias is None else torch.addmm(x + w.o_bias, attended, w.o)

@@ -62,7 +62,9 @@ def profile_members(family, config) -> dict[str, MemberCosts]:
 
     page_bytes = config.pool.page_bytes
     executor = LocalExecutor(family, num_pages=ARENA_PAGES, page_bytes=page_bytes, dtype=config.engine.dtype,
-                             device="cpu", num_threads=engine_threads(config.engine.num_threads))
+                             device="cpu", num_threads=engine_threads(config.engine.num_threads),
+                             malloc_mmap_threshold_mb=config.engine.malloc_mmap_threshold_mb,
+                             native_attention=config.engine.native_attention)
     size = dtype_bytes(config.engine.dtype)
     members = {}
     for member in family.members:

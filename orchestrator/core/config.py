@@ -127,6 +127,9 @@ class EngineConfig:
     process: str = "separate"             # separate | thread
     # issue 15: glibc mmap threshold for the engine's process (engines/local/malloc_tuning.py); 0 = glibc default
     malloc_mmap_threshold_mb: int = 32
+    # issue 15: float32 CPU decode attention reads K/V in place from the pages (a C kernel compiled on first
+    # use, engines/local/paged_decode.py); false keeps gather + SDPA
+    native_attention: bool = True
 
 
 @dataclass(slots=True)

@@ -90,7 +90,8 @@ class LocalServing:
         return LocalExecutor(self.family, num_pages=self.pool.num_pages, page_bytes=cfg.pool.page_bytes,
                              dtype=cfg.engine.dtype, device=_device(cfg.engine.device),
                              num_threads=engine_threads(cfg.engine.num_threads),
-                             malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb)
+                             malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
+                             native_attention=cfg.engine.native_attention)
 
     def _is_running(self) -> bool:
         return self._running

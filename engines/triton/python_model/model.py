@@ -145,7 +145,8 @@ class MemberWorker:
         self.core.executor = LocalExecutor(self.family, num_pages=self.core.pool.num_pages,
                                            page_bytes=cfg.pool.page_bytes, dtype=cfg.engine.dtype, device="cpu",
                                            num_threads=cfg.engine.num_threads,
-                                           malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb)
+                                           malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
+                                           native_attention=cfg.engine.native_attention)
         self._running = True
         self._thread = threading.Thread(target=self.core.run, args=(lambda: self._running,),
                                         name=f"mfs-{self.member}", daemon=True)

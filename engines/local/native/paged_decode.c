@@ -1,0 +1,133 @@
+/* Paged decode attention for the local engine (float32, CPU): each sequence's one new query attends to its
+ * keys where they lie in the arena's pages, without gathering a dense copy first.
+ *
+ * Why native: the torch path copies every sequence's K/V pages out of the arena (index_select) and then runs
+ * SDPA over the copy: the bytes are read, written and read again, and SDPA runs one small GEMM per (sequence,
+ * head). Decode attention is memory-bound; reading each key and value once in place is the whole point.
+ *
+ * Layout (engines/local/arena.py): a page is [2][block_tokens][kv_heads][head_dim] floats (K then V), pages
+ * are page_stride floats apart. Query head q belongs to kv head q / groups (GQA, as the torch path's view).
+ * Softmax is computed block by block with a running maximum (one rescale per page, not per key).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEADS 256
+#define MAX_BLOCK 512
+
+/* exp(x) for x <= 0 (a score minus the running maximum), vectorizable: libm's expf is a call per key (a third
+ * of the kernel's time at long contexts) and glibc offers its vector variants only under -ffast-math. Range
+ * reduction x = n ln2 + r, |r| <= ln2/2, then the classic degree-6 minimax polynomial (Cephes' coefficients):
+ * within 2 ulp of expf over the range used; below -87 it returns 0 (the true value is under 1.7e-38). */
+static inline float exp_nonpositive(float x)
+{
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(clamped * 1.44269504088896341f);
+    const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+/* One sequence, every head: pages in order, and within a page every kv head (a page's K half and V half are each
+ * one contiguous run, read front to back), with a running maximum, sum and output per query head. */
+static void attend_sequence(const float *q, const float *kv_base, int64_t page_stride, int64_t v_offset,
+                            const int64_t *pages, int64_t length, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_tokens, float scale, float *out)
+{
+    const int64_t groups = heads / kv_heads;
+    const int64_t token_stride = kv_heads * head_dim;
+    float m[MAX_HEADS], l[MAX_HEADS];
+    float probs[MAX_BLOCK];
+    for (int64_t qh = 0; qh < heads; qh++) {
+        m[qh] = -INFINITY;
+        l[qh] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * heads * head_dim);
+    for (int64_t start = 0; start < length; start += block_tokens) {
+        const int64_t n = length - start < block_tokens ? length - start : block_tokens;
+        const float *page = kv_base + pages[start / block_tokens] * page_stride;
+        if (start + block_tokens < length) {          /* the next page is elsewhere in the arena: fetch early */
+            const char *next = (const char *)(kv_base + pages[start / block_tokens + 1] * page_stride);
+            for (int64_t b = 0; b < 2 * token_stride * (int64_t)sizeof(float); b += 64 * 8)
+                __builtin_prefetch(next + b);
+        }
+        for (int64_t qh = 0; qh < heads; qh++) {
+            const int64_t h = qh / groups;
+            const float *k = page + h * head_dim;
+            const float *v = k + v_offset;
+            const float *qv = q + qh * head_dim;
+            float block_max = -INFINITY;
+            for (int64_t j = 0; j < n; j++) {
+                const float *kj = k + j * token_stride;
+                float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+                for (int64_t d = 0; d < head_dim; d++)
+                    dot += qv[d] * kj[d];
+                probs[j] = dot * scale;
+                if (probs[j] > block_max)
+                    block_max = probs[j];
+            }
+            const float new_max = block_max > m[qh] ? block_max : m[qh];
+            const float rescale = expf(m[qh] - new_max);     /* exp(-inf) = 0 on the first page */
+            float *o = out + qh * head_dim;
+            if (rescale != 1.0f) {
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] *= rescale;
+            }
+            float sum = l[qh] * rescale;
+#pragma omp simd reduction(+:sum)
+            for (int64_t j = 0; j < n; j++) {
+                probs[j] = exp_nonpositive(probs[j] - new_max);
+                sum += probs[j];
+            }
+            for (int64_t j = 0; j < n; j++) {
+                const float pj = probs[j];
+                const float *vj = v + j * token_stride;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] += pj * vj[d];
+            }
+            m[qh] = new_max;
+            l[qh] = sum;
+        }
+    }
+    for (int64_t qh = 0; qh < heads; qh++) {
+        const float inv = 1.0f / l[qh];
+        for (int64_t d = 0; d < head_dim; d++)
+            out[qh * head_dim + d] *= inv;
+    }
+}
+
+/* q, out: [seqs][heads][head_dim]; pages: [seqs][max_blocks] ids below num_pages; lengths: keys per sequence.
+ * Returns 0, or -1 (nothing written) when a shape is outside what the fixed scratch holds or an id or length is
+ * out of range: the caller falls back to its torch path, which raises on bad ids. */
+int paged_decode_f32(const float *q, const float *kv_base, int64_t page_stride, int64_t v_offset,
+                     const int64_t *pages, int64_t max_blocks, int64_t num_pages, const int64_t *lengths,
+                     int64_t seqs,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_tokens, float scale,
+                     float *out)
+{
+    if (heads > MAX_HEADS || block_tokens > MAX_BLOCK || kv_heads < 1 || heads % kv_heads)
+        return -1;
+    for (int64_t s = 0; s < seqs; s++) {
+        if (lengths[s] < 1 || lengths[s] > max_blocks * block_tokens)
+            return -1;
+    }
+    for (int64_t i = 0; i < seqs * max_blocks; i++) {
+        if (pages[i] < 0 || pages[i] >= num_pages)
+            return -1;
+    }
+    for (int64_t s = 0; s < seqs; s++) {
+        attend_sequence(q + s * heads * head_dim, kv_base, page_stride, v_offset, pages + s * max_blocks,
+                        lengths[s], heads, kv_heads, head_dim, block_tokens, scale, out + s * heads * head_dim);
+    }
+    return 0;
+}
