@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from orchestrator.core.family import FamilySpec, MemberSpec
-from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan
+from orchestrator.core.types import PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 from engines.local.arena import KVArena
 from engines.local.checkpoint import TORCH_DTYPES, LayerWeights, load_checkpoint
@@ -43,15 +44,35 @@ def merge_groups(members: list[MemberSpec], nested_pairs: set[tuple[str, str]]) 
     return sorted(((host, sorted(indices)) for host, indices in groups.items()), key=lambda g: g[1][0])
 
 
+_KEYS_PER_ROW_COST = 256         # keys one row attends to that cost about as much as its matmuls (tiny-l, CPU)
+
+
+def split_point(chunks: list[SeqChunk]) -> int:
+    """Where to cut a step's chunks in two parts of about equal cost (0: do not split). Cost of a chunk: its
+    rows through the matmuls plus, for attention, the keys each row reads (a decode at 160 tokens of context
+    costs about 1.6 rows, a 128-token prefill chunk about 128 x 1.5)."""
+    if len(chunks) < 2:
+        return 0
+    costs = [len(c.token_ids) * (1.0 + (c.start_pos + len(c.token_ids)) / _KEYS_PER_ROW_COST) for c in chunks]
+    half, running = sum(costs) / 2, 0.0
+    for i, cost in enumerate(costs[:-1]):
+        if running + cost / 2 >= half:
+            return max(i, 1)
+        running += cost
+    return len(chunks) - 1
+
+
 class LocalExecutor:
     """Implements orchestrator.core.engine_api.StepExecutor. All decisions come in the plan; this owns tensors only."""
 
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
                  device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True,
-                 malloc_mmap_threshold_mb: int = 32, native_attention: bool = True) -> None:
+                 malloc_mmap_threshold_mb: int = 32, native_attention: bool = True,
+                 parallel_forwards: int = 1) -> None:
         """malloc_mmap_threshold_mb: see engines/local/malloc_tuning.py (process-wide; 0 = glibc defaults).
         native_attention: float32 CPU decodes read K/V in place from the pages (engines/local/paged_decode.py;
-        compiled on first use, the torch path where no C compiler exists)."""
+        compiled on first use, the torch path where no C compiler exists).
+        parallel_forwards: 2 splits each CPU forward of two or more chunks in two halves run on two threads."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
         if num_threads is not None:
@@ -64,6 +85,10 @@ class LocalExecutor:
         self.device = torch.device(device)
         self.arena = KVArena(num_pages, page_bytes, self.device)
         self.sampler = Sampler(self.device)
+        if parallel_forwards not in (1, 2):
+            raise ValueError(f"parallel_forwards must be 1 or 2, got {parallel_forwards}")
+        self._helper = (ThreadPoolExecutor(1, thread_name_prefix="mfs-forward")
+                        if parallel_forwards == 2 and self.device.type == "cpu" else None)
         self.models: dict[str, PagedCausalLM] = {}
         uses_kernel = native_attention and dtype == "float32" and self.device.type == "cpu"
         self.decode_kernel = PagedDecodeKernel.load() if uses_kernel else None
@@ -94,14 +119,15 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
         """Page loads were already written by the caller; runs one forward per group of nested member batches
-        (one per batch when nothing nests), samples per batch, returns tokens in chunk order across batches."""
+        (one per batch when nothing nests; each split in two on two threads with parallel_forwards), samples
+        per batch, returns tokens in chunk order across batches."""
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
         logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_chunks, vocab]
         for host, indices in merge_groups([self.models[b.member].member for b in batches], self.nested_pairs):
             chunks = [c for i in indices for c in batches[i].chunks]
             exits = [self.models[batches[i].member].member.num_layers for i in indices for _ in batches[i].chunks]
-            merged = self.models[host].forward(self.arena, chunks, exits=exits)
+            merged = self._forward(self.models[host], chunks, exits)
             row = 0
             for i in indices:                                     # split the rows back per batch
                 count = sum(c.sample for c in batches[i].chunks)
@@ -113,6 +139,21 @@ class LocalExecutor:
             eos = self.models[batch.member].member.eos_token_ids
             sampled.extend(self.sampler.sample(logits[i], sampling_chunks, eos))
         return sampled
+
+    def _forward(self, model: PagedCausalLM, chunks: list[SeqChunk], exits: list[int]) -> torch.Tensor:
+        """One forward, or (parallel_forwards) two over the chunks' first and second part at once: torch's ops
+        and the native kernel release the GIL, so the second thread computes on another core. Chunks of one
+        step belong to different requests and write disjoint page slots, so the halves never touch the same
+        bytes; the logits come back in chunk order."""
+        split = split_point(chunks) if self._helper is not None else 0
+        if split == 0:
+            return model.forward(self.arena, chunks, exits=exits)
+        second = self._helper.submit(model.forward, self.arena, chunks[split:], exits=exits[split:])
+        try:
+            first = model.forward(self.arena, chunks[:split], exits=exits[:split])
+        finally:
+            rest = second.result()                                # joined even when the first half failed
+        return torch.cat((first, rest))
 
     def read_page(self, page: PageId) -> bytes:
         return self.arena.read_page(page)

@@ -91,7 +91,8 @@ class LocalServing:
                              dtype=cfg.engine.dtype, device=_device(cfg.engine.device),
                              num_threads=engine_threads(cfg.engine.num_threads),
                              malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
-                             native_attention=cfg.engine.native_attention)
+                             native_attention=cfg.engine.native_attention,
+                             parallel_forwards=cfg.engine.parallel_forwards)
 
     def _is_running(self) -> bool:
         return self._running

@@ -146,7 +146,8 @@ class MemberWorker:
                                            page_bytes=cfg.pool.page_bytes, dtype=cfg.engine.dtype, device="cpu",
                                            num_threads=cfg.engine.num_threads,
                                            malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
-                                           native_attention=cfg.engine.native_attention)
+                                           native_attention=cfg.engine.native_attention,
+                                           parallel_forwards=cfg.engine.parallel_forwards)
         self._running = True
         self._thread = threading.Thread(target=self.core.run, args=(lambda: self._running,),
                                         name=f"mfs-{self.member}", daemon=True)
