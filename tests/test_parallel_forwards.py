@@ -90,3 +90,17 @@ def test_bad_setting_is_refused(family):
     with pytest.raises(ValueError, match="parallel_forwards must be 1 or 2"):
         LocalExecutor(family, num_pages=64, page_bytes=BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4),
                       parallel_forwards=3)
+
+
+def test_default_is_two_only_for_a_one_thread_cpu_engine_in_its_own_process(monkeypatch):
+    from orchestrator.serve import serving
+
+    monkeypatch.setattr(serving.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert serving.parallel_forwards(None, "cpu", 1, own_process=True) == 2
+    assert serving.parallel_forwards(None, "cpu", 1, own_process=False) == 1     # beside the event loop
+    assert serving.parallel_forwards(None, "cuda", 1, own_process=True) == 1
+    assert serving.parallel_forwards(None, "cpu", 3, own_process=True) == 1      # intra-op threads already
+    assert serving.parallel_forwards(1, "cpu", 1, own_process=True) == 1         # configured wins
+    assert serving.parallel_forwards(2, "cpu", 1, own_process=False) == 2
+    monkeypatch.setattr(serving.os, "sched_getaffinity", lambda pid: {0})
+    assert serving.parallel_forwards(None, "cpu", 1, own_process=True) == 1      # no second core

