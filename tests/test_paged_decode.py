@@ -118,3 +118,13 @@ def test_built_once_per_machine_and_reused(monkeypatch, tmp_path):
     monkeypatch.setattr(native_kernels, "_loaded", {})
     assert native_kernels.load("paged_decode") is not None
     assert list(tmp_path.glob("*")) == built and built[0].stat().st_mtime_ns == stamp
+
+
+def test_an_unusable_cache_folder_builds_in_the_temporary_folder(monkeypatch, tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("MFS_KERNEL_CACHE", str(not_a_folder / "kernels"))
+    monkeypatch.setattr(native_kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(native_kernels, "_loaded", {})
+    assert native_kernels.load("paged_decode") is not None
+    assert len(list((tmp_path / "tmp").glob("mfs-kernels-*/paged_decode-*.so"))) == 1

@@ -48,10 +48,15 @@ def _build(name: str, compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:                     # a read-only home: build beside the other temporary files
+        folder = Path(tempfile.gettempdir()) / f"mfs-kernels-{os.getuid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{name}-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: processes starting together never load a half-written library
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
