@@ -156,11 +156,15 @@ def engine_threads(configured: int | None) -> int:
     default bench's decode steps 2.2x slower (11.3 vs 5.0 ms, docs/BENCHMARKS.md 5.0)."""
     if configured is not None:
         return configured
+    return max(1, available_cores() - 1)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask; the machine's count where there is none)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:          # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+        return os.cpu_count() or 1
 
 
 def parallel_forwards(configured: int | None, device: str, threads: int, own_process: bool) -> int:
@@ -170,11 +174,7 @@ def parallel_forwards(configured: int | None, device: str, threads: int, own_pro
     fight it for the core (the lesson of BENCHMARKS 5.0), on CUDA, or with more intra-op threads."""
     if configured is not None:
         return configured
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:          # not on Linux
-        cores = os.cpu_count() or 1
-    return 2 if own_process and device == "cpu" and threads == 1 and cores >= 2 else 1
+    return 2 if own_process and device == "cpu" and threads == 1 and available_cores() >= 2 else 1
 
 
 def _device(name: str) -> str:
