@@ -39,7 +39,7 @@ static inline float exp_nonpositive(float x)
 
 /* One sequence, every head: pages in order, and within a page every kv head (a page's K half and V half are each
  * one contiguous run, read front to back), with a running maximum, sum and output per query head. The next page
- * is prefetched whole while this one is computed: pages lie anywhere in the arena, so the hardware prefetcher
+ * is prefetched (a share per head) while this one is computed: pages lie anywhere in the arena, so the hardware prefetcher
  * cannot guess them, and at serving sizes the keys come from DRAM. DIM is a compile-time constant in the
  * specialised copies (64, 128: the output row and the query stay in registers) and head_dim otherwise. */
 #define ATTEND_SEQUENCE(NAME, DIM)                                                                              \
@@ -62,12 +62,13 @@ static void NAME(const float *q, const float *kv_base, int64_t page_stride, int6
     for (int64_t start = 0; start < length; start += block_tokens) {                                            \
         const int64_t n = length - start < block_tokens ? length - start : block_tokens;                        \
         const float *page = kv_base + pages[start / block_tokens] * page_stride;                                \
-        if (start + block_tokens < length) {                                                                    \
-            const char *next = (const char *)(kv_base + pages[start / block_tokens + 1] * page_stride);        \
-            for (int64_t b = 0; b < page_bytes; b += 64)                                                        \
-                __builtin_prefetch(next + b);                                                                   \
-        }                                                                                                       \
+        const char *next = start + block_tokens < length                                                        \
+            ? (const char *)(kv_base + pages[start / block_tokens + 1] * page_stride) : NULL;                   \
         for (int64_t qh = 0; qh < heads; qh++) {                                                                \
+            if (next != NULL) {              /* a share of the next page per head: a few misses in flight */   \
+                for (int64_t b = qh * page_bytes / heads; b < (qh + 1) * page_bytes / heads; b += 64)          \
+                    __builtin_prefetch(next + b);                                                               \
+            }                                                                                                   \
             const float *k = page + (qh / groups) * dim;                                                        \
             const float *v = k + v_offset;                                                                      \
             const float *qv = q + qh * dim;                                                                     \
