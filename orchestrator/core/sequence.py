@@ -55,7 +55,8 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def is_decoding(self) -> bool:
-        return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_generated > 0
+        n = len(self.token_ids)
+        return self.num_computed_tokens == n - 1 and n > self.num_prompt_tokens
 
     # ------------------------------------------------------------------ token rules (every engine's)
     # The scheduler (local engine) and TritonServing (members behind Triton) both go through these, so a

@@ -147,9 +147,9 @@ class StepPlan:
         return not self.batches and not self.page_saves and not self.page_loads
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    """What the engine returns for a chunk with sample=True."""
+class SampledToken(NamedTuple):
+    """What the engine returns for a chunk with sample=True. A tuple, as PageKey: one is made per generated
+    token, and a tuple is built in C (a frozen dataclass's __init__ sets each field through Python)."""
 
     request_id: RequestId
     token_id: int
@@ -159,9 +159,8 @@ class SampledToken:
 
 
 # ----------------------------------------------------------------------------- results (core -> edge)
-@dataclass(frozen=True, slots=True)
-class MemberSpan:
-    """Which member produced which generated tokens."""
+class MemberSpan(NamedTuple):
+    """Which member produced which generated tokens (a tuple: a request's last span is rebuilt per token)."""
 
     member: MemberName
     num_tokens: int
