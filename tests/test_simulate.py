@@ -267,29 +267,34 @@ def test_one_session_timeline_is_exactly_the_fake_costs():
 
 
 def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
-    """The replay runs without automatic full collections (driver._no_full_collections): that is only sound if
-    what its requests create is freed by reference counting alone. Cycles made once per replay (the nodes'
-    assembly) are fine; so the cyclic garbage must not grow with the number of requests."""
+    """The replay runs without automatic full collections (driver._no_full_collections): sound only if what its
+    steps and requests create is freed by reference counting alone. With the collector off, nothing of the
+    replay's per-step and per-request objects may be left for it to find (the nodes' own assembly may hold
+    cycles: one per node, whatever the trace)."""
     import gc
+
+    from eval.metrics_calc import RequestRecord
+    from eval.workloads import Session, Turn
+    from orchestrator.core.types import RequestOutput, StepPlan
 
     turns = [(PROMPT, 3, 0.0), (PROMPT + list(range(30, 40)), 2, 2.0)]
     too_long = list(range(3, 3 + 1100))                                 # a refusal (an exception) as well
     thresholds = gc.get_threshold()
-
-    def garbage_of(num_sessions: int) -> int:
+    gc.collect()
+    gc.disable()
+    try:
+        run = run_nodes(trace_of([turns] * 6 + [[(too_long, 2, 0.0), (PROMPT, 2, 1.0)]], [0.5 * i for i in range(7)]))
+        assert len(run.records) == 14 and gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+        del run
+        gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        gc.disable()
-        try:
-            sessions = [turns] * num_sessions + [[(too_long, 2, 0.0), (PROMPT, 2, 1.0)]]
-            run = run_nodes(trace_of(sessions, [0.5 * i for i in range(len(sessions))]))
-            assert len(run.records) == 2 * len(sessions)
-            assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
-            del run
-            return gc.collect()
-        finally:
-            gc.enable()
-
-    assert garbage_of(1) == garbage_of(6)
+        left = [type(o).__name__ for o in gc.garbage
+                if isinstance(o, (RequestRecord, Session, Turn, RequestOutput, StepPlan, SeqChunk))]
+        assert left == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
 
 
 def test_a_refused_request_is_recorded_and_the_session_goes_on():

@@ -148,11 +148,15 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
     events.run()
     duration = max((r.finish_s for r in records if r.finish_s is not None), default=0.0)
     counters = _sum_counters([n.stats().get("counters", {}) for n in nodes])
-    return SimRun(records=records, samples=samples, counters=counters, duration_s=duration,
-                  num_steps=sum(n.executor.num_steps for n in nodes), busy_s=sum(n.executor.busy_s for n in nodes),
-                  num_events=events.num_events, wall_s=time.perf_counter() - started,
-                  cpu_s=time.process_time() - cpu_started,
-                  router_decisions=dict(router.decisions))
+    run = SimRun(records=records, samples=samples, counters=counters, duration_s=duration,
+                 num_steps=sum(n.executor.num_steps for n in nodes), busy_s=sum(n.executor.busy_s for n in nodes),
+                 num_events=events.num_events, wall_s=time.perf_counter() - started,
+                 cpu_s=time.process_time() - cpu_started,
+                 router_decisions=dict(router.decisions))
+    # send and next_turn refer to each other (a cycle through their closures, holding the nodes and the trace):
+    # emptied here, the replay's state goes with the last reference to it, not at some later full collection.
+    del send, next_turn
+    return run
 
 
 def _sum_counters(items: list[Any]) -> Any:
