@@ -262,3 +262,44 @@ def test_num_private_counts_pages_referenced_once() -> None:
     pool.acquire(pages[0], "s")
     assert pool.num_private(pages) == 2 and pool.num_private([pages[0]]) == 0
     assert pool.num_private([pages[1]]) == 1 and pool.num_private([]) == 0
+
+
+def test_register_pages_is_register_in_turn() -> None:
+    one, many = PagePool(8), PagePool(8)
+    for pool in (one, many):
+        pages = pool.allocate("s", 6)
+        pool.register(pages[5], key(9))                 # key 9 already held by page 5: page 2 stays keyless
+    pairs = [(PageId(0), key(0)), (PageId(1), key(1)), (PageId(2), key(9)), (PageId(3), key(3))]
+    for page, k in pairs:
+        one.register(page, k)
+    many.register_pages([p for p, _ in pairs], [k for _, k in pairs])
+    for attr in ("_refcount", "_key", "_owner", "_page_of_key"):
+        assert getattr(one, attr) == getattr(many, attr)
+    assert many.key_of(PageId(2)) is None and many.lookup(key(9)) == 5
+    with pytest.raises(ValueError, match="not in use"):
+        many.register_pages([PageId(7)], [key(7)])
+    with pytest.raises(ValueError, match="already holds"):
+        many.register_pages([PageId(0)], [key(8)])
+    many.check_invariants()
+
+
+def test_acquire_keys_is_lookup_and_acquire_in_turn() -> None:
+    one, many = PagePool(8), PagePool(8)
+    for pool in (one, many):
+        pages = pool.allocate("s", 4)
+        for i, page in enumerate(pages[:3]):
+            pool.register(page, key(i))
+        pool.release_pages([pages[1], pages[2]])        # 1 and 2 cached, 0 still used
+    keys = [key(0), None, key(1), key(5), key(2), key(0)]
+    expected = []
+    for k in keys:
+        page = one.lookup(k) if k is not None else None
+        if page is not None:
+            one.acquire(page, "m")
+        expected.append(page)
+    assert many.acquire_keys(keys, "m") == expected == [0, None, 1, None, 2, 0]
+    for attr in ("_refcount", "_key", "_owner", "_used_by", "_cached_by", "_num_used_pages"):
+        assert getattr(one, attr) == getattr(many, attr)
+    assert [many.refcount(PageId(p)) for p in range(4)] == [3, 1, 1, 1]
+    assert many.owner(PageId(1)) == "m" and many.owner(PageId(0)) == "s"
+    many.check_invariants()

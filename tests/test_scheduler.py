@@ -292,6 +292,36 @@ def test_rollback_drops_the_low_confidence_window_and_holds_it_back():
     assert len(h.tokens("r")) == 10
 
 
+@pytest.mark.parametrize("on_escalate", ["rollback", "keep"])
+def test_without_intermediate_outputs_a_request_gets_its_first_and_final_output_with_the_same_tokens(on_escalate):
+    """Request.intermediate_outputs=False (mfs simulate): the first output at the same step as when streaming,
+    then only the final one, which carries every token in between; escalation, rollback and holdback as before."""
+    runs = {}
+    for streamed in (True, False):
+        h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                              "escalation.on_escalate": on_escalate, "escalation.warmup": False,
+                                              "router.complexity_thresholds": [0.99, 0.995]})
+        h.submit("r", PROMPT, max_tokens=12, intermediate_outputs=streamed)
+        h.submit("p", PROMPT[:9], max_tokens=5, pinned_member=MemberName("m"), intermediate_outputs=streamed)
+        steps = {}
+        while h.scheduler.has_work():
+            h.step()
+            for rid, outs in h.outputs.items():
+                steps.setdefault(rid, {}).setdefault(len(outs), h.now)
+        runs[streamed] = h, steps
+    (stream, stream_steps), (quiet, quiet_steps) = runs[True], runs[False]
+    for rid in ("r", "p"):
+        assert len(stream.outputs[rid]) > 2 and len(quiet.outputs[rid]) == 2
+        assert quiet.tokens(rid) == stream.tokens(rid)
+        assert [lp for o in quiet.outputs[rid] for lp in o.new_logprobs] == \
+            [lp for o in stream.outputs[rid] for lp in o.new_logprobs]
+        assert quiet_steps[rid][1] == stream_steps[rid][1]          # the first token arrives at the same step
+        first, final = quiet.outputs[rid]
+        assert first.route is not None and final.route is None and final.finished and not first.finished
+        assert final.spans == stream.final(rid).spans and final.finish_reason == stream.final(rid).finish_reason
+    assert quiet.scheduler.snapshot(quiet.now)["counters"] == stream.scheduler.snapshot(stream.now)["counters"]
+
+
 def test_stop_string_abort_counts_as_finished_and_double_abort_is_harmless():
     h = Harness()
     h.submit("s1", PROMPT, max_tokens=50, pinned_member=MemberName("m"))

@@ -206,6 +206,47 @@ def test_peak_growth_counts_what_ends_before_the_peak():
     assert peak_growth([]) == 0
 
 
+def test_pool_demand_pages_rule_is_the_layouts():
+    """PoolDemand computes pages_for_tokens per member as one expression (hot at GPU scale): the layout's rule."""
+    h = Harness()
+    demand = h.scheduler.demand
+    for member in h.family.member_names:
+        context = h.family.member(member).context_tokens
+        for n in (0, 1, 3, 4, 5, 17, context - 1, context, context + 9):
+            assert demand._pages_for[member](n) == h.kv.pages_for_tokens(member, n), (member, n)
+
+
+def test_the_reservation_bound_and_the_delay_inputs_match_their_definitions():
+    """reserved_pages_bound and the router's running demands, read per arrival, against the definitions they
+    inline (expected_final_tokens, future_pages) on a running mix: decoding, prefilling, open length."""
+    from orchestrator.core.demand import expected_final_tokens, is_length_fixed
+
+    h = Harness(**{"scheduler.prefill_chunk_tokens": 8})
+    h.submit("a", PROMPT, max_tokens=20, pinned_member=MemberName("m"))
+    h.submit("b", PROMPT[:10], max_tokens=9, ignore_eos=False, pinned_member=MemberName("m"))
+    h.submit("c", PROMPT[:7], max_tokens=30, pinned_member=MemberName("s"))
+    for steps in range(8):
+        h.step()
+        demand, kv = h.scheduler.demand, h.kv
+        demand.clear()
+        running = list(h.scheduler._running.values())
+        assert running
+        expected = 0
+        for seq in running:
+            ctx = h.family.member(seq.member).context_tokens
+            held = seq.kv.num_blocks * kv.pages_per_block(seq.member)
+            if seq.is_decoding() and is_length_fixed(seq):
+                expected += max(0, kv.pages_for_tokens(seq.member, expected_final_tokens(seq, 1.0, ctx)) - held)
+            else:
+                expected += max(0, kv.pages_for_tokens(seq.member, expected_final_tokens(seq, demand.ratio.value, ctx))
+                                - held)
+        assert demand.reserved_pages_bound("m") == expected
+        assert [(d.held_pages, d.future_pages, d.remaining_steps) for d in demand._running_demands("m")] == [
+            (s.kv.num_blocks * kv.pages_per_block(s.member), demand.future_pages(s),
+             max(0, expected_final_tokens(s, demand.ratio.value, h.family.member(s.member).context_tokens)
+                 - len(s.token_ids)) + 1) for s in running]
+
+
 # ----------------------------------------------------------------------------- reservation bugs (2026-12-01)
 HANDOVER_PROMPT = list(range(40, 52))      # 12 tokens: 3 blocks of 4
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 
 import pytest
 
@@ -172,6 +173,10 @@ def test_sim_executor_tokens_and_confidences_depend_only_on_request_member_and_p
     m = one.execute(StepPlan(batches=[MemberBatch("m", [chunk("sysA-x", 5, 1, generated=0)])]))
     assert m[0].top1_prob == 0.7
     assert one.execute(StepPlan(batches=[MemberBatch("s", [chunk("sysA-x", 0, 5, sample=False)])])) == []
+    # the running CRC gives what the whole "key:position" string gives (the token stream every system shares)
+    assert [one.token_id("x", p) for p in (0, 4, 1000)] == [3 + zlib.crc32(f"x:{p}".encode()) % 47 for p in (0, 4, 1000)]
+    one.release(["sysA-x"])
+    assert one.request_keys == {} and one._key_crc == {} and one.token_id("x", 4) == a[0].token_id
 
 
 def test_confidence_library_prefers_the_requests_own_recorded_sequence():
@@ -259,6 +264,37 @@ def test_one_session_timeline_is_exactly_the_fake_costs():
     assert run.num_steps == 5 and run.duration_s == pytest.approx(second.finish_s)
     assert first.members == second.members == ["tiny-s"]
     assert run.counters["requests"]["tiny-s"]["finished"] == 2
+
+
+def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
+    """The replay runs without automatic full collections (driver._no_full_collections): sound only if what its
+    steps and requests create is freed by reference counting alone. With the collector off, nothing of the
+    replay's per-step and per-request objects may be left for it to find (the nodes' own assembly may hold
+    cycles: one per node, whatever the trace)."""
+    import gc
+
+    from eval.metrics_calc import RequestRecord
+    from eval.workloads import Session, Turn
+    from orchestrator.core.types import RequestOutput, StepPlan
+
+    turns = [(PROMPT, 3, 0.0), (PROMPT + list(range(30, 40)), 2, 2.0)]
+    too_long = list(range(3, 3 + 1100))                                 # a refusal (an exception) as well
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.disable()
+    try:
+        run = run_nodes(trace_of([turns] * 6 + [[(too_long, 2, 0.0), (PROMPT, 2, 1.0)]], [0.5 * i for i in range(7)]))
+        assert len(run.records) == 14 and gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+        del run
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage
+                if isinstance(o, (RequestRecord, Session, Turn, RequestOutput, StepPlan, SeqChunk))]
+        assert left == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
 
 
 def test_a_refused_request_is_recorded_and_the_session_goes_on():

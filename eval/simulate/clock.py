@@ -8,7 +8,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 
 class VirtualClock:
@@ -28,36 +27,32 @@ class VirtualClock:
         self.now_s = time_s
 
 
-@dataclass(order=True, slots=True)
-class _Event:
-    time_s: float
-    seq: int
-    action: Callable[[], None] = field(compare=False)
-
-
 class EventQueue:
     """A min-heap of (time, action); run() pops in time order, advancing the clock to each event."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
-        self._heap: list[_Event] = []
+        # (time_s, push sequence number, action): plain tuples compare in C (the sequence number is unique, so
+        # the action is never compared); the heap is pushed and popped for every simulated step.
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.num_events = 0
 
     def push(self, time_s: float, action: Callable[[], None]) -> None:
         if time_s < self.clock.now_s:
             raise ValueError(f"event scheduled in the past: {time_s} < {self.clock.now_s}")
-        heapq.heappush(self._heap, _Event(time_s, next(self._seq), action))
+        heapq.heappush(self._heap, (time_s, next(self._seq), action))
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def run(self, until_s: float | None = None) -> None:
         """Runs events in order until none is left (or the next is later than until_s)."""
-        while self._heap:
-            if until_s is not None and self._heap[0].time_s > until_s:
+        heap, clock, pop = self._heap, self.clock, heapq.heappop
+        while heap:
+            if until_s is not None and heap[0][0] > until_s:
                 return
-            event = heapq.heappop(self._heap)
-            self.clock.advance_to(event.time_s)
+            time_s, _, action = pop(heap)
+            clock.advance_to(time_s)
             self.num_events += 1
-            event.action()
+            action()

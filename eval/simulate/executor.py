@@ -34,6 +34,7 @@ class SimExecutor:
         self.members_in_parallel = members_in_parallel
         self.request_keys = request_keys if request_keys is not None else {}
         self._zero_page = bytes(page_bytes)
+        self._key_crc: dict[str, int] = {}      # request key -> CRC-32 of its bytes (the token stream's prefix)
         self._copy_bytes = 0
         self.last_step_s = 0.0
         self.num_steps = 0
@@ -43,7 +44,12 @@ class SimExecutor:
         return self.request_keys.get(request_id, request_id)
 
     def token_id(self, key: str, position: int) -> int:
-        return FIRST_TOKEN_ID + zlib.crc32(f"{key}:{position}".encode()) % (self.vocab_size - FIRST_TOKEN_ID)
+        """FIRST_TOKEN_ID + crc32(f"{key}:{position}") mod the rest of the vocabulary. The CRC runs on: the key's
+        part is computed once per request, then continued over ":position" (the same value as over the whole)."""
+        seed = self._key_crc.get(key)
+        if seed is None:
+            seed = self._key_crc[key] = zlib.crc32(key.encode())
+        return FIRST_TOKEN_ID + zlib.crc32(b":%d" % position, seed) % (self.vocab_size - FIRST_TOKEN_ID)
 
     def step_s(self, plan: StepPlan) -> float:
         """What the plan costs (also the tier copies made since the last step)."""
@@ -58,15 +64,17 @@ class SimExecutor:
         self.num_steps += 1
         self.busy_s += self.last_step_s
         out = []
+        keys, value, token_id = self.request_keys, self.confidences.value, self.token_id
         for batch in plan.batches:
+            member = batch.member
             for chunk in batch.chunks:
                 if not chunk.sample:
                     continue
-                key = self.key_of(chunk.request_id)
+                request_id = chunk.request_id
+                key = keys.get(request_id, request_id)
                 position = chunk.num_generated
-                p = self.confidences.value(key, batch.member, position)
-                out.append(SampledToken(request_id=chunk.request_id, token_id=self.token_id(key, position),
-                                        logprob=_log(p), top1_prob=p))
+                p = value(key, member, position)
+                out.append(SampledToken(request_id, token_id(key, position), _log(p), p))
         return out
 
     def read_page(self, page: PageId) -> bytes:
@@ -78,7 +86,8 @@ class SimExecutor:
 
     def release(self, request_ids: Sequence[RequestId]) -> None:
         for request_id in request_ids:
-            self.request_keys.pop(request_id, None)
+            key = self.request_keys.pop(request_id, None)
+            self._key_crc.pop(key if key is not None else request_id, None)
 
 
 def _log(p: float) -> float:

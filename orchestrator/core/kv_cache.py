@@ -150,8 +150,12 @@ class KVCacheManager:
     def _block_tier(self, lineages, block_hash: bytes) -> Tier | None:
         """The slowest tier any page of this block lives in, or None if one is missing."""
         slowest = Tier.ARENA
+        lookup = self.pool.lookup
         for lineage in lineages:
-            tier = self._locate(PageKey(lineage, block_hash))
+            key = PageKey(lineage, block_hash)
+            if lookup(key) is not None:
+                continue            # in the arena: the fastest tier (what _locate says first)
+            tier = self.tiers.locate(key) if self.tiers is not None else None
             if tier is None:
                 return None
             if tier is Tier.DISK or (tier is Tier.HOST and slowest is Tier.ARENA):
@@ -229,13 +233,7 @@ class KVCacheManager:
     def _pin_arena_hits(self, member: str, slots: list[_Slot]) -> list[PageId | None]:
         """Acquires every slot's page already in the arena (first, so allocating fresh pages cannot evict
         them); None where the slot needs a fresh page."""
-        pages: list[PageId | None] = []
-        for _, _, _, key in slots:
-            page = self.pool.lookup(key) if key is not None else None
-            if page is not None:
-                self.pool.acquire(page, member)
-            pages.append(page)
-        return pages
+        return self.pool.acquire_keys([slot[3] for slot in slots], member)
 
     def _fill_tables(self, member: str, slots: list[_Slot],
                      pages: list[PageId | None]) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]]:
@@ -296,8 +294,9 @@ class KVCacheManager:
             return              # nothing newly full (every decode step but one per block)
         spec = self.family.member(seq.member)
         for block in range(seq.num_registered_blocks, full):
-            for layer, lineage in enumerate(spec.layer_lineages):
-                self.pool.register(seq.block_tables[layer][block], PageKey(lineage, hashes[block]))
+            block_hash = hashes[block]
+            self.pool.register_pages([table[block] for table in seq.block_tables],
+                                     [PageKey(lineage, block_hash) for lineage in spec.layer_lineages])
             if seq.residual_out is not None:
                 self.pool.register(seq.residual_out[block], PageKey(spec.residual_lineage(), hashes[block]))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)

@@ -33,6 +33,13 @@ class PoolDemand:
         self.ratio = NewTokenRatio(config.scheduler)
         self._cache: dict[str | None, int] = {}   # partition -> reserved_pages; cleared on every change
         self._demands: dict[str | None, list[RunningDemand]] = {}   # partition -> running demands; likewise
+        # member -> (tokens per block, pages per block, context tokens): the layout's numbers, read per running
+        # request on every arrival and admission (kv.pages_for_tokens through three calls cost more than the sums)
+        self._geometry = {m.name: (kv.tokens_per_block(m.name), kv.pages_per_block(m.name), m.context_tokens)
+                          for m in family.members}
+        # member -> pages_for_tokens(member, n) as one expression (KVLayout.pages_for_tokens: the context cap, then
+        # whole blocks of pages_per_block pages); tests/test_scheduler_load.py checks it against the layout's.
+        self._pages_for = {name: _pages_rule(*geometry) for name, geometry in self._geometry.items()}
 
     def clear(self) -> None:
         """The running set or a request's pages changed: reservations must be recomputed."""
@@ -49,9 +56,9 @@ class PoolDemand:
         """Pages a running request will still allocate for its expected decode."""
         if seq.kv is None:
             return 0
-        context = self.family.member(seq.member).context_tokens
+        _, per_block, context = self._geometry[seq.member]
         final = expected_final_tokens(seq, self.ratio.value, context)
-        return max(0, self.kv.pages_for_tokens(seq.member, final) - seq.kv.num_blocks * self.kv.pages_per_block(seq.member))
+        return max(0, self._pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
 
     def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
         """Pages reserved for the running requests' remaining decode in `member`'s pool (0 in block mode).
@@ -76,17 +83,18 @@ class PoolDemand:
                 return cached
         constant, profiles = 0, []
         slack = self.kv.tokens_per_block(member) if self.config.scheduler.preallocate_blocks else 1
+        partitioned = self._partitioned
         for seq in self._running.values():
-            if not self.in_partition(seq, member):
+            if partitioned and seq.member != member:
                 continue
             if mode == "peak" and seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
-                context = self.family.member(seq.member).context_tokens
+                _, per_block, context = self._geometry[seq.member]
                 final = expected_final_tokens(seq, 1.0, context)
-                held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
+                held = len(seq.kv.block_tables[0]) * per_block
                 pages = seq.kv.all_pages()
                 private = self.pool.num_private(pages) - (sum(1 for p in pages if p in claimed) if claimed else 0)
                 profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
-                                               lambda n, m=seq.member: self.kv.pages_for_tokens(m, n), slack))
+                                               self._pages_for[seq.member], slack))
             else:
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)
@@ -106,15 +114,25 @@ class PoolDemand:
         if cached is not None:
             return cached
         total = 0
+        partitioned = self._partitioned
+        geometry, pages_for = self._geometry, self._pages_for
         for seq in self._running.values():
-            if not self.in_partition(seq, member):
+            if partitioned and seq.member != member:
                 continue
-            if mode == "peak" and seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
-                final = expected_final_tokens(seq, 1.0, self.family.member(seq.member).context_tokens)
-                held = seq.kv.num_blocks * self.kv.pages_per_block(seq.member)
-                total += max(0, self.kv.pages_for_tokens(seq.member, final) - held)
+            kv = seq.kv
+            if kv is None:
+                continue            # future_pages: nothing
+            sampling = seq.request.sampling
+            n = len(seq.token_ids)
+            if sampling.ignore_eos or sampling.min_tokens >= sampling.max_tokens:    # is_length_fixed
+                if seq.is_warmup:
+                    final = n       # expected_final_tokens of a warm-up: what it holds (either ratio)
+                else:
+                    # expected_final_tokens at ratio 1.0 (peak) or any ratio (a fixed length ignores it)
+                    final = min(geometry[seq.member][2], n + max(0, sampling.max_tokens - (n - seq.num_prompt_tokens)))
+                total += max(0, pages_for[seq.member](final) - len(kv.block_tables[0]) * geometry[seq.member][1])
             else:
-                total += self.future_pages(seq)
+                total += self.future_pages(seq)      # open length: its expected rest, in either branch
         return total
 
     def demand_pages(self, seq: Sequence) -> int:
@@ -146,11 +164,7 @@ class PoolDemand:
         available = self.pool.num_available_pages(member) - reserved
         demands = self._demands.get(self.partition_of(member))
         if demands is None:     # the same for every member of a partition and every arrival until the next change
-            demands = self._demands[self.partition_of(member)] = [
-                RunningDemand(s.kv.num_blocks * self.kv.pages_per_block(s.member), self.future_pages(s),
-                              max(0, expected_final_tokens(s, self.ratio.value, context_tokens=self.family.member(s.member).context_tokens)
-                                  - len(s.token_ids)) + 1)
-                for s in self._running.values() if s.kv is not None and self.in_partition(s, member)]
+            demands = self._demands[self.partition_of(member)] = self._running_demands(member)
         steps = steps_until_fit(need, available, demands)
         if steps is None:
             steps = max((d.remaining_steps for d in demands), default=0)
@@ -159,3 +173,26 @@ class PoolDemand:
         delay_s = steps * step_s
         return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token,
                 "step_s": step_s}
+
+    def _running_demands(self, member: str) -> list[RunningDemand]:
+        """RunningDemand of each running request holding pages in `member`'s partition: the pages it holds, its
+        future_pages and its expected remaining steps, from one expected_final_tokens per request."""
+        ratio, geometry, pages_for = self.ratio.value, self._geometry, self._pages_for
+        partitioned = self._partitioned
+        demands = []
+        for s in self._running.values():
+            if s.kv is None or (partitioned and s.member != member):
+                continue
+            _, per_block, context = geometry[s.member]
+            final = expected_final_tokens(s, ratio, context)
+            held = len(s.kv.block_tables[0]) * per_block
+            demands.append(RunningDemand(held, max(0, pages_for[s.member](final) - held),
+                                         max(0, final - len(s.token_ids)) + 1))
+        return demands
+
+
+def _pages_rule(tokens_per_block: int, pages_per_block: int, context_tokens: int):
+    """KVLayout.pages_for_tokens for one member, as a closure over its numbers."""
+    def pages_for(num_tokens: int) -> int:
+        return -(-min(num_tokens, context_tokens) // tokens_per_block) * pages_per_block
+    return pages_for

@@ -275,8 +275,14 @@ class Scheduler:
         victims are taken in scheduler.victim_order from the same pool (slice, under a static split).
         Returns whether anything was preempted."""
         preempted = False
-        for seq in list(self._running.values()):
-            if seq.request_id not in self._running or not seq.is_decoding():
+        running = self._running
+        for seq in list(running.values()):
+            kv = seq.kv
+            n = len(seq.token_ids)
+            if (kv is not None and seq.num_computed_tokens == n - 1 and n > seq.num_prompt_tokens
+                    and -(-(n + 1) // kv.tokens_per_block) <= len(kv.block_tables[0])):
+                continue   # decoding, and its tables already cover the next token (and the one after): grow() is a no-op
+            if seq.request_id not in running or not seq.is_decoding():
                 continue
             if self.config.scheduler.preallocate_blocks and self.kv.grow(seq.kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
@@ -461,8 +467,8 @@ class Scheduler:
         batches: dict[str, list[SeqChunk]] = {}
         prefills = []
         for seq in self._running.values():
-            if seq.is_decoding():
-                pos = len(seq.token_ids) - 1
+            pos = len(seq.token_ids) - 1
+            if seq.num_computed_tokens == pos and pos >= seq.num_prompt_tokens:     # seq.is_decoding()
                 batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True))
                 budget -= 1
             else:
@@ -518,30 +524,41 @@ class Scheduler:
             self.demand.clear()
 
     def _update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
+        running = self._running
         for batch in plan.batches:
             for chunk in batch.chunks:
-                seq = self._running.get(chunk.request_id)
+                seq = running.get(chunk.request_id)
                 if seq is None:
                     continue
-                seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.start_pos + len(chunk.token_ids))
-                self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
+                computed = chunk.start_pos + len(chunk.token_ids)
+                if computed > seq.num_computed_tokens:
+                    seq.num_computed_tokens = computed
+                kv = seq.kv
+                # register_full_blocks has nothing to do unless a block became full (once per block per request)
+                if min(len(seq.hashes), seq.num_computed_tokens // kv.tokens_per_block) > kv.num_registered_blocks:
+                    self.kv.register_full_blocks(kv, seq.hashes, seq.num_computed_tokens)
                 if seq.is_warmup and seq.num_computed_tokens >= len(seq.token_ids):
                     self._finish(seq, now_s, outcome=None)
         outputs: list[RequestOutput] = []
+        generated: dict[str, int] = {}          # member -> tokens this step: one stats call per member, not per token
         for token in sampled:
-            seq = self._running.get(token.request_id)
+            seq = running.get(token.request_id)
             if seq is None:
                 continue
+            generated[seq.member] = generated.get(seq.member, 0) + 1
             output = self._append_token(seq, token, now_s)
             if output is not None:
                 outputs.append(output)
+        for member, n in generated.items():
+            self.stats.on_tokens(member, generated_tokens=n)
         return outputs
 
     def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
+        """One sampled token into its request (the caller counts it in the stats)."""
         seq.append_token(token.token_id, token.logprob, token.top_logprobs)
-        if len(seq.hashes) * self.kv.tokens_per_block(seq.member) + self.kv.tokens_per_block(seq.member) <= len(seq.token_ids):
+        block_tokens = self.kv.tokens_per_block(seq.member)
+        if (len(seq.hashes) + 1) * block_tokens <= len(seq.token_ids):
             seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
-        self.stats.on_tokens(seq.member, generated_tokens=1)
         reason = seq.stop_reason(token.token_id, self._eos[seq.member], self.family.member(seq.member).context_tokens)
         if reason is not None:
             seq.finish_reason = reason

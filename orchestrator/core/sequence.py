@@ -32,7 +32,8 @@ class Sequence:
     spans: list[MemberSpan] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple] = field(default_factory=list)
-    num_emitted_tokens: int = 0
+    num_emitted_tokens: int = 0                # generated tokens released to the client (never rolled back)
+    num_delivered_tokens: int = 0              # of those, the ones in an output built so far
     num_cached_prompt_tokens: int | None = None
     admit_order: int = 0
     is_warmup: bool = False
@@ -55,7 +56,8 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def is_decoding(self) -> bool:
-        return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_generated > 0
+        n = len(self.token_ids)
+        return self.num_computed_tokens == n - 1 and n > self.num_prompt_tokens
 
     # ------------------------------------------------------------------ token rules (every engine's)
     # The scheduler (local engine) and TritonServing (members behind Triton) both go through these, so a
@@ -65,10 +67,11 @@ class Sequence:
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         self.top_logprobs.append(top_logprobs)
-        if self.spans and self.spans[-1].member == self.member:
-            self.spans[-1] = MemberSpan(self.member, self.spans[-1].num_tokens + 1)
+        spans, member = self.spans, self.member
+        if spans and spans[-1].member == member:
+            spans[-1] = MemberSpan(member, spans[-1].num_tokens + 1)
         else:
-            self.spans.append(MemberSpan(self.member, 1))
+            spans.append(MemberSpan(member, 1))
 
     def stop_reason(self, token_id: int, eos_token_ids: Collection[int], context_tokens: int) -> FinishReason | None:
         """Why the request ends after token_id (just appended), or None: a stop token or EOS once min_tokens
@@ -108,9 +111,12 @@ class Sequence:
         end = self.num_generated if final else max(self.num_emitted_tokens, self.num_generated - holdback_tokens)
         if end <= self.num_emitted_tokens and not final:
             return None
-        begin = self.num_emitted_tokens
-        offset = self.num_prompt_tokens
         self.num_emitted_tokens = end
+        begin = self.num_delivered_tokens
+        if begin > 0 and not final and not self.request.intermediate_outputs:
+            return None     # emitted, delivered with the final output (Request.intermediate_outputs)
+        offset = self.num_prompt_tokens
+        self.num_delivered_tokens = end
         return RequestOutput(
             request_id=self.request_id, new_token_ids=self.token_ids[offset + begin:offset + end],
             new_logprobs=self.logprobs[begin:end], new_top_logprobs=self.top_logprobs[begin:end],

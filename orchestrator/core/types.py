@@ -85,6 +85,11 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0                         # lower runs first; FCFS within a priority
     complexity_hint: float | None = None      # eval may pass a known difficulty; None = estimate
+    # False: the core builds only the request's first output and its final one; the tokens in between are
+    # emitted on time (a rollback can no longer drop them) but reach the caller with the final output. For a
+    # caller that reads nothing else (mfs simulate: a record needs the first token's time and the whole reply),
+    # it saves an output object per generated token.
+    intermediate_outputs: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +152,9 @@ class StepPlan:
         return not self.batches and not self.page_saves and not self.page_loads
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    """What the engine returns for a chunk with sample=True."""
+class SampledToken(NamedTuple):
+    """What the engine returns for a chunk with sample=True. A tuple, as PageKey: one is made per generated
+    token, and a tuple is built in C (a frozen dataclass's __init__ sets each field through Python)."""
 
     request_id: RequestId
     token_id: int
@@ -159,9 +164,8 @@ class SampledToken:
 
 
 # ----------------------------------------------------------------------------- results (core -> edge)
-@dataclass(frozen=True, slots=True)
-class MemberSpan:
-    """Which member produced which generated tokens."""
+class MemberSpan(NamedTuple):
+    """Which member produced which generated tokens (a tuple: a request's last span is rebuilt per token)."""
 
     member: MemberName
     num_tokens: int
