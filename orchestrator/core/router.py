@@ -91,8 +91,9 @@ class Router:
     there) moves to the largest smaller member that is neither saturated nor expected to wait that long,
     and (busy rule) whose complexity band ends at most config.downgrade_max_gap below the request's
     complexity: the quality guard. With config.downgrade_max_escalation_rate, a smaller member whose recent
-    escalation rate is above it is no downgrade target (a request sent there would likely escalate back
-    out: two prefills and a second wait instead of one), for both rules.
+    escalation rate is above it is no target of a downgrade that avoids a wait (saturated, or expected delay):
+    a request sent there would likely escalate back out and wait anyway, after two prefills. The running-count
+    rule alone (a busy, not a slow, winner) ignores it.
     """
 
     __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus")
@@ -238,14 +239,18 @@ class Router:
         config, names = self.config, self._names
         winner = loads.get(names[winner_index], _IDLE)
         busy = config.downgrade_running is not None and winner.num_running >= config.downgrade_running
-        if not busy and winner.expected_delay_s < self._trigger_s(winner, decode_tokens):
+        slow = winner.expected_delay_s >= self._trigger_s(winner, decode_tokens)
+        if not busy and not slow:
             return None
         for index in range(winner_index - 1, -1, -1):
             band_top = self._thresholds[index] if index < len(self._thresholds) else 1.0
             if complexity - band_top > config.downgrade_max_gap:
                 return None          # smaller ones are further below: the guard only tightens
             load = loads.get(names[index], _IDLE)
-            if load.expected_delay_s < self._trigger_s(load, decode_tokens) and self._stays(load):
+            # The escalation guard is for downgrades that avoid a wait: a request that escalates back waits
+            # for the larger member anyway. One that avoids the busy member's step (running count) keeps
+            # the tokens it made on the smaller member when it escalates, so it is not held back.
+            if load.expected_delay_s < self._trigger_s(load, decode_tokens) and (not slow or self._stays(load)):
                 return index
         return None
 
