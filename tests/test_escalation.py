@@ -116,3 +116,17 @@ def test_warmup_band_is_half_open_and_respects_switches():
     assert [in_warmup_band(config, c) for c in (0.29, 0.3, 0.35, 0.4)] == [False, True, True, False]
     assert not in_warmup_band(EscalationConfig(warmup=False), 0.35)
     assert not in_warmup_band(EscalationConfig(enabled=False), 0.35)
+
+
+def test_escalation_rates_running_mean_then_exponential_average():
+    from orchestrator.core.escalation import EscalationRates
+    rates = EscalationRates(window=4)
+    assert rates.rate("s") == 0.0                               # nothing known yet
+    for escalated in (True, False, True):
+        rates.record("s", escalated)
+    assert rates.rate("s") == pytest.approx(2 / 3)              # the plain mean of the first outcomes
+    rates.record("s", True)
+    assert rates.rate("s") == pytest.approx(0.75)
+    rates.record("s", False)                                    # from the window on: weight 1/4
+    assert rates.rate("s") == pytest.approx(0.75 - 0.75 / 4)
+    assert rates.rate("m") == 0.0

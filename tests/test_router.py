@@ -282,3 +282,32 @@ def test_session_affinity_remembers_the_last_member_and_forgets_the_least_recent
     sessions.record("c", "tiny-s")          # over the bound: b (least recent) goes
     assert (sessions.get("a"), sessions.get("b"), sessions.get("c")) == ("tiny-l", None, "tiny-s")
     assert len(sessions) == 2
+
+
+def test_downgrade_skips_a_member_that_escalates_too_many_of_its_requests():
+    # tiny-l is busy (2 running, downgrade_running 2); tiny-m is within the gap. With the escalation guard at
+    # 0.5, tiny-m is a target only while at most half of its recent requests escalated out of it.
+    router = Router(FAMILY, RouterConfig(downgrade_running=2, downgrade_max_escalation_rate=0.5))
+    trigger = router.config.downgrade_delay_s
+
+    def loads(rate_m, running_l=1, delay_l=trigger):
+        return {"tiny-s": IDLE, "tiny-m": MemberLoad(1, 0, 10, 0, escalation_rate=rate_m),
+                "tiny-l": MemberLoad(running_l, 0, 100, 0, expected_delay_s=delay_l)}
+    assert _route(router, _request(500), 0.75, loads=loads(0.5)).member == "tiny-m"
+    kept = _route(router, _request(500), 0.75, loads=loads(0.51))
+    assert kept.member == "tiny-l" and kept.downgraded_from is None
+    # A busy (2 running) but not slow winner: the running-count rule ignores the escalation guard.
+    assert _route(router, _request(500), 0.75, loads=loads(0.9, running_l=2, delay_l=0.0)).member == "tiny-m"
+    # Busy and slow: the wait is a reason, so the guard applies.
+    assert _route(router, _request(500), 0.75, loads=loads(0.9, running_l=2)).member == "tiny-l"
+    # The saturation rule (no quality guard) skips it too and goes on to the next smaller member.
+    full = router.config.load_saturation_tokens
+    saturated = {"tiny-s": IDLE, "tiny-m": MemberLoad(1, 0, 10, 0, escalation_rate=0.9),
+                 "tiny-l": MemberLoad(8, 4, full, 100)}
+    assert _route(router, _request(500), 0.9, loads=saturated).member == "tiny-s"
+    worse = {**saturated, "tiny-s": MemberLoad(0, 0, 0, 0, escalation_rate=0.6)}
+    assert _route(router, _request(500), 0.9, loads=worse).member == "tiny-l"
+    # Off (the default): the rate is ignored.
+    assert RouterConfig().downgrade_max_escalation_rate is None
+    assert _route(Router(FAMILY, RouterConfig(downgrade_running=2)), _request(500), 0.75,
+                  loads=loads(1.0)).member == "tiny-m"

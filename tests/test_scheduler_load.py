@@ -347,3 +347,80 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
             held = pages(now + rng.choice([0, 1, slack]))
             profiles.append(decode_profile(final - now + 1, now, final, held, rng.randint(0, held), pages, slack))
         assert peak_growth(profiles) == every_candidate(profiles)
+
+
+def _floor_run(floor_share, small_prompt=PROMPT[:8], small_member="s", small_max_tokens=8):
+    """A long l request ("hog", 140 tokens = 210 pages of 256) runs; a second l request ("aged", 60 pages)
+    cannot fit beside it and ages past scheduler.aging_steps (its pages held); at step 80 a small request
+    arrives that fits in the 46 free pages but not beside the aged request's held pages."""
+    h = Harness(**{"scheduler.member_floor_share": floor_share, "escalation.enabled": False})
+    h.submit("hog", [3] * 20, max_tokens=120, pinned_member=MemberName("l"))
+    h.step()
+    h.submit("aged", [4] * 20, max_tokens=20, pinned_member=MemberName("l"))
+    for step in range(2, 400):
+        if step == 80:
+            h.submit("small", small_prompt, max_tokens=small_max_tokens, pinned_member=MemberName(small_member))
+        h.step()
+        if not h.scheduler.has_work():
+            break
+    return h
+
+
+def test_member_floor_lets_a_small_member_past_another_members_aged_hold():
+    off = _floor_run(None)
+    on = _floor_run(0.25)
+    hog_done = _admitted_step(off, "aged")
+    # Without a floor the aged l request's held pages block the small member until the hog ends.
+    assert _admitted_step(off, "small") == hog_done == 122
+    # With a floor of a quarter of the pool (64 pages), s holds nothing and needs 8: admitted on arrival,
+    # beside the hog's reservation; the aged request is not delayed by it (it waits for the hog either way).
+    assert _admitted_step(on, "small") == 80
+    assert _admitted_step(on, "aged") == hog_done
+    for h in (off, on):
+        counters = h.scheduler.snapshot(h.now)["counters"]
+        assert counters["preemptions"] == 0
+        assert [(e.request_id) for e in h.scheduler.events.recent() if e.kind is EventKind.HOLD] == ["aged"]
+
+
+def test_member_floor_does_not_apply_above_the_floor_or_to_a_static_split():
+    # A small-member request needing more than its floor (16 pages of 256 at 0.0625) is an ordinary request.
+    assert _admitted_step(_floor_run(0.0625, small_prompt=[6] * 40, small_max_tokens=8), "small") == 122
+    h = Harness(**{"scheduler.member_floor_share": 0.25, "pool.static_split": {"s": 0.25, "m": 0.25, "l": 0.5}})
+    assert h.scheduler._floor_usage() is None
+
+
+def test_member_floor_holds_an_under_floor_head_against_members_over_their_floor():
+    # The hog (l, 210 pages) runs; an m request under m's floor (64 pages) needs 60 pages, more than the 46
+    # free: its pages are held. A small l request arriving after it would fit in the free pages: without a
+    # floor it is admitted at once (per-member head-of-line bypass), with one it waits behind the m head.
+    def run(floor_share):
+        h = Harness(**{"scheduler.member_floor_share": floor_share, "escalation.enabled": False,
+                       "scheduler.aging_steps": None})
+        h.submit("hog", [3] * 20, max_tokens=120, pinned_member=MemberName("l"))
+        h.step()
+        h.submit("m-head", [4] * 40, max_tokens=20, pinned_member=MemberName("m"))     # 15 blocks x 4 pages
+        h.step()
+        h.submit("l-late", [5] * 8, max_tokens=4, pinned_member=MemberName("l"))       # 3 blocks x 6 pages
+        h.run(1000)
+        return h
+    off, on = run(None), run(0.25)
+    assert _admitted_step(off, "l-late") == 3 and _admitted_step(off, "m-head") == 122
+    assert _admitted_step(on, "m-head") == 122 and _admitted_step(on, "l-late") == 122
+    assert on.scheduler.snapshot(on.now)["counters"]["preemptions"] == 0
+
+
+def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
+    # Every s request escalates (low confidence on s); m requests finish there. Pinned requests cannot
+    # escalate and count for nothing.
+    h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                          "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+    h.submit("e1", PROMPT, max_tokens=12)
+    h.submit("pinned", [7] + PROMPT, max_tokens=12, pinned_member=MemberName("s"))
+    h.run(2000)
+    loads = h.scheduler.loads()
+    assert [s.member for s in h.final("e1").spans][:2] == ["s", "m"]
+    assert loads["s"].escalation_rate == 1.0 and loads["m"].escalation_rate == 0.0   # e1 finished on m
+    h.submit("e2", [8] + PROMPT, max_tokens=12)
+    h.run(2000)
+    assert h.scheduler.loads()["s"].escalation_rate == 1.0
+    assert h.scheduler.loads()["m"].escalation_rate == 0.0 and h.scheduler.escalation_rates._count == {"s": 2, "m": 2}

@@ -407,6 +407,9 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
     assert configs["mfs"].scheduler.max_running_requests == 3 * per_engine
     assert configs["baseline"].scheduler.independent_deployments
     assert configs["baseline"].scheduler.max_running_requests == per_engine     # per deployment (DeploymentsScheduler)
+    # GPU families: no wait-avoiding downgrade into a member that escalates most of its requests back out
+    assert configs["mfs"].router.downgrade_max_escalation_rate == 0.5
+    assert not configs["baseline"].router.use_load          # the baseline never downgrades
 
 
 def _tokenizer():

@@ -26,9 +26,12 @@ FITTED_MODEL = TABLES_DIR / "tiny_fitted.json"           # fitted to the validat
 # router.load_saturation_tokens: the default (4096) is a few tiny-family requests; on a GPU a member holds
 # hundreds of multi-thousand-token sequences before it saturates (256 running x 512 tokens).
 # router.downgrade_running: 2 running requests is a busy member on the CPU, an idle one on a GPU.
+# router.downgrade_max_escalation_rate: at paper scale the wait-avoiding downgrades (token saturation) sent many
+# requests into members that escalated them back out (docs/BENCHMARKS.md section 9, "Paper scale past the knee").
 GPU_SCHEDULER = {"scheduler.max_running_requests": 256, "scheduler.max_batch_tokens": 8192,
                  "scheduler.prefill_chunk_tokens": 2048, "scheduler.max_queue": 4096, "engine.dtype": "bfloat16",
-                 "router.load_saturation_tokens": 131072, "router.downgrade_running": None}
+                 "router.load_saturation_tokens": 131072, "router.downgrade_running": None,
+                 "router.downgrade_max_escalation_rate": 0.5}
 SOLO_DECODE_CONTEXT = 64        # the bench's decode probe: a 4-token prompt, up to 48 generated tokens
 
 

@@ -57,6 +57,7 @@ class SchedulerConfig:
     victim_order: str = "priority_progress"   # priority_progress | youngest (pre-issue-13)
     swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
+    member_floor_share: float | None = None   # share of the pool each member's admissions can always get (shared pool)
     # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
     # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
     # orchestrator/core/deployments.py
@@ -95,6 +96,7 @@ class RouterConfig:
     downgrade_max_gap: float = 0.15       # quality guard: complexity at most this far above the smaller band
     downgrade_delay_fraction: float | None = None  # also trigger at this share of the request's decode time
     downgrade_running: int | None = 2     # also trigger when the winner already runs this many requests (CPU-sized)
+    downgrade_max_escalation_rate: float | None = None  # no downgrade into a member escalating more of its requests
 
 
 @dataclass(slots=True)
@@ -167,10 +169,14 @@ class MFSConfig:
                f"must be priority_progress or youngest, got {sched.victim_order!r}")
         _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
                "scheduler.decode_step_token_budget", "must be positive or null")
+        _check(sched.member_floor_share is None or 0 < sched.member_floor_share <= 1, "scheduler.member_floor_share",
+               "must be in (0, 1] or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
         _check(self.router.downgrade_max_gap >= 0, "router.downgrade_max_gap", "must be >= 0")
         _check(self.router.downgrade_delay_fraction is None or self.router.downgrade_delay_fraction > 0,
                "router.downgrade_delay_fraction", "must be > 0 or null")
+        _check(self.router.downgrade_max_escalation_rate is None or 0 <= self.router.downgrade_max_escalation_rate <= 1,
+               "router.downgrade_max_escalation_rate", "must be in [0, 1] or null")
         _check(self.router.downgrade_running is None or self.router.downgrade_running >= 1,
                "router.downgrade_running", "must be >= 1 or null")
         _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,

@@ -125,3 +125,27 @@ def in_warmup_band(config: EscalationConfig, complexity: float) -> bool:
         return False
     low, high = config.warmup_band
     return low <= complexity < high
+
+
+class EscalationRates:
+    """Per member, the recent share of requests that left it by escalation (1) rather than finishing there
+    (0): the router's estimate of how likely a request downgraded into that member is to escalate back out
+    (two prefills and a second wait instead of one). A running mean over the first `window` outcomes, then
+    an exponential average with weight 1/window, so it follows the traffic without a clock."""
+
+    __slots__ = ("window", "_rate", "_count")
+
+    def __init__(self, window: int = 32) -> None:
+        self.window = window
+        self._rate: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def record(self, member: str, escalated: bool) -> None:
+        count = self._count.get(member, 0) + 1
+        self._count[member] = count
+        rate = self._rate.get(member, 0.0)
+        self._rate[member] = rate + (float(escalated) - rate) / min(count, self.window)
+
+    def rate(self, member: str) -> float:
+        """0 until the member has an outcome (nothing known: a downgrade there is not held back)."""
+        return self._rate.get(member, 0.0)

@@ -25,6 +25,7 @@ class MemberLoad:
     pool_pressure: float = 0.0      # share of its pool's pages held or reserved by running requests
     pages_per_token: float = 0.0    # KV pages one token costs on this member
     step_s: float = 0.0             # measured time of one busy engine step (the scheduler's EMA); 0 = unknown
+    escalation_rate: float = 0.0    # recent share of its requests that escalated out (EscalationRates)
 
     @property
     def total_tokens(self) -> int:
@@ -89,7 +90,10 @@ class Router:
     config.downgrade_delay_s, or that share config.downgrade_delay_fraction of the request's decode time
     there) moves to the largest smaller member that is neither saturated nor expected to wait that long,
     and (busy rule) whose complexity band ends at most config.downgrade_max_gap below the request's
-    complexity: the quality guard.
+    complexity: the quality guard. With config.downgrade_max_escalation_rate, a smaller member whose recent
+    escalation rate is above it is no target of a downgrade that avoids a wait (saturated, or expected delay):
+    a request sent there would likely escalate back out and wait anyway, after two prefills. The running-count
+    rule alone (a busy, not a slow, winner) ignores it.
     """
 
     __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus")
@@ -208,9 +212,15 @@ class Router:
         if loads.get(names[winner_index], _IDLE).total_tokens < saturation_tokens:
             return None
         for index in range(winner_index - 1, -1, -1):
-            if loads.get(names[index], _IDLE).total_tokens < saturation_tokens:
+            load = loads.get(names[index], _IDLE)
+            if load.total_tokens < saturation_tokens and self._stays(load):
                 return index
-        return None   # everyone is saturated: stay put, the queue absorbs it
+        return None   # everyone is saturated (or would send it back): stay put, the queue absorbs it
+
+    def _stays(self, load: MemberLoad) -> bool:
+        """Whether a request downgraded into this member is likely to stay there (escalation guard)."""
+        limit = self.config.downgrade_max_escalation_rate
+        return limit is None or load.escalation_rate <= limit
 
     def _trigger_s(self, load: MemberLoad, decode_tokens: int) -> float:
         """The expected wait at which a member counts as too slow for this request: downgrade_delay_s, or
@@ -229,14 +239,18 @@ class Router:
         config, names = self.config, self._names
         winner = loads.get(names[winner_index], _IDLE)
         busy = config.downgrade_running is not None and winner.num_running >= config.downgrade_running
-        if not busy and winner.expected_delay_s < self._trigger_s(winner, decode_tokens):
+        slow = winner.expected_delay_s >= self._trigger_s(winner, decode_tokens)
+        if not busy and not slow:
             return None
         for index in range(winner_index - 1, -1, -1):
             band_top = self._thresholds[index] if index < len(self._thresholds) else 1.0
             if complexity - band_top > config.downgrade_max_gap:
                 return None          # smaller ones are further below: the guard only tightens
             load = loads.get(names[index], _IDLE)
-            if load.expected_delay_s < self._trigger_s(load, decode_tokens):
+            # The escalation guard is for downgrades that avoid a wait: a request that escalates back waits
+            # for the larger member anyway. One that avoids the busy member's step (running count) keeps
+            # the tokens it made on the smaller member when it escalates, so it is not held back.
+            if load.expected_delay_s < self._trigger_s(load, decode_tokens) and (not slow or self._stays(load)):
                 return index
         return None
 

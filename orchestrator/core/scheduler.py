@@ -14,7 +14,8 @@ from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.demand import victim_key
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
-from orchestrator.core.escalation import ConfidenceMonitor, escalation_target, handover_target, in_warmup_band
+from orchestrator.core.escalation import (ConfidenceMonitor, EscalationRates, escalation_target, handover_target,
+                                          in_warmup_band)
 from orchestrator.core.events import EventKind, EventLog, Stats, pages_block
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
@@ -66,6 +67,7 @@ class Scheduler:
         self._victim_key = victim_key(config.scheduler.victim_order)
         self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
         self._last_busy_schedule_s: float | None = None
+        self.escalation_rates = EscalationRates()        # per member: how often its requests escalate out
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
@@ -155,7 +157,9 @@ class Scheduler:
         if request is not None:
             for name in running:
                 extra[name] = self.demand.delay_and_pressure(name, request, self._step_cost_s)
-        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1], **extra[n]) for n in running}
+        rates = self.escalation_rates
+        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1],
+                              escalation_rate=rates.rate(n), **extra[n]) for n in running}
 
     def reserved_pages(self, member: str) -> int:
         """Pages reserved for the running requests' remaining decode in `member`'s pool (pool_demand.py)."""
@@ -348,16 +352,54 @@ class Scheduler:
     def _admit(self, plan: StepPlan, now_s: float) -> None:
         """FCFS within a priority with per-member head-of-line blocking (one member's full pool never
         blocks another), except that a request waiting scheduler.aging_steps or longer has its pages
-        held: later requests in its pool are admitted only if they fit beside them (no starvation)."""
+        held: later requests in its pool are admitted only if they fit beside them (no starvation).
+        With scheduler.member_floor_share (shared pool only), a first pass admits the head of every member
+        whose running requests would stay within its floor with it: other members' aged requests do not hold
+        pages against it, and when it does not fit its pages are held against everyone after it."""
+        held: dict[str | None, int] = {}
+        blocked: set[str] = set()
+        holding: set[RequestId] = set()
+        floors = self._floor_usage()
+        if floors is not None:
+            self._admit_pass(plan, now_s, held, blocked, holding, floors)
+        self._admit_pass(plan, now_s, held, blocked, holding, None)
+        if not self._running and any(self._waiting.values()):
+            # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
+            for name in self.family.member_names:
+                self._release_pins(name, now_s)
+
+    def _floor_usage(self) -> dict[str, int] | None:
+        """Pages each member's running requests will hold at their expected end (member_floor_share's
+        measure), or None when floors are off or the pool is partitioned (a static split is its own floor)."""
+        if self.config.scheduler.member_floor_share is None or self.config.pool.static_split is not None:
+            return None
+        usage = dict.fromkeys(self.family.member_names, 0)
+        for seq in self._running.values():
+            if not seq.is_warmup:
+                usage[seq.member] += self.demand.demand_pages(seq)
+        return usage
+
+    def _under_floor(self, seq: Sequence, usage: dict[str, int]) -> bool:
+        floor = self.config.scheduler.member_floor_share * self._capacity_pages[seq.member]
+        return usage[seq.member] + self.demand.demand_pages(seq) <= floor
+
+    def _admit_pass(self, plan: StepPlan, now_s: float, held: dict[str | None, int], blocked: set[str],
+                    holding: set[RequestId], floors: dict[str, int] | None) -> None:
+        """One pass over the queues. floors given: the floor pass (only each member's head, only if under its
+        floor; a failed head holds its pages and blocks its member for the second pass too)."""
         max_running = self.config.scheduler.max_running_requests
         aging = self.config.scheduler.aging_steps
-        blocked: set[str] = set()
-        held: dict[str | None, int] = {}
+        seen: set[str] = set()          # floor pass: members whose head was looked at
         for priority in sorted(self._waiting):
             queue = self._waiting[priority]
             kept: deque[Sequence] = deque()
             while queue:
                 seq = queue.popleft()
+                if floors is not None:
+                    if seq.is_warmup or seq.member in seen or seq.member in blocked or not self._under_floor(seq, floors):
+                        seen.add(seq.member)   # per-member FCFS: a member's later requests wait for its head
+                        kept.append(seq)
+                        continue
                 part = self.demand.partition_of(seq.member)
                 if (len(self._running) >= max_running or seq.member in blocked
                         or not self._try_admit(seq, plan, now_s, held.get(part, 0))):
@@ -365,18 +407,18 @@ class Scheduler:
                         self._forget(seq)   # a warm-up that cannot run now is worthless later
                         continue
                     blocked.add(seq.member)
-                    if aging is not None and self._step - seq.enqueued_step >= aging:
+                    aged = aging is not None and self._step - seq.enqueued_step >= aging
+                    if (floors is not None or aged) and seq.request_id not in holding:
+                        holding.add(seq.request_id)     # a floor head is seen again in the second pass
                         held[part] = held.get(part, 0) + self.demand.demand_pages(seq)
-                        if not seq.held:
-                            seq.held = True
-                            self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
-                                             waited_steps=self._step - seq.enqueued_step)
+                    if aged and not seq.held:
+                        seq.held = True
+                        self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
+                                         waited_steps=self._step - seq.enqueued_step)
                     kept.append(seq)
+                elif floors is not None:
+                    floors[seq.member] += self.demand.demand_pages(seq)
             self._waiting[priority] = kept
-        if not self._running and any(self._waiting.values()):
-            # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
-            for name in self.family.member_names:
-                self._release_pins(name, now_s)
 
     def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
         if seq.is_warmup and self.loads()[seq.member].num_running:
@@ -593,6 +635,7 @@ class Scheduler:
         if not self._can_escalate(seq):
             seq.monitor = None
         self._enqueue(seq, front=True)
+        self.escalation_rates.record(source, escalated=True)
         self.stats.on_escalation(source, target)
         self.events.emit(EventKind.ESCALATE, now_s, seq.request_id, target, source=source,
                          num_generated=seq.num_generated)
@@ -621,6 +664,8 @@ class Scheduler:
         if outcome is None:
             return None
         self.stats.on_request_done(seq.member, outcome)
+        if outcome == "finished" and seq.monitor is not None:
+            self.escalation_rates.record(seq.member, escalated=False)   # it could have escalated and did not
         self.stats.on_tokens(seq.member, prompt_tokens=seq.num_prompt_tokens)
         if seq.request.session_id:
             self._sessions.record(seq.request.session_id, seq.member)
