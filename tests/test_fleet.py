@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,13 +30,16 @@ TOPIC = "tell me what to pack for a long walk by the river with two friends and 
 
 
 def free_port_block(count: int, attempts: int = 50) -> int:
-    """A base port with `count` consecutive free ports above it (bounded search)."""
+    """A base port with `count` consecutive free ports above it (bounded search), below the kernel's ephemeral
+    range: a block found free there can be taken by any outgoing connection before the fleet binds it (CI saw
+    `mfs fleet` refuse a port that was free a moment before)."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    rng = random.Random()
     for _ in range(attempts):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + count >= 65000:
-            continue
+        base = rng.randrange(10000, max(10001, ephemeral_low - count))
         free = True
         for port in range(base, base + count):
             with socket.socket() as sock:

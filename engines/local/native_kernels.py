@@ -1,7 +1,7 @@
 """Native CPU kernels of the local engine: C sources under engines/local/native/, compiled on first use with the
 machine's C compiler into a per-user cache, called through ctypes (which releases the GIL during the call).
 
-Why a C file and not a torch extension: it needs no torch headers or ninja (compiles in about a second), it is
+Why a C file and not a torch extension: it needs no torch headers or ninja (compiles in under half a second here), it is
 built for the CPU it runs on (-march=native), and where no compiler exists the engine keeps its torch path and
 says so in one line. MFS_KERNEL_CACHE sets the cache folder (default ~/.cache/mfs/kernels).
 """

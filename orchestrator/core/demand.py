@@ -147,12 +147,7 @@ def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
         if bound <= best:
             break
         total = 0
-        for p in profiles:      # p.growth_at(t) inlined: this loop is the estimate's cost at GPU scale
-            if t < p.steps_left:
-                growth = p.pages_for(min(p.final_tokens, p.tokens_now + t + p.slack_tokens)) - p.held_pages
-                if growth > 0:
-                    total += growth
-            else:
-                total -= p.private_pages
+        for p in profiles:
+            total += p.growth_at(t) if t < p.steps_left else -p.private_pages
         best = max(best, total)
     return best

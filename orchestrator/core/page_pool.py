@@ -260,31 +260,19 @@ class PagePool:
         return page
 
     def register_pages(self, pages: Iterable[PageId], keys: Iterable[PageKey]) -> None:
-        """register() of each (page, key) pair in turn, in one call (a full block's pages, one per layer)."""
-        refcount, key_of, page_of_key = self._refcount, self._key, self._page_of_key
+        """register() of each (page, key) pair in turn (a full block's pages, one per layer)."""
         for page, key in zip(pages, keys):
-            if refcount[page] <= 0:
-                raise ValueError(f"page {page} is not in use (refcount {refcount[page]})")
-            if key in page_of_key:
-                continue
-            if key_of[page] is not None:
-                raise ValueError(f"page {page} already holds key {key_of[page]}, cannot take {key}")
-            key_of[page] = key
-            page_of_key[key] = page
+            self.register(page, key)
 
     def acquire_keys(self, keys: Iterable[PageKey | None], member: str) -> list[PageId | None]:
         """lookup() then acquire() of each key in turn (None for a key not in the arena, or a None key), in one
         call: an admission pins every page of its prefix hit, one per layer per block."""
-        page_of_key, refcount = self._page_of_key, self._refcount
+        page_of_key = self._page_of_key
         pages: list[PageId | None] = []
         for key in keys:
             page = page_of_key.get(key) if key is not None else None
             if page is not None:
-                count = refcount[page]
-                if count == 0:
-                    self.acquire(page, member)      # leaves the cache: the rare, slower path
-                else:
-                    refcount[page] = count + 1
+                self.acquire(page, member)
             pages.append(page)
         return pages
 

@@ -119,18 +119,12 @@ class PoolDemand:
         for seq in self._running.values():
             if partitioned and seq.member != member:
                 continue
-            kv = seq.kv
-            if kv is None:
+            if seq.kv is None:
                 continue            # future_pages: nothing
-            sampling = seq.request.sampling
-            n = len(seq.token_ids)
-            if sampling.ignore_eos or sampling.min_tokens >= sampling.max_tokens:    # is_length_fixed
-                if seq.is_warmup:
-                    final = n       # expected_final_tokens of a warm-up: what it holds (either ratio)
-                else:
-                    # expected_final_tokens at ratio 1.0 (peak) or any ratio (a fixed length ignores it)
-                    final = min(geometry[seq.member][2], n + max(0, sampling.max_tokens - (n - seq.num_prompt_tokens)))
-                total += max(0, pages_for[seq.member](final) - len(kv.block_tables[0]) * geometry[seq.member][1])
+            if is_length_fixed(seq):     # its whole growth to its end (the ratio does not apply)
+                _, per_block, context = geometry[seq.member]
+                final = expected_final_tokens(seq, 1.0, context)
+                total += max(0, pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
             else:
                 total += self.future_pages(seq)      # open length: its expected rest, in either branch
         return total

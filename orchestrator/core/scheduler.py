@@ -281,11 +281,6 @@ class Scheduler:
         preempted = False
         running = self._running
         for seq in list(running.values()):
-            kv = seq.kv
-            n = len(seq.token_ids)
-            if (kv is not None and seq.num_computed_tokens == n - 1 and n > seq.num_prompt_tokens
-                    and -(-(n + 1) // kv.tokens_per_block) <= len(kv.block_tables[0])):
-                continue   # decoding, and its tables already cover the next token (and the one after): grow() is a no-op
             if seq.request_id not in running or not seq.is_decoding():
                 continue
             if self.config.scheduler.preallocate_blocks and self.kv.grow(seq.kv, len(seq.token_ids) + 1):
@@ -509,8 +504,8 @@ class Scheduler:
         batches: dict[str, list[SeqChunk]] = {}
         prefills = []
         for seq in self._running.values():
-            pos = len(seq.token_ids) - 1
-            if seq.num_computed_tokens == pos and pos >= seq.num_prompt_tokens:     # seq.is_decoding()
+            if seq.is_decoding():
+                pos = len(seq.token_ids) - 1
                 batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True))
                 budget -= 1
             else:
@@ -575,10 +570,7 @@ class Scheduler:
                 computed = chunk.start_pos + len(chunk.token_ids)
                 if computed > seq.num_computed_tokens:
                     seq.num_computed_tokens = computed
-                kv = seq.kv
-                # register_full_blocks has nothing to do unless a block became full (once per block per request)
-                if min(len(seq.hashes), seq.num_computed_tokens // kv.tokens_per_block) > kv.num_registered_blocks:
-                    self.kv.register_full_blocks(kv, seq.hashes, seq.num_computed_tokens)
+                self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
                 if seq.is_warmup and seq.num_computed_tokens >= len(seq.token_ids):
                     self._finish(seq, now_s, outcome=None)
         outputs: list[RequestOutput] = []
