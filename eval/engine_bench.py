@@ -112,8 +112,14 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
                              "transformers runs under it too; 0 = glibc defaults)")
     parser.add_argument("--torch-attention", action="store_true",
                         help="the engine's decode attention as gather + SDPA (engine.native_attention: false)")
+    parser.add_argument("--parallel-forwards", type=int, choices=(1, 2), default=1,
+                        help="the engine's forwards per step (engine.parallel_forwards); the engine then runs "
+                             "threads/K intra-op threads per forward, so both sides use --threads cores in all "
+                             "(2 with --threads 2 is how `mfs serve` runs the engine on 2 cores)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.threads % args.parallel_forwards:
+        parser.error(f"--threads {args.threads} is not a multiple of --parallel-forwards {args.parallel_forwards}")
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -122,15 +128,17 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     page_bytes = BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4)
     blocks = -(-(args.prompt_tokens + args.tokens) // BLOCK_TOKENS)
     executor = LocalExecutor(family, num_pages=max(BATCH_SIZES) * member.num_layers * blocks, page_bytes=page_bytes,
-                             num_threads=args.threads, malloc_mmap_threshold_mb=args.malloc_mmap_threshold_mb,
-                             native_attention=not args.torch_attention)
+                             num_threads=args.threads // args.parallel_forwards,
+                             malloc_mmap_threshold_mb=args.malloc_mmap_threshold_mb,
+                             native_attention=not args.torch_attention, parallel_forwards=args.parallel_forwards)
     hf = AutoModelForCausalLM.from_pretrained(member.checkpoint_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     intermediate = executor.model(member.name).config.intermediate_size
     machine = matmul_flop_per_s()
     print(f"family {family.name} member {member.name}: {member.num_layers} layers, hidden {member.hidden_size}, "
-          f"prompt {args.prompt_tokens} + {args.tokens} new tokens, fp32, {args.threads} thread(s), "
+          f"prompt {args.prompt_tokens} + {args.tokens} new tokens, fp32, {args.threads} thread(s) "
+          f"(engine: {args.parallel_forwards} forward(s) x {args.threads // args.parallel_forwards}), "
           f"malloc mmap threshold {args.malloc_mmap_threshold_mb} MB (both sides; tuned: {executor.malloc_tuned}); "
           f"decode attention {'native, in place' if executor.decode_kernel else 'gather + SDPA'}")
     print(f"machine matmul: {machine / 1e9:.1f} GFLOP/s")
@@ -141,7 +149,9 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
         prompts = _prompts(batch, args.prompt_tokens, member.vocab_size)
         engine_runs, hf_runs = [], []
         for _ in range(args.rounds):               # alternate so both sides see the same machine load
+            torch.set_num_threads(args.threads // args.parallel_forwards)   # torch's count is process-wide
             engine_runs.append(engine_step_times_s(executor, member, prompts, args.tokens))
+            torch.set_num_threads(args.threads)
             hf_runs.append(hf_step_time_s(hf, prompts, args.tokens))
         best = min((wall for wall, _ in engine_runs), key=sum)
         engine_cpu_step = min(cpu for _, cpu in engine_runs) / (args.tokens - 1)

@@ -1,4 +1,5 @@
-"""A REAL tritonserver (nvidia-pytriton) serving the tiny family's python-backend repository, driven by TritonServing.
+"""A REAL tritonserver (nvidia-pytriton) serving the tiny family's python-backend repository, driven by TritonServing
+(in a child process behind ProcessServing, as `mfs serve --engine triton` runs it, and in process for escalation).
 
 Checks: greedy tokens equal the local engine's; per-request KV reuse and KV block metrics arrive; killing Triton
 fails in-flight requests with EngineUnavailableError and turns is_ready() False; `mfs triton-up` on the same
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import aclosing
 
 import pytest
 
@@ -94,6 +96,17 @@ async def _triton_escalations(server, prompt: list[int]) -> dict[str, tuple[list
             tokens, outputs = await collect(serving, _escalating_request(f"t-esc-{mode}", prompt))
             answers[mode] = (tokens, [(s.member, s.num_tokens) for s in outputs[-1].spans])
             assert serving.stats()["counters"]["escalations"]["tiny-s->tiny-m"] == 1
+            # Read as the HTTP edge reads (stop at the finished output, close the generator): the request
+            # counts as finished, not cancelled, and its tokens reach the stats and the prefix estimate.
+            before = serving.stats()["counters"]
+            async with aclosing(serving.generate(make_request(f"t-edge-{mode}", prompt, 4, "tiny-s"))) as outs:
+                async for out in outs:
+                    if out.finished:
+                        break
+            after = serving.stats()["counters"]
+            assert after["requests"]["tiny-s"]["finished"] == before["requests"]["tiny-s"]["finished"] + 1
+            assert after["requests"]["tiny-s"]["cancelled"] == before["requests"]["tiny-s"]["cancelled"] == 0
+            assert after["generated_tokens"]["tiny-s"] == before["generated_tokens"]["tiny-s"] + 4
         finally:
             await serving.stop(1.0)
     return answers
@@ -119,7 +132,8 @@ async def _wait(predicate, timeout_s: float) -> bool:
 
 def test_triton_serves_like_local_fails_fast_and_reconnects(tmp_path):
     from engines.triton.server_process import TritonProcess
-    from orchestrator.serve.triton_serving import TritonServing
+    from orchestrator.serve.engine_process import ProcessServing
+    from orchestrator.serve.factory import build_serving_engine
 
     started = time.monotonic()
     repo = build_python_repo(FAMILY, tmp_path / "build")
@@ -129,8 +143,11 @@ def test_triton_serves_like_local_fails_fast_and_reconnects(tmp_path):
     triton_up: subprocess.Popen | None = None
     try:
         server.start()
-        serving = TritonServing(_config(), url=server.grpc_url, metrics_url=server.metrics_url,
-                                probe_interval_s=0.2)
+        # What `mfs serve --engine triton` builds: TritonServing in a child process behind ProcessServing (the
+        # process split of issue 15), so every check below goes through the pipe.
+        serving = build_serving_engine(_config(**{"engine.kind": "triton", "engine.triton_url": server.grpc_url,
+                                                  "engine.triton_metrics_url": server.metrics_url}))
+        assert isinstance(serving, ProcessServing)
         prompts = {name: serving.tokenizer.encode(text) for name, text in PROMPTS.items()}
         members = serving.member_names
         local = asyncio.run(_local_tokens(prompts, members))      # while Triton's stubs load
@@ -161,7 +178,9 @@ def test_triton_serves_like_local_fails_fast_and_reconnects(tmp_path):
 async def _scenario(serving, server, prompts, members, local, repo, ports, tmp_path) -> subprocess.Popen:
     await serving.start()
     assert await _wait(serving.is_ready, 30), "TritonServing never saw Triton ready"
-    assert serving.tokens_per_block == {m: 16 for m in members}
+    engine = serving.stats()["engine"]
+    assert (engine["kind"], engine["process"]) == ("triton", "separate")
+    assert engine["tokens_per_block"] == {m: 16 for m in members}
     try:
         # 1. Greedy tokens through Triton equal the local engine's, member by member.
         for name, ids in prompts.items():

@@ -18,6 +18,7 @@ from orchestrator.core.errors import EngineUnavailableError, MFSError
 from orchestrator.core.types import SamplingParams
 
 KV_METRIC_NAME = "nv_trt_llm_kv_cache_block_metrics"
+_CLOSE_TIMEOUT_S = 5.0     # a completed stream's RPC end (our half-close -> Triton's status); then cancel it
 _METRIC_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # Codes that mean "Triton is not there (any more)", not "this request was bad".
@@ -144,6 +145,7 @@ class TritonClient:
             await done.wait()   # keep our half open until the final response: Triton streams until then
 
         call = self._stub.ModelStreamInfer(requests())
+        completed = False
         try:
             async for reply in call:
                 if reply.error_message:
@@ -159,13 +161,24 @@ class TritonClient:
                 yield StreamDelta(token_list, lp_list[:len(token_list)],
                                   None if reused is None else int(reused.reshape(-1)[0]), final)
                 if final:
+                    completed = True
                     return
             raise EngineUnavailableError(f"Triton closed the stream of {model} before its final response")
         except grpc.aio.AioRpcError as exc:
             raise _translate(exc, model) from exc
         finally:
-            done.set()
-            call.cancel()
+            done.set()                     # half-closes our side: after a final response Triton ends the RPC
+            if completed:
+                # No cancel once the request is complete: a cancellation racing a finished request is a known
+                # tritonserver gRPC crash (server issues #7368, #8034); under the 32-stream serving bench it
+                # aborted tritonserver (grpc "ASSERTION FAILED: prior > 0") and, in another run, left 32
+                # streams of one client waiting forever. Wait (bounded) for the RPC's own end instead.
+                try:
+                    await asyncio.wait_for(call.code(), _CLOSE_TIMEOUT_S)
+                except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                    call.cancel()
+            else:
+                call.cancel()              # closed early (client gone, hand-over, error): cancel it in Triton
 
 
 def _model_error(message: str, model: str) -> MFSError:

@@ -124,8 +124,9 @@ class EngineConfig:
     triton_url: str = "127.0.0.1:8001"
     triton_metrics_url: str | None = None
     num_threads: int | None = None
-    # issue 15: the local engine core (scheduler + model) in its own process (separate) or a thread of the
-    # HTTP process (thread); separate keeps the event loop and the engine off each other's GIL
+    # issue 15: the orchestrator core (local: scheduler + model; triton: routing + token rules + streams) in its
+    # own process (separate) or in the HTTP process (thread); separate keeps the event loop's per-token work and
+    # the core off each other's GIL
     process: str = "separate"             # separate | thread
     # issue 15: glibc mmap threshold for the engine's process (engines/local/malloc_tuning.py); 0 = glibc default
     malloc_mmap_threshold_mb: int = 32

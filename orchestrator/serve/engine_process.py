@@ -10,6 +10,7 @@ Protocol over one duplex `multiprocessing` pipe, pickled tuples, strictly ordere
                   | ("stats", seq) | ("stop",)
   engine -> HTTP: ("ready", None) | ("failed", message) | ("stats", seq, snapshot)
                   | ("out", [pack_output(RequestOutput) | (request_id, ErrorInfo)]) once per step
+                  | ("health", bool) when the child's readiness changes (Triton's child: Triton up or down)
 Ordering gives the semantics the thread version has: a stats reply sent after a request's final output sees
 that request's bookkeeping; admission errors (queue full, too long) come back as the stream's first item.
 """
@@ -22,7 +23,7 @@ import multiprocessing
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -172,11 +173,18 @@ class _EngineCore:
 
 # ----------------------------------------------------------------------------- HTTP side
 class ProcessServing:
-    """ServingEngine whose engine core runs in a child process (config engine.process: separate)."""
+    """ServingEngine whose engine core runs in a child process (config engine.process: separate).
 
-    def __init__(self, config: MFSConfig, family: FamilySpec | None = None):
+    child_main: the child's entry point, engine_main (the local engine; the default) or
+    orchestrator.serve.triton_process.triton_main (MFS routing over Triton); both speak this module's protocol."""
+
+    def __init__(self, config: MFSConfig, family: FamilySpec | None = None,
+                 child_main: Callable[[MFSConfig, Any], None] | None = None):
         self.config = config
-        self.family = family or load_family(config.family, per_member_lineage=not config.pool.cross_member_sharing)
+        self.child_main = child_main or engine_main
+        local = config.engine.kind == "local"
+        self.family = family or load_family(config.family,
+                                            per_member_lineage=local and not config.pool.cross_member_sharing)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
@@ -191,6 +199,7 @@ class ProcessServing:
         self._stats_cond = threading.Condition()
         self._accepting = False
         self._ready = False
+        self._engine_ready = True        # the child's own readiness ("health" messages: Triton up or down)
         self._dead: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -199,7 +208,7 @@ class ProcessServing:
             return
         ctx = multiprocessing.get_context("spawn")     # no fork of a process with threads (and torch's pools)
         parent, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=engine_main, args=(self.config, child), name="mfs-engine-core",
+        self._process = ctx.Process(target=self.child_main, args=(self.config, child), name="mfs-engine-core",
                                     daemon=True)
         self._process.start()
         child.close()
@@ -239,7 +248,7 @@ class ProcessServing:
             self._reader = None
 
     def is_ready(self) -> bool:
-        return self._ready and self._dead is None
+        return self._ready and self._engine_ready and self._dead is None
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
@@ -293,6 +302,8 @@ class ProcessServing:
                 if message[0] == "out":
                     self._dispatch([(item[0], item[1].exception()) if len(item) == 2
                                     else (item[0], unpack_output(item)) for item in message[1]])
+                elif message[0] == "health":
+                    self._engine_ready = message[1]
                 elif message[0] == "stats":
                     with self._stats_cond:
                         self._stats_replies[message[1]] = message[2]

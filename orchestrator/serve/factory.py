@@ -11,13 +11,20 @@ from orchestrator.core.engine_api import ServingEngine
 
 def build_serving_engine(config: MFSConfig) -> ServingEngine:
     """For engine.kind 'local': ProcessServing (engine.process 'separate', the default) or LocalServing ('thread');
-    TritonServing (MFS routing over Triton) for 'triton'.
+    for 'triton': TritonServing (MFS routing over Triton) in a child process behind ProcessServing ('separate')
+    or in the HTTP process ('thread').
     Imports are deferred so a local deployment never needs the Triton client's packages, and back."""
+    separate = config.engine.process == "separate"     # the orchestrator core in its own process (issue 15)
     if config.engine.kind == "triton":
+        if separate:
+            from orchestrator.serve.engine_process import ProcessServing
+            from orchestrator.serve.triton_process import triton_main
+
+            return ProcessServing(config, child_main=triton_main)
         from orchestrator.serve.triton_serving import TritonServing
 
         return TritonServing(config)
-    if config.engine.process == "separate":      # the engine core in its own process (issue 15)
+    if separate:
         from orchestrator.serve.engine_process import ProcessServing
 
         return ProcessServing(config)

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,8 +183,12 @@ class TritonServing:
         state = _InFlight(seq.member, len(request.prompt_token_ids))
         self._in_flight[request.request_id] = state
         try:
-            async for output in self._run(seq, state):
-                yield output
+            # aclosing, here and in _run: a caller that stops reading (the HTTP edge, at the final output) closes
+            # the inner generators now, not whenever the loop's finalizer gets to them, so the request is
+            # accounted and its Triton stream closed in order.
+            async with aclosing(self._run(seq, state)) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
             self._in_flight.pop(request.request_id, None)
             self._aborted.discard(request.request_id)
@@ -236,20 +241,26 @@ class TritonServing:
             span.predicted_hit_tokens = self._predicted_hit_tokens(span.member, span.context)
             self.estimate.predicted_hit_tokens += span.predicted_hit_tokens
             try:
-                async for output in self._stream_span(seq, span, state):
-                    yield output
+                async with aclosing(self._stream_span(seq, span, state)) as outputs:
+                    async for output in outputs:
+                        yield output
             except EngineUnavailableError:
                 self._mark_down("stream failed")
                 self.stats_counters.on_request_done(span.member, "failed")
                 raise
             except (asyncio.CancelledError, GeneratorExit):
-                self.stats_counters.on_request_done(span.member, "cancelled")
+                if seq.finish_reason is not None and span.escalated_to is None:
+                    # The caller stopped reading at the final output (the HTTP edge does): the request ended
+                    # as it should; without this it counted as cancelled and taught the prefix estimate nothing.
+                    self._account(span)
+                    self._finish(seq)
+                else:
+                    self.stats_counters.on_request_done(span.member, "cancelled")
                 raise
             except Exception:
                 self.stats_counters.on_request_done(span.member, "failed")
                 raise
-            self._account(span.member, span.context, span.predicted_hit_tokens, span.reused_blocks,
-                          span.num_streamed_tokens)
+            self._account(span)
             if span.escalated_to is None:
                 self._finish(seq)
                 return
@@ -327,8 +338,10 @@ class TritonServing:
             return -1
         return eos[0]
 
-    def _account(self, member: str, context: list[int], predicted_tokens: int, reused_blocks: int | None,
-                 num_generated: int) -> None:
+    def _account(self, span: _Span) -> None:
+        """A finished span: Triton's reuse report against the prediction, the stats, the prefix estimate."""
+        member, context, predicted_tokens = span.member, span.context, span.predicted_hit_tokens
+        reused_blocks, num_generated = span.reused_blocks, span.num_streamed_tokens
         tpb = self.tokens_per_block[member]
         hashes = self._hashes(member, context[:-1])
         reported = predicted_tokens if reused_blocks is None else reused_blocks * tpb
