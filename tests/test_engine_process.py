@@ -119,3 +119,33 @@ def test_an_output_survives_the_compact_pipe_encoding():
                              num_cached_prompt_tokens=32, spans=(MemberSpan("tiny-s", 3), MemberSpan("tiny-m", 2))),
                RequestOutput(RequestId("r2"), [], [], [], "tiny-l", error="boom")]
     assert [unpack_output(pack_output(o)) for o in outputs] == outputs
+
+
+def test_the_triton_child_follows_tritons_health_and_reports_errors_through_the_pipe():
+    """engine.kind triton + separate: TritonServing runs in the child. With no Triton listening the server is up
+    but not ready (/health 503 via the child's health message), a request gets the child's 503, /v1/stats is the
+    child's Triton snapshot, and shutdown leaves no child behind."""
+    from tests.triton_helpers import free_ports
+
+    port = free_ports(1)[0]                       # nothing listens there
+    engine = build_serving_engine(_config(**{"engine.kind": "triton", "engine.triton_url": f"127.0.0.1:{port}",
+                                             "engine.triton_metrics_url": f"http://127.0.0.1:{port}/metrics"}))
+    assert isinstance(engine, ProcessServing)
+    app = create_app(engine, engine.tokenizer, engine.family, ServerSettings(request_timeout_s=60))
+    with serve_in_thread(app, timeout_s=180) as url:
+        process = engine._process
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(url + "/health").status_code == 503
+        stats = httpx.get(url + "/v1/stats").json()
+        assert (stats["engine"]["kind"], stats["engine"]["process"], stats["engine"]["ready"]) == \
+            ("triton", "separate", False)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="tiny-l", prompt=PROMPT, max_tokens=4)
+        assert err.value.status_code == 503 and "Triton is not ready" in str(err.value)
+        counters = httpx.get(url + "/v1/stats").json()["counters"]["requests"]["tiny-l"]
+        assert counters["rejected"] == 1
+    process.join(10)
+    assert not process.is_alive()
