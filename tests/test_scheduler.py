@@ -399,3 +399,45 @@ def test_timeout_still_aborts_the_oldest_request_only():
         h.final("new").finish_reason is not FinishReason.CANCELLED
     h.run()
     assert h.final("new").finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("scenario", ["shared_prefix", "escalation", "preemption"])
+def test_memoized_private_page_count_equals_the_pools_count_at_every_step(scenario):
+    """KVCacheManager.num_private_pages (memoized on the pool's sharing epoch, used by the peak reservation) must
+    equal a fresh count over the request's pages whenever it is asked: requests sharing a prefix while both run
+    (pages going shared and back), hand-overs that reuse a nested member's lower layers, preemption."""
+    if scenario == "escalation":
+        h = Harness(low_confidence=("s", "m"), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                                  "escalation.warmup": False,
+                                                  "router.complexity_thresholds": [0.99, 0.995]})
+        for i in range(3):
+            h.submit(f"e{i}", PROMPT + [i + 3], max_tokens=12)
+    elif scenario == "preemption":
+        h = Harness(**{"pool.num_pages": 84, "scheduler.decode_reservation": "block"})
+        for i in range(4):
+            h.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
+    else:
+        h = Harness()
+        h.submit("first", PROMPT, max_tokens=30, pinned_member=MemberName("m"))
+        h.step()
+        h.step()
+    checked = shared_seen = 0
+    for step in range(2000):
+        if scenario == "shared_prefix" and step in (1, 3, 6):       # same prefix while "first" still runs
+            h.submit(f"late{step}", PROMPT + [step], max_tokens=4 + step, pinned_member=MemberName("m"))
+        if not h.scheduler.has_work():
+            break
+        h.step()
+        for seq in h.scheduler._running.values():
+            if seq.kv is None:
+                continue
+            pages = seq.kv.all_pages()
+            direct = h.pool.num_private(pages)
+            assert h.kv.num_private_pages(seq.kv) == direct, (scenario, step, seq.request_id)
+            shared_seen += direct < len(pages)
+            checked += 1
+    assert checked > 10
+    if scenario != "preemption":
+        assert shared_seen > 0          # the scenario did make pages shared between running requests
+    if scenario == "preemption":
+        assert h.scheduler.snapshot(h.now)["counters"]["preemptions"] > 0

@@ -58,6 +58,8 @@ class SeqKV:
     # grow at the end, and release() replaces them (and drops this).
     _view: tuple[int, list[list[PageId]], list[PageId] | None] | None = field(
         default=None, init=False, repr=False, compare=False)
+    # (pool sharing epoch, num_pages, private pages) when last counted: see KVCacheManager.num_private_pages
+    _private: tuple[int, int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -72,6 +74,9 @@ class SeqKV:
             view = (num_blocks, [table[:num_blocks] for table in self.block_tables], residual)
             self._view = view
         return view[1], view[2]
+
+    def num_pages(self) -> int:
+        return sum(map(len, self.block_tables)) + len(self.residual_out or ()) + len(self.residual_in)
 
     def all_pages(self) -> list[PageId]:
         pages = list(chain.from_iterable(self.block_tables))
@@ -301,6 +306,21 @@ class KVCacheManager:
                 self.pool.register(seq.residual_out[block], PageKey(spec.residual_lineage(), hashes[block]))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
+    def num_private_pages(self, seq: SeqKV) -> int:
+        """How many of the request's pages only it references (what it gives back when it ends): the pool's
+        count over all its pages, memoized. While the pool's sharing epoch stands still no page changed
+        between private and shared, and the request's tables only grew by pages it allocated itself (grow:
+        refcount 1), so the count moves by exactly the pages added. The peak reservation asks this for every
+        running request on every arrival (~10^3 pages each at paper scale: the simulator's top cost)."""
+        epoch, count = self.pool.sharing_epoch, seq.num_pages()
+        memo = seq._private
+        if memo is not None and memo[0] == epoch and memo[1] <= count:
+            private = memo[2] + count - memo[1]
+        else:
+            private = self.pool.num_private(seq.all_pages())
+        seq._private = (epoch, count, private)
+        return private
+
     def release(self, seq: SeqKV) -> None:
         """Drops the request's references; keyed pages stay cached (delayed reclamation, LRU)."""
         # Release deepest blocks first so a prefix's head stays in the arena longest (LRU order).
@@ -316,3 +336,4 @@ class KVCacheManager:
         seq.residual_out = [] if seq.residual_out is not None else None
         seq.residual_in = {}
         seq._view = None
+        seq._private = None

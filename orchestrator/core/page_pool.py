@@ -85,6 +85,9 @@ class PagePool:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
         self._refcount: list[int] = [0] * num_pages
+        # Bumped whenever a page's refcount crosses between 1 and 2: until it moves, a holder's count of its
+        # private pages changes only by the pages it allocates itself (KVCacheManager.num_private_pages).
+        self.sharing_epoch = 0
         self._key: list[PageKey | None] = [None] * num_pages
         self._owner: list[str | None] = [None] * num_pages
         self._partition_of: list[int] = [0] * num_pages      # index into self._partitions
@@ -202,7 +205,9 @@ class PagePool:
         check can_allocate for new pages AFTER acquiring hits.
         """
         count = self._refcount[page]
-        if count == 0:
+        if count == 1:
+            self.sharing_epoch += 1        # a private page becomes shared
+        elif count == 0:
             if self._key[page] is None:
                 raise ValueError(f"page {page} is free (no key, refcount 0): allocate it instead")
             del self._partitions[self._partition_of[page]].cached[page]
@@ -225,6 +230,8 @@ class PagePool:
                 raise ValueError(f"page {page} released at refcount {count}")
             refcount[page] = count - 1
             if count > 1:
+                if count == 2:
+                    self.sharing_epoch += 1    # a shared page becomes private to its last holder
                 continue
             owner = owners[page]
             assert owner is not None

@@ -91,8 +91,11 @@ class PoolDemand:
                 _, per_block, context = self._geometry[seq.member]
                 final = expected_final_tokens(seq, 1.0, context)
                 held = len(seq.kv.block_tables[0]) * per_block
-                pages = seq.kv.all_pages()
-                private = self.pool.num_private(pages) - (sum(1 for p in pages if p in claimed) if claimed else 0)
+                if claimed:
+                    pages = seq.kv.all_pages()
+                    private = self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
+                else:
+                    private = self.kv.num_private_pages(seq.kv)
                 profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
                                                self._pages_for[seq.member], slack))
             else:
