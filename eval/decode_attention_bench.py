@@ -6,7 +6,7 @@
 2. a whole tiny-l step (N decodes at that context, with or without a 128-token prefill chunk every other step)
    with one forward against two forwards on two threads (engine.parallel_forwards);
 3. optionally (--profile) the step's torch operators by self CPU time (the kernel runs outside torch and is
-   not listed).
+   not listed), and the step's matmul shapes timed hot (weights in cache) against what they achieve in the step.
 
     python -m eval.decode_attention_bench [--contexts 48,160,480] [--seqs 32] [--rounds 3] [--profile]
 
@@ -126,7 +126,36 @@ def main(argv: list[str] | None = None) -> int:
         matmul_ms = sum(e.self_cpu_time_total for e in averages if e.key in ("aten::mm", "aten::addmm")) / 1e3 / 11
         print(f"keys {context}, decodes only: matmuls (aten::mm + aten::addmm) {matmul_ms:.1f} ms of CPU per step "
               f"against a {plain:.1f} ms step without the profiler ({matmul_ms / plain:.0%})")
+        intermediate = executors[1].model(member.name).config.intermediate_size
+        hot = hot_matmuls_us(member, intermediate, args.seqs)
+        step_flop = sum(flop for _, flop, _ in hot.values()) - hot["head, [out, in] (F.linear)"][1]
+        print(f"the same step's matmuls timed hot in a loop (weights in cache; the engine's [in, out] layout): "
+              f"{sum(us for name, (us, _, _) in hot.items() if 'F.linear' not in name) / 1e3:.1f} ms "
+              f"for {step_flop / 1e6:.0f} MFLOP; in the step: {step_flop / matmul_ms / 1e6:.1f} GFLOP/s")
+        for name, (us, flop, count) in hot.items():
+            print(f"  {name:28s} x{count}: {us / count:7.1f} us each, {flop / us / 1e3:5.1f} GFLOP/s")
     return 0
+
+
+def hot_matmuls_us(member, intermediate: int, rows: int) -> dict[str, tuple[float, float, int]]:
+    """One decode step's matmul shapes (rows x in @ in x out, the engine's [in, out] weights), each timed in a
+    tight loop so its weights stay in cache: name -> (microseconds for all calls of the step, FLOP, calls).
+    The head is also timed as F.linear on [out, in] weights, the layout transformers uses."""
+    d, q = member.hidden_size, member.num_heads * member.head_dim
+    kv = member.num_kv_heads * member.head_dim
+    layers = member.num_layers
+    shapes = {"qkv": (d, q + 2 * kv, layers), "o (+ residual)": (q, d, layers),
+              "gate_up": (d, 2 * intermediate, layers), "down (+ residual)": (intermediate, d, layers),
+              "head": (d, member.vocab_size, 1)}
+    result = {}
+    for name, (k, n, count) in shapes.items():
+        x, w = torch.randn(rows, k), torch.randn(k, n)
+        result[name] = (_median_ms(lambda: torch.mm(x, w), 200) * 1e3 * count, 2.0 * rows * k * n * count, count)
+    w_out_in = torch.randn(member.vocab_size, d)
+    x = torch.randn(rows, d)
+    result["head, [out, in] (F.linear)"] = (_median_ms(lambda: torch.nn.functional.linear(x, w_out_in), 200) * 1e3,
+                                            2.0 * rows * d * member.vocab_size, 1)
+    return result
 
 
 if __name__ == "__main__":

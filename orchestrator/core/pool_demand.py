@@ -116,21 +116,11 @@ class PoolDemand:
         cached = self._cache.get(self.partition_of(member))
         if cached is not None:
             return cached
-        total = 0
+        # future_pages is each request's whole growth to its end when its length is fixed (the ratio does not
+        # apply to it) and its expected rest otherwise, the same in either branch of reserved_pages.
         partitioned = self._partitioned
-        geometry, pages_for = self._geometry, self._pages_for
-        for seq in self._running.values():
-            if partitioned and seq.member != member:
-                continue
-            if seq.kv is None:
-                continue            # future_pages: nothing
-            if is_length_fixed(seq):     # its whole growth to its end (the ratio does not apply)
-                _, per_block, context = geometry[seq.member]
-                final = expected_final_tokens(seq, 1.0, context)
-                total += max(0, pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
-            else:
-                total += self.future_pages(seq)      # open length: its expected rest, in either branch
-        return total
+        return sum(self.future_pages(seq) for seq in self._running.values()
+                   if not partitioned or seq.member == member)
 
     def demand_pages(self, seq: Sequence) -> int:
         """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
