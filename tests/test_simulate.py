@@ -129,6 +129,29 @@ def test_plan_shapes_merge_a_nested_member_into_the_larger_forward():
     assert [s.own_forward for s in plan_shapes(alone, family)] == [True]
 
 
+def test_a_batch_riding_in_a_larger_forward_costs_its_ride_overlap_share(tmp_path):
+    """The table prices a nested member's batch merged into a larger member's forward at ride_overlap times its
+    own cost; a table written before the field existed (no ride_overlap) keeps pricing it as its own forward."""
+    grid = Grid2D((1.0, 2.0), (0.0, 100.0), ((1.0, 1.0), (2.0, 2.0)))
+    prefill = Grid2D((10.0, 20.0), (0.0, 100.0), ((10.0, 10.0), (20.0, 20.0)))
+    table = StepTable(source="test", members={"s": MemberCosts(grid, prefill, ride_overlap=0.25),
+                                              "l": MemberCosts(grid, prefill, ride_overlap=0.25)})
+    save_table(table, tmp_path / "t.json")
+    model = TableCostModel(load_table(tmp_path / "t.json"))
+    family = nested_family()
+    merged = StepPlan(batches=[MemberBatch("s", [chunk("a", 9, 1), chunk("b", 9, 1)]),
+                               MemberBatch("l", [chunk("c", 9, 1)])])
+    assert [model.batch_s(s) for s in plan_shapes(merged, family)] == pytest.approx([0.25 * 2e-3, 1e-3])
+    alone = StepPlan(batches=[MemberBatch("s", [chunk("a", 9, 1), chunk("b", 9, 1)])])
+    assert [model.batch_s(s) for s in plan_shapes(alone, family)] == pytest.approx([2e-3])
+    old = json.loads((tmp_path / "t.json").read_text())
+    for member in old["members"].values():
+        del member["ride_overlap"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    old_model = TableCostModel(load_table(tmp_path / "old.json"))
+    assert [old_model.batch_s(s) for s in plan_shapes(merged, family)] == pytest.approx([2e-3, 1e-3])
+
+
 def test_linear_fit_recovers_known_coefficients():
     truth = {"s": (0.002, 0.001, 0.0005, 0.0001, 0.0), "l": (0.004, 0.002, 0.001, 0.0002, 0.0)}
     observations = []
@@ -417,3 +440,27 @@ def _tokenizer():
     from orchestrator.serve.tokenizer import FamilyTokenizer
 
     return FamilyTokenizer(load_family("tiny").members[0].checkpoint_dir)
+
+
+def test_ride_overlap_is_measured_on_the_real_engine_and_written_into_a_table_keeping_its_grid(tmp_path, monkeypatch):
+    """`python -m eval.simulate.measure --ride-overlap-into TABLE`: the local engine's merged steps, timed; the
+    members nested in a larger one get a ratio, the largest keeps 1.0; the table's grid is left as it was."""
+    from eval.simulate import measure
+
+    monkeypatch.setattr(measure, "RIDE_POINTS", ((1, 1),))
+    monkeypatch.setattr(measure, "RIDE_REPEATS", 1)
+    monkeypatch.setattr(measure, "RIDE_ROUNDS", 1)
+    grid = Grid2D((1.0, 2.0), (0.0, 100.0), ((1.0, 1.0), (2.0, 2.0)))
+    prefill = Grid2D((10.0, 20.0), (0.0, 100.0), ((10.0, 10.0), (20.0, 20.0)))
+    table = StepTable(source="test", members={m: MemberCosts(grid, prefill, mix_overlap=0.3)
+                                              for m in ("tiny-s", "tiny-m", "tiny-l")}, notes=["kept"])
+    path = tmp_path / "t.json"
+    save_table(table, path)
+    assert measure.main(["--ride-overlap-into", str(path)]) == 0
+    written = load_table(path)
+    assert written.members["tiny-l"].ride_overlap == 1.0           # nests in nothing larger
+    for name in ("tiny-s", "tiny-m"):
+        member = written.members[name]
+        assert member.ride_overlap != 1.0 and member.ride_overlap >= 0.0
+        assert member.decode_ms == grid and member.prefill_ms == prefill and member.mix_overlap == 0.3
+    assert written.notes[0] == "kept" and written.notes[1].startswith("ride_overlap:")

@@ -95,7 +95,8 @@ class TableCostModel:
     A batch's decodes cost D = decode_ms(batch size, mean context); its prefill chunks cost
     P = prefill_ms(total new tokens, mean tokens before them); both in one step cost
     max(P, D) + mix_overlap * min(P, D). Chunks resuming at a layer > 0 (nested handover) scale by the
-    share of layers computed.
+    share of layers computed. A batch riding in a larger nested member's forward (own_forward False) costs
+    ride_overlap times that: its rows go through layers the host runs anyway, as the local engine merges them.
     """
 
     def __init__(self, table: StepTable, name: str = "table") -> None:
@@ -113,6 +114,8 @@ class TableCostModel:
             prefix = sum(p for _, p in shape.prefills) / len(shape.prefills)
             prefill_ms = costs.prefill_ms(tokens, prefix)
         total_ms = max(decode_ms, prefill_ms) + costs.mix_overlap * min(decode_ms, prefill_ms)
+        if not shape.own_forward:
+            total_ms *= costs.ride_overlap
         return total_ms * shape.layer_fraction / 1e3
 
     def step_overhead_s(self) -> float:

@@ -2,12 +2,15 @@
 
 For each member: decode steps of `batch` requests at `context` tokens and prefill chunks of `tokens` after
 `prefix` cached tokens, each a real LocalExecutor.execute() on a StepPlan built here (page contents do not
-change the time: the pages are whatever the arena holds), the median of REPEATS runs after one warm-up. Then a
+change the time: the pages are whatever the arena holds), the median of REPEATS runs after one warm-up. For a
+member nested in a larger one, ride_overlap: what its decodes add to the larger member's step when the engine
+merges them into one forward, as a share of what they cost alone (RIDE_POINTS, median). Then a
 short real LocalServing run (pinned requests streamed through the engine thread and asyncio, as the bench
 drives it) gives the serving loop's cost between back-to-back steps (step_overhead_ms), measured the way
 eval.step_profile measures it.
 
     python -m eval.simulate.measure --out eval/simulate/tables/tiny_measured.json
+    python -m eval.simulate.measure --ride-overlap-into eval/simulate/tables/tiny_measured.json   # only that
 """
 from __future__ import annotations
 
@@ -18,54 +21,101 @@ import statistics
 import time
 from typing import Any
 
-from eval.simulate.step_table import Grid2D, MemberCosts, StepTable, save_table
+from eval.simulate.step_table import Grid2D, MemberCosts, StepTable, load_table, save_table
 
 DECODE_BATCH = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXT = (16, 128, 256, 512, 1000)
 PREFILL_TOKENS = (16, 64, 128, 256, 512)
 PREFIX = (0, 128, 256, 480)
 MIX_POINTS = ((64, 4, 256), (128, 8, 256), (256, 4, 512))
+RIDE_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2), (4, 4), (8, 8))   # (host rows, rider rows), decodes at RIDE_CONTEXT
+RIDE_CONTEXT = 256
+RIDE_REPEATS = 9                # runs per step shape and round
+RIDE_ROUNDS = 3                 # every point again, a round later: the machine drifts within a minute
 REPEATS = 3
 ARENA_PAGES = 4096
 
 
-def _plan(member, tokens_per_block: int, chunks: list[tuple[int, int, bool]], num_pages: int):
-    """StepPlan of one member batch; chunks = (start position, new tokens, sample). Pages cycle through the arena."""
+def _plan(member, tokens_per_block: int, chunks: list[tuple[int, int, bool]], num_pages: int,
+          residuals: bool = False):
+    """StepPlan of one member batch; chunks = (start position, new tokens, sample). Pages cycle through the arena.
+    residuals: every chunk also writes its exit residual (as serving asks of a member a larger one can start from)."""
     from orchestrator.core.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
 
     out, next_page = [], 0
     for i, (start, n, sample) in enumerate(chunks):
         blocks = -(-(start + n) // tokens_per_block)
         tables = []
-        for _ in range(member.num_layers):
+        for _ in range(member.num_layers + (1 if residuals else 0)):
             tables.append([PageId((next_page + b) % num_pages) for b in range(blocks)])
             next_page = (next_page + blocks) % num_pages
+        residual_out = tables.pop() if residuals else None
         out.append(SeqChunk(request_id=RequestId(f"p{i}"), token_ids=[5] * n, start_pos=start, block_tables=tables,
-                            sample=sample, sampling=SamplingParams(max_tokens=1)))
+                            sample=sample, sampling=SamplingParams(max_tokens=1), residual_table_out=residual_out))
     return StepPlan(batches=[MemberBatch(member.name, out)])
 
 
-def _time(executor, plan) -> float:
+def _time(executor, plan, repeats: int = REPEATS) -> float:
     executor.execute(plan)                     # warm-up: allocations, caches
     runs = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         started = time.perf_counter()
         executor.execute(plan)
         runs.append((time.perf_counter() - started) * 1e3)
     return statistics.median(runs)
 
 
-def profile_members(family, config) -> dict[str, MemberCosts]:
+def _executor(family, config):
     from engines.local.executor import LocalExecutor
-    from orchestrator.core.family import dtype_bytes
     from orchestrator.serve.serving import engine_threads
 
-    page_bytes = config.pool.page_bytes
-    executor = LocalExecutor(family, num_pages=ARENA_PAGES, page_bytes=page_bytes, dtype=config.engine.dtype,
-                             device="cpu", num_threads=engine_threads(config.engine.num_threads),
-                             malloc_mmap_threshold_mb=config.engine.malloc_mmap_threshold_mb,
-                             native_attention=config.engine.native_attention)
+    return LocalExecutor(family, num_pages=ARENA_PAGES, page_bytes=config.pool.page_bytes, dtype=config.engine.dtype,
+                         device="cpu", num_threads=engine_threads(config.engine.num_threads),
+                         malloc_mmap_threshold_mb=config.engine.malloc_mmap_threshold_mb,
+                         native_attention=config.engine.native_attention)
+
+
+def ride_overlaps(family, config, executor=None) -> dict[str, float]:
+    """For each member nested in a larger one: median over its hosts, RIDE_POINTS and RIDE_ROUNDS of (merged step
+    - host alone) / (rider alone), the three timed in the same seconds (a ratio, so the machine's drift between
+    minutes cancels). The engine merges the rider into the host's forward (engines/local/executor.py). Chunks
+    write their exit residuals where serving's layout asks for them (the riders of a nested family do)."""
+    from orchestrator.core.family import dtype_bytes
+    from orchestrator.core.types import StepPlan
+
+    from orchestrator.core.kv_layout import KVLayout
+
+    executor = executor or _executor(family, config)
     size = dtype_bytes(config.engine.dtype)
+    tpb = {m.name: m.tokens_per_block(config.pool.page_bytes, size) for m in family.members}
+    layout = KVLayout.for_config(family, config)      # who writes exit residuals in serving (nested handover)
+
+    def step(parts: list[tuple[Any, int]]) -> float:
+        batches = [b for member, rows in parts
+                   for b in _plan(member, tpb[member.name], [(RIDE_CONTEXT, 1, True)] * rows, ARENA_PAGES,
+                                  residuals=layout.records_residual(member.name)).batches]
+        return _time(executor, StepPlan(batches=batches), RIDE_REPEATS)
+
+    ratios: dict[str, list[float]] = {}
+    for _ in range(RIDE_ROUNDS):
+        for rider in family.members:
+            for host in family.members[rider.index + 1:]:
+                if family.shared_depth(rider.name, host.name) != rider.num_layers:
+                    continue
+                for host_rows, rider_rows in RIDE_POINTS:
+                    alone, host_ms = step([(rider, rider_rows)]), step([(host, host_rows)])
+                    merged = step([(rider, rider_rows), (host, host_rows)])
+                    ratios.setdefault(rider.name, []).append(max(0.0, (merged - host_ms) / alone))
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
+def profile_members(family, config) -> dict[str, MemberCosts]:
+    from orchestrator.core.family import dtype_bytes
+
+    page_bytes = config.pool.page_bytes
+    executor = _executor(family, config)
+    size = dtype_bytes(config.engine.dtype)
+    rides = ride_overlaps(family, config, executor)
     members = {}
     for member in family.members:
         tpb = member.tokens_per_block(page_bytes, size)
@@ -82,7 +132,8 @@ def profile_members(family, config) -> dict[str, MemberCosts]:
         members[member.name] = MemberCosts(
             decode_ms=Grid2D(DECODE_BATCH, DECODE_CONTEXT, tuple(map(tuple, decode))),
             prefill_ms=Grid2D(PREFILL_TOKENS, PREFIX, tuple(map(tuple, prefill))),
-            mix_overlap=statistics.median(overlaps), model=str(member.checkpoint_dir.name))
+            mix_overlap=statistics.median(overlaps), ride_overlap=rides.get(member.name, 1.0),
+            model=str(member.checkpoint_dir.name))
     return members
 
 
@@ -125,14 +176,47 @@ def measure_table(family_name: str = "tiny", overrides: dict[str, Any] | None = 
                      notes=[f"profiled in {time.perf_counter() - started:.0f} s; median of {REPEATS} runs per point",
                             "step_overhead_ms: mean gap between back-to-back steps of a real LocalServing run (the "
                             "serving loop outside execute(): scheduling, tier copies, streaming, the GIL)",
-                            "copy_gb_s 5: host-memory copy of one page (assumed)"])
+                            "copy_gb_s 5: host-memory copy of one page (assumed)",
+                            RIDE_NOTE])
+
+
+RIDE_NOTE = (f"ride_overlap: (merged step - host alone) / rider alone for decodes at {RIDE_CONTEXT} tokens, median over "
+             f"the larger members it nests in, (host rows, rider rows) in {list(RIDE_POINTS)} and {RIDE_ROUNDS} rounds, "
+             f"{RIDE_REPEATS} runs each")
+
+
+def add_ride_overlaps(path: str, family_name: str = "tiny") -> StepTable:
+    """Measures ride_overlap now and writes it into an existing table, keeping its grid (a ratio of steps timed
+    together, so it combines with a grid timed at another moment)."""
+    import dataclasses
+
+    from orchestrator.core.config import load_config
+    from orchestrator.core.family import load_family
+
+    table = load_table(path)
+    config = load_config(overrides={"family": family_name, "engine.device": "cpu"})
+    rides = ride_overlaps(load_family(family_name), config)
+    members = {name: dataclasses.replace(m, ride_overlap=rides.get(name, 1.0)) for name, m in table.members.items()}
+    notes = [n for n in table.notes if not n.startswith("ride_overlap:")]
+    notes.append(f"{RIDE_NOTE}; measured {time.strftime('%Y-%m-%d %H:%M')} UTC, after the grid")
+    table = dataclasses.replace(table, members=members, notes=notes)
+    save_table(table, path)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.simulate.measure", description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="tiny")
     parser.add_argument("--out", default="eval/simulate/tables/tiny_measured.json")
+    parser.add_argument("--ride-overlap-into", metavar="TABLE",
+                        help="measure only ride_overlap (nested members merged into a larger member's forward) and "
+                             "write it into this existing table")
     args = parser.parse_args(argv)
+    if args.ride_overlap_into:
+        table = add_ride_overlaps(args.ride_overlap_into, args.family)
+        print(f"wrote {args.ride_overlap_into}: ride_overlap " + ", ".join(
+            f"{n} {m.ride_overlap:.2f}" for n, m in table.members.items()))
+        return 0
     table = measure_table(args.family)
     save_table(table, args.out)
     print(f"wrote {args.out}: step overhead {table.step_overhead_ms:.2f} ms; decode batch 1 @128: " + ", ".join(

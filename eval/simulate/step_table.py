@@ -5,6 +5,10 @@ Per member:
   prefill_ms[tokens][prefix]    a prefill of `tokens` new tokens after `prefix` tokens already cached
   mix_overlap                   a step holding both costs max(P, D) + mix_overlap * min(P, D) (weights are read
                                 once for both; fitted by whoever built the table)
+  ride_overlap                  a batch of a nested member that rides in a larger member's forward (the local
+                                engine's merged forward: its layers are the host's lower layers) costs
+                                ride_overlap x what it costs alone; 1.0 (the default, and what a table without
+                                the field means) prices it as a forward of its own
 plus the facts that size memory (hf_config, weight_bytes, tp) when the table describes a GPU.
 Between grid points values are interpolated linearly in each axis; beyond the last point they are extrapolated
 from the last two (decode time grows with batch and context), below the first they are clamped.
@@ -81,6 +85,7 @@ class MemberCosts:
     decode_ms: Grid2D                    # (batch, context tokens)
     prefill_ms: Grid2D                   # (new tokens, cached prefix tokens)
     mix_overlap: float = 0.0
+    ride_overlap: float = 1.0            # cost of riding in a larger member's forward, as a share of its own
     model: str | None = None             # the model id the costs were computed for
     tp: int = 1                          # GPUs the member spans (tensor parallel)
     weight_bytes: int | None = None      # per member, all GPUs together
@@ -110,7 +115,8 @@ class StepTable:
                 "gpu_memory_bytes": self.gpu_memory_bytes, "step_overhead_ms": self.step_overhead_ms,
                 "copy_gb_s": self.copy_gb_s, "notes": list(self.notes),
                 "members": {name: {"model": m.model, "tp": m.tp, "weight_bytes": m.weight_bytes,
-                                   "mix_overlap": m.mix_overlap, "hf_config": m.hf_config,
+                                   "mix_overlap": m.mix_overlap, "ride_overlap": m.ride_overlap,
+                                   "hf_config": m.hf_config,
                                    "decode_ms": m.decode_ms.to_dict("batch", "context"),
                                    "prefill_ms": m.prefill_ms.to_dict("tokens", "prefix")}
                             for name, m in self.members.items()}}
@@ -123,7 +129,8 @@ class StepTable:
         try:
             members = {name: MemberCosts(decode_ms=Grid2D.from_dict(m["decode_ms"], "batch", "context"),
                                          prefill_ms=Grid2D.from_dict(m["prefill_ms"], "tokens", "prefix"),
-                                         mix_overlap=float(m.get("mix_overlap", 0.0)), model=m.get("model"),
+                                         mix_overlap=float(m.get("mix_overlap", 0.0)),
+                                         ride_overlap=float(m.get("ride_overlap", 1.0)), model=m.get("model"),
                                          tp=int(m.get("tp", 1)), weight_bytes=m.get("weight_bytes"),
                                          hf_config=m.get("hf_config"))
                        for name, m in data["members"].items()}
