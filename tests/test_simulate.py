@@ -202,6 +202,20 @@ def test_sim_executor_tokens_and_confidences_depend_only_on_request_member_and_p
     assert one.request_keys == {} and one._key_crc == {} and one.token_id("x", 4) == a[0].token_id
 
 
+def test_sim_executor_replays_a_real_reply_where_it_has_one_and_the_stream_beyond():
+    """The validation's --token-stream replay: a request's recorded reply gives the token at each of its positions
+    (so the next closed-loop prompt is the real one); past its end, and for other requests, the seeded stream."""
+    family = nested_family()
+    lib = library(members=("s", "m", "l"))
+    plain = SimExecutor(family, 64, 1024, FakeCost(), lib, vocab_size=50)
+    replay = SimExecutor(family, 64, 1024, FakeCost(), lib, vocab_size=50, request_keys={"r": "x"},
+                         replies={"x": [11, 12, 13]})
+    out = replay.execute(StepPlan(batches=[MemberBatch("s", [chunk("r", 9, 1, generated=1)])]))
+    assert out[0].token_id == 12
+    assert [replay.token_id("x", p) for p in (0, 2, 3, 7)] == [11, 13, plain.token_id("x", 3), plain.token_id("x", 7)]
+    assert replay.token_id("y", 0) == plain.token_id("y", 0)
+
+
 def test_confidence_library_prefers_the_requests_own_recorded_sequence():
     lib = ConfidenceLibrary(family="tiny", source="t", members={"tiny-s": [[0.1], [0.2], [0.3]]},
                             by_request={"s1-t0|tiny-s": 2})

@@ -129,10 +129,12 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
 
 
 def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
-               vocab_size: int, stats_interval_s: float) -> tuple[SimRun, dict[str, Any]]:
+               vocab_size: int, stats_interval_s: float,
+               replies: dict[str, list[int]] | None = None) -> tuple[SimRun, dict[str, Any]]:
+    """replies: request key -> token ids of a real run of this system on this trace, replayed (validation)."""
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
-                           members_in_parallel=setup.members_in_parallel)
+                           members_in_parallel=setup.members_in_parallel, replies=replies)
 
     def make_nodes(clock, events, on_output):
         return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output)

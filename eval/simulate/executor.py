@@ -3,7 +3,9 @@ long the step would have taken.
 
 Durations: the cost model's fixed per-step overhead, plus the member batches (one after the other when the
 members share a device, side by side when each has its own), plus the tier copies made before the step.
-Tokens: a seeded stream, token = hash(request key, position), the same in every system. Confidences: the
+Tokens: a seeded stream, token = hash(request key, position), the same in every system; or, when a real run's
+replies are given (the validation replays its own real runs), that run's reply token at that position, so a
+closed-loop session's next prompt is the real one and the router reads the same text. Confidences: the
 recorded library (confidence.py). Page contents are not simulated: read_page returns one shared block of
 page_bytes zeros, so the host tier's byte accounting is exact while holding no real memory per page.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from eval.simulate.confidence import ConfidenceLibrary
 from eval.simulate.cost_model import CostModel, plan_shapes
@@ -24,7 +26,8 @@ FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (p
 class SimExecutor:
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, cost: CostModel,
                  confidences: ConfidenceLibrary, vocab_size: int, members_in_parallel: bool = False,
-                 request_keys: dict[str, str] | None = None) -> None:
+                 request_keys: dict[str, str] | None = None,
+                 replies: Mapping[str, Sequence[int]] | None = None) -> None:
         self.family = family
         self.num_pages = num_pages
         self.page_bytes = page_bytes
@@ -33,6 +36,7 @@ class SimExecutor:
         self.vocab_size = vocab_size
         self.members_in_parallel = members_in_parallel
         self.request_keys = request_keys if request_keys is not None else {}
+        self.replies = replies or {}             # request key -> a real run's reply (token ids), replayed
         self._zero_page = bytes(page_bytes)
         self._key_crc: dict[str, int] = {}      # request key -> CRC-32 of its bytes (the token stream's prefix)
         self._copy_bytes = 0
@@ -45,7 +49,11 @@ class SimExecutor:
 
     def token_id(self, key: str, position: int) -> int:
         """FIRST_TOKEN_ID + crc32(f"{key}:{position}") mod the rest of the vocabulary. The CRC runs on: the key's
-        part is computed once per request, then continued over ":position" (the same value as over the whole)."""
+        part is computed once per request, then continued over ":position" (the same value as over the whole).
+        A replayed real reply gives its own token where it has one."""
+        reply = self.replies.get(key)
+        if reply is not None and position < len(reply):
+            return reply[position]
         seed = self._key_crc.get(key)
         if seed is None:
             seed = self._key_crc[key] = zlib.crc32(key.encode())

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.bench import BenchSettings, config_for, prepare, run_system as run_real
-from eval.simulate.confidence import ConfidenceLibrary, write_library
+from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
 from eval.simulate.cost_model import LinearCostModel, fit_linear, plan_shapes
 from eval.simulate.fleet import Placement
 from eval.simulate.setup import SimSetup
@@ -82,7 +82,7 @@ def machine_probe_ms(repeats: int = 5) -> list[float]:
 
 def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
     family, trace, split, notes = prepare(settings)
-    out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}, "probe_ms": {}}
+    out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}, "probe_ms": {}, "replies": {}}
     records_all = []
     for name in settings.systems:
         log: list = []
@@ -90,6 +90,10 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
         records, metrics = asyncio.run(run_real(name, config_for(name, settings, split), trace, instrument=_instrument(log)))
         out["probe_ms"][name] = {"before": before, "after": machine_probe_ms()}
         records_all += records
+        # The replies as generated: the simulation replays them, so each closed-loop turn's prompt (and what the
+        # router reads in it) is the real run's, not a seeded token stream's.
+        out["replies"][name] = {request_key(r.session_id, r.turn_index): list(r.output_token_ids)
+                                for r in records if r.ok}
         out["systems"][name] = metrics   # summarize() already carries ttft_p90_s
         gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
         out["steps"][name] = {"observations": [(shapes, seconds) for _, seconds, shapes in log],
@@ -141,8 +145,9 @@ def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, s
 
 
 def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostModel | dict[str, LinearCostModel],
-                  conf_path: Path) -> dict[str, Any]:
-    """Every system simulated on `cost` (one model, or one per system)."""
+                  conf_path: Path, replay_replies: bool = True) -> dict[str, Any]:
+    """Every system simulated on `cost` (one model, or one per system), replaying each system's real replies when
+    the run saved them and replay_replies (else the seeded token stream)."""
     from eval.simulate.cli import run_system as run_sim
     from orchestrator.core.family import load_family
     from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -156,8 +161,9 @@ def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostMode
         setup = SimSetup(family_name=family.name, family=None, member_names=family.member_names,
                          cost=cost[name] if isinstance(cost, dict) else cost, placement=Placement("colocated"),
                          num_pages=settings.kv_pages, page_bytes=0, split=None)
+        replies = real_rate.get("replies", {}).get(name) if replay_replies else None
         _, metrics = run_sim(name, config_for(name, settings, real_rate["split"]), setup, real_rate["trace"], library,
-                             tokenizer.vocab_size, 0.5)
+                             tokenizer.vocab_size, 0.5, replies=replies)
         out[name] = metrics
     return out
 
@@ -182,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="validation.json")
     parser.add_argument("--save-fit", default=None, metavar="FILE", help="write the fit over every rate (mfs-step-fit/1)")
     parser.add_argument("--reuse", action="store_true", help="reuse the real runs saved in --work-dir by an earlier call")
+    parser.add_argument("--token-stream", choices=("replay", "hash"), default="hash",
+                        help="hash (default): the seeded token stream mfs simulate uses everywhere; replay: the "
+                             "simulated replies are the real run's own (runs saved before session 22 have none)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.core.family import load_family
 
     members = load_family(base.family).member_names
+    replay = args.token_stream == "replay"
     runs = {r: real[r][1] for r in rates}
     in_sample = fit(runs, rates, members)      # the same for every rate (and what --save-fit writes)
     for rate in rates:
@@ -211,24 +221,24 @@ def main(argv: list[str] | None = None) -> int:
         held_out_scaled = probe_scaled(runs, others, rate, systems, held_out)
         conf = work / f"confidences_r{rate}.json"
         results[str(rate)] = {
-            "held_out": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out, conf)),
+            "held_out": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out, conf, replay)),
                          "cost_model": held_out.describe()},
-            "in_sample": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, in_sample, conf)),
+            "in_sample": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, in_sample, conf, replay)),
                           "cost_model": in_sample.describe()},
-            "same_run": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, same_run, conf)),
+            "same_run": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, same_run, conf, replay)),
                          "cost_model": same_run.describe()},
-            "own_steps": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, own_steps, conf)),
+            "own_steps": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, own_steps, conf, replay)),
                           "cost_model": {n: m.describe() for n, m in own_steps.items()}},
             "machine_probe_ms": real_rate.get("probe_ms")}
         if held_out_scaled is not None:
             results[str(rate)]["held_out_scaled"] = {
-                **compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out_scaled, conf)),
+                **compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out_scaled, conf, replay)),
                 "cost_model": {n: m.describe() for n, m in held_out_scaled.items()}}
     def worst_of(variant: str) -> float | None:
         return max((abs(n["mean_token_latency_s"]) for r in results.values() if variant in r
                     for n in r[variant]["errors"].values() if n["mean_token_latency_s"] is not None), default=None)
     worst = worst_of("held_out")
-    summary = {"rates": rates, "systems": list(systems), "target_error": TARGET_ERROR,
+    summary = {"rates": rates, "systems": list(systems), "target_error": TARGET_ERROR, "token_stream": args.token_stream,
                "worst_abs_error_mean_token_latency_held_out": worst,
                "worst_abs_error_mean_token_latency": {v: worst_of(v) for v in VARIANTS},
                "same_order_every_rate": {v: all(r[v]["same_order"] for r in results.values() if v in r)
