@@ -139,8 +139,11 @@ def test_unknown_route_and_method_are_openai_shaped(served):
 
 
 def test_server_timeout_aborts(family, tokenizer):
-    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT), token_delay_s=0.05)
-    app = create_app(engine, tokenizer, family, ServerSettings(request_timeout_s=0.3))
+    # The timeout runs from the request's arrival: 1.5 s leaves a slow machine time to reach the engine (with
+    # 0.3 s a CI run once timed out before the first token was asked for, so the engine never saw the request),
+    # and 100 tokens at 0.1 s each cannot finish inside it.
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT), token_delay_s=0.1)
+    app = create_app(engine, tokenizer, family, ServerSettings(request_timeout_s=1.5))
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10) as http:
         response = http.post(COMP, json={"model": "tiny", "prompt": "x", "max_tokens": 100})
         assert_error(response, 504, None)
