@@ -478,3 +478,27 @@ def test_ride_overlap_is_measured_on_the_real_engine_and_written_into_a_table_ke
         assert member.ride_overlap != 1.0 and member.ride_overlap >= 0.0
         assert member.decode_ms == grid and member.prefill_ms == prefill and member.mix_overlap == 0.3
     assert written.notes[0] == "kept" and written.notes[1].startswith("ride_overlap:")
+
+
+def test_step_check_recovers_the_ride_overlap_real_merged_steps_imply():
+    """eval.simulate.step_check: real steps that run k times the grid, with riders at r of their own cost, read
+    k for every kind with ride_overlap r in the table, less than k for merged kinds without it, and imply r."""
+    from eval.simulate.step_check import check
+
+    grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((2.0, 4.0), (9.0, 11.0)))
+    prefill = Grid2D((10.0, 20.0), (0.0, 100.0), ((10.0, 10.0), (20.0, 20.0)))
+    table = StepTable(source="test", members={m: MemberCosts(grid, prefill, ride_overlap=0.4) for m in ("s", "m", "l")})
+    truth = TableCostModel(table)
+    steps = []
+    for rows in (1, 2, 3):
+        for member in ("m", "l"):
+            shapes = [BatchShape(member, (100,) * rows, ())]
+            steps.append((shapes, 2.5 * truth.batch_s(shapes[0])))
+        merged = [BatchShape("m", (300,) * rows, (), own_forward=False), BatchShape("l", (200,), ())]
+        steps.append((merged, 2.5 * sum(truth.batch_s(s) for s in merged)))
+    steps.append(([BatchShape("l", (), ((16, 0),))], 99.0))                     # prefill steps are left out
+    result = check(steps, table)
+    assert result["k"]["with"] == pytest.approx(2.5)
+    assert result["merged l+m"]["with"] == pytest.approx(2.5) and result["merged l+m"]["without"] < 2.4
+    assert result["merged l+m"]["implied_ride_overlap"] == pytest.approx(0.4)
+    assert result["alone l"]["steps"] == 3 and not any("16" in kind for kind in result)
