@@ -40,7 +40,7 @@ def plan_shapes(plan: StepPlan, family: FamilySpec) -> list[BatchShape]:
         if not batch.chunks:
             continue
         spec = family.member(batch.member)
-        nested = any(_nests_in(family, batch.member, other) for other in present)
+        nested = any(rides_in(family, batch.member, other) for other in present)
         shapes.append(batch_shape(batch, spec.num_layers, own_forward=not nested))
     return shapes
 
@@ -48,7 +48,7 @@ def plan_shapes(plan: StepPlan, family: FamilySpec) -> list[BatchShape]:
 _NESTS: dict[tuple[int, str, str], tuple[FamilySpec, bool]] = {}   # asked every simulated step: answered once
 
 
-def _nests_in(family: FamilySpec, member: str, other: str) -> bool:
+def rides_in(family: FamilySpec, member: str, other: str) -> bool:
     """Whether member's layers are the lower layers of the larger member `other` (it rides in other's forward)."""
     entry = _NESTS.get((id(family), member, other))
     if entry is None or entry[0] is not family:

@@ -32,6 +32,9 @@ RIDE_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2), (4, 4), (8, 8))   # (host rows, r
 RIDE_CONTEXT = 256
 RIDE_REPEATS = 9                # runs per step shape and round
 RIDE_ROUNDS = 3                 # every point again, a round later: the machine drifts within a minute
+RIDE_NOTE = (f"ride_overlap: (merged step - host alone) / rider alone for decodes at {RIDE_CONTEXT} tokens, median over "
+             f"the larger members it nests in, (host rows, rider rows) in {list(RIDE_POINTS)} and {RIDE_ROUNDS} rounds, "
+             f"{RIDE_REPEATS} runs each")
 REPEATS = 3
 ARENA_PAGES = 4096
 
@@ -80,27 +83,24 @@ def ride_overlaps(family, config, executor=None) -> dict[str, float]:
     - host alone) / (rider alone), the three timed in the same seconds (a ratio, so the machine's drift between
     minutes cancels). The engine merges the rider into the host's forward (engines/local/executor.py). Chunks
     write their exit residuals where serving's layout asks for them (the riders of a nested family do)."""
-    from orchestrator.core.family import dtype_bytes
+    from eval.simulate.cost_model import rides_in
+    from orchestrator.core.kv_layout import KVLayout
     from orchestrator.core.types import StepPlan
 
-    from orchestrator.core.kv_layout import KVLayout
-
     executor = executor or _executor(family, config)
-    size = dtype_bytes(config.engine.dtype)
-    tpb = {m.name: m.tokens_per_block(config.pool.page_bytes, size) for m in family.members}
-    layout = KVLayout.for_config(family, config)      # who writes exit residuals in serving (nested handover)
+    layout = KVLayout.for_config(family, config)      # block sizes, and who writes exit residuals in serving
 
     def step(parts: list[tuple[Any, int]]) -> float:
         batches = [b for member, rows in parts
-                   for b in _plan(member, tpb[member.name], [(RIDE_CONTEXT, 1, True)] * rows, ARENA_PAGES,
-                                  residuals=layout.records_residual(member.name)).batches]
+                   for b in _plan(member, layout.tokens_per_block(member.name), [(RIDE_CONTEXT, 1, True)] * rows,
+                                  ARENA_PAGES, residuals=layout.records_residual(member.name)).batches]
         return _time(executor, StepPlan(batches=batches), RIDE_REPEATS)
 
     ratios: dict[str, list[float]] = {}
     for _ in range(RIDE_ROUNDS):
         for rider in family.members:
-            for host in family.members[rider.index + 1:]:
-                if family.shared_depth(rider.name, host.name) != rider.num_layers:
+            for host in family.members:
+                if not rides_in(family, rider.name, host.name):
                     continue
                 for host_rows, rider_rows in RIDE_POINTS:
                     alone, host_ms = step([(rider, rider_rows)]), step([(host, host_rows)])
@@ -178,11 +178,6 @@ def measure_table(family_name: str = "tiny", overrides: dict[str, Any] | None = 
                             "serving loop outside execute(): scheduling, tier copies, streaming, the GIL)",
                             "copy_gb_s 5: host-memory copy of one page (assumed)",
                             RIDE_NOTE])
-
-
-RIDE_NOTE = (f"ride_overlap: (merged step - host alone) / rider alone for decodes at {RIDE_CONTEXT} tokens, median over "
-             f"the larger members it nests in, (host rows, rider rows) in {list(RIDE_POINTS)} and {RIDE_ROUNDS} rounds, "
-             f"{RIDE_REPEATS} runs each")
 
 
 def add_ride_overlaps(path: str, family_name: str = "tiny") -> StepTable:

@@ -145,7 +145,7 @@ def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, s
 
 
 def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostModel | dict[str, LinearCostModel],
-                  conf_path: Path, replay_replies: bool = True) -> dict[str, Any]:
+                  conf_path: Path, replay_replies: bool = False) -> dict[str, Any]:
     """Every system simulated on `cost` (one model, or one per system), replaying each system's real replies when
     the run saved them and replay_replies (else the seeded token stream)."""
     from eval.simulate.cli import run_system as run_sim
