@@ -424,3 +424,75 @@ def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
     h.run(2000)
     assert h.scheduler.loads()["s"].escalation_rate == 1.0
     assert h.scheduler.loads()["m"].escalation_rate == 0.0 and h.scheduler.escalation_rates._count == {"s": 2, "m": 2}
+
+
+def _admission_order(order: str, aging_steps: int | None, late_short: bool = False) -> list[str]:
+    """One running request (batch cap 1); a long and a short fresh request wait behind it on the same member."""
+    h = Harness(**{"scheduler.max_running_requests": 1, "scheduler.queue_order": order,
+                   "scheduler.aging_steps": aging_steps, "escalation.enabled": False})
+    h.submit("running", PROMPT, max_tokens=10, pinned_member=MemberName("m"))
+    h.step()
+    h.submit("long", [4] + PROMPT, max_tokens=30, pinned_member=MemberName("m"))
+    if late_short:
+        for _ in range(4):      # the long one waits past the aging bound and is held
+            h.step()
+        assert h.scheduler._by_id["long"].held
+    h.submit("short", [5] + PROMPT, max_tokens=3, pinned_member=MemberName("m"))
+    h.run(1000)
+    admits = [e.request_id for e in h.scheduler.events.recent() if e.kind is EventKind.ADMIT]
+    assert h.tokens("long") and h.tokens("short")
+    return [r for r in admits if r in ("long", "short")]
+
+
+def test_shortest_first_admits_the_shorter_fresh_request_first_but_never_passes_an_aged_one():
+    assert _admission_order("fcfs", None) == ["long", "short"]
+    assert _admission_order("shortest_first", None) == ["short", "long"]
+    assert _admission_order("shortest_first", 3, late_short=True) == ["long", "short"]   # held: keeps its place
+    assert _admission_order("fcfs", 3, late_short=True) == ["long", "short"]
+
+
+def test_shortest_first_delay_estimate_counts_only_the_requests_ranked_ahead():
+    delays = {}
+    for order, queued in (("fcfs", True), ("shortest_first", True), ("shortest_first", False)):
+        h = Harness(**{"scheduler.max_running_requests": 1, "scheduler.queue_order": order,
+                       "escalation.enabled": False})
+        h.submit("running", PROMPT, max_tokens=40, pinned_member=MemberName("m"))
+        h.step()
+        if queued:
+            h.submit("long", [4] * 200, max_tokens=30, pinned_member=MemberName("m"))
+        h.step()
+        h.step()
+        probe = Request(RequestId("probe"), list(PROMPT), SamplingParams(max_tokens=2, ignore_eos=True), h.now)
+        delays[order, queued] = h.scheduler.loads(probe)["m"].expected_delay_s
+    # Shortest first: the long request waits behind the probe, so the probe's wait is as if it were not queued.
+    assert delays["shortest_first", True] == delays["shortest_first", False] < delays["fcfs", True]
+
+
+def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
+    """PoolDemand.admitted adds the new request's term to the cached bound instead of recomputing it: after
+    every admission of a burst (prefix sharing, nested handovers, a pool tight enough to wait) the cached
+    bound must equal the sum over the running requests computed from scratch."""
+    h = Harness(low_confidence=("s",), **{"pool.num_pages": 400, "escalation.min_tokens": 4,
+                                          "escalation.window_tokens": 4, "escalation.warmup": False,
+                                          "router.complexity_thresholds": [0.3, 0.6]})
+    demand, scheduler = h.scheduler.demand, h.scheduler
+    original = scheduler._try_admit
+    checked = []
+
+    def checked_admit(seq, *args, **kwargs):
+        admitted = original(seq, *args, **kwargs)
+        part = demand.partition_of(seq.member)
+        if admitted and part in demand._bounds:
+            fresh = sum(demand.future_pages(s) for s in scheduler._running.values())
+            assert demand._bounds[part] == fresh, seq.request_id
+            checked.append(seq.request_id)
+        return admitted
+
+    scheduler._try_admit = checked_admit
+    for step in range(60):
+        if step % 10 == 0:
+            for i in range(4):      # a burst: several admissions in one step, some sharing a prefix
+                h.submit(f"b{step}-{i}", PROMPT + [i % 2 + 3] * (i + 1), max_tokens=6 + 3 * i)
+        h.step()
+    h.run(3000)
+    assert len(checked) >= 5

@@ -447,6 +447,10 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
     # GPU families: no wait-avoiding downgrade into a member that escalates most of its requests back out
     assert configs["mfs"].router.downgrade_max_escalation_rate == 0.5
     assert not configs["baseline"].router.use_load          # the baseline never downgrades
+    # Both systems' steps are capped by the same token budget (the CPU's stall-aware 512 starved GPU prefill)
+    for name in ("mfs", "baseline"):
+        sched = configs[name].scheduler
+        assert sched.decode_step_token_budget is None and sched.max_batch_tokens == GPU_SCHEDULER["scheduler.max_batch_tokens"]
 
 
 def _tokenizer():

@@ -58,6 +58,7 @@ class SchedulerConfig:
     swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
     member_floor_share: float | None = None   # share of the pool each member's admissions can always get (shared pool)
+    queue_order: str = "fcfs"             # fcfs | shortest_first (fresh requests by expected remaining decode)
     # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
     # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
     # orchestrator/core/deployments.py
@@ -168,6 +169,8 @@ class MFSConfig:
         _check(sched.aging_steps is None or sched.aging_steps > 0, "scheduler.aging_steps", "must be positive or null")
         _check(sched.victim_order in ("priority_progress", "youngest"), "scheduler.victim_order",
                f"must be priority_progress or youngest, got {sched.victim_order!r}")
+        _check(sched.queue_order in ("fcfs", "shortest_first"), "scheduler.queue_order",
+               f"must be fcfs or shortest_first, got {sched.queue_order!r}")
         _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
                "scheduler.decode_step_token_budget", "must be positive or null")
         _check(sched.member_floor_share is None or 0 < sched.member_floor_share <= 1, "scheduler.member_floor_share",

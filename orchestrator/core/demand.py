@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from orchestrator.core.config import SchedulerConfig
 from orchestrator.core.sequence import Sequence
+from orchestrator.core.types import SamplingParams
 
 
 class NewTokenRatio:
@@ -38,18 +39,37 @@ class NewTokenRatio:
 
 
 def is_length_fixed(seq: Sequence) -> bool:
-    sampling = seq.request.sampling
+    return _fixed(seq.request.sampling)
+
+
+def _fixed(sampling: SamplingParams) -> bool:
     return sampling.ignore_eos or sampling.min_tokens >= sampling.max_tokens
+
+
+def expected_rest_tokens(sampling: SamplingParams, num_generated: int, ratio: float) -> int:
+    """Tokens a request is still expected to generate: all of max_tokens left when its length is fixed,
+    a share `ratio` of them otherwise."""
+    remaining = max(0, sampling.max_tokens - num_generated)
+    return remaining if _fixed(sampling) else math.ceil(remaining * ratio)
 
 
 def expected_final_tokens(seq: Sequence, ratio: float, context_tokens: int) -> int:
     """Tokens this request is expected to hold when it ends (prompt + generated so far + expected rest)."""
     if seq.is_warmup:
         return len(seq.token_ids)          # a warm-up only prefills
-    remaining = max(0, seq.request.sampling.max_tokens - seq.num_generated)
-    if not is_length_fixed(seq):
-        remaining = math.ceil(remaining * ratio)
-    return min(context_tokens, len(seq.token_ids) + remaining)
+    return min(context_tokens, len(seq.token_ids) + expected_rest_tokens(seq.request.sampling, seq.num_generated,
+                                                                        ratio))
+
+
+def queue_rank(seq: Sequence, ratio: float, context_tokens: int) -> tuple[int, int]:
+    """scheduler.queue_order=shortest_first's sort key over waiting requests (the smallest is admitted first).
+    A request that already ran (preempted, escalated) or has waited past the aging bound keeps its place
+    ahead of every fresh one; fresh requests go by their expected remaining decode tokens, the part of a
+    request's time that grows with its length (shortest first minimises the mean wait; aging bounds the
+    longest one's)."""
+    if seq.held or seq.num_admissions or seq.num_escalations:
+        return (0, 0)
+    return (1, expected_final_tokens(seq, ratio, context_tokens) - len(seq.token_ids))
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ from collections.abc import Collection
 
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
-                                      is_length_fixed, peak_growth, steps_until_fit)
+                                      expected_rest_tokens, is_length_fixed, peak_growth, queue_rank,
+                                      steps_until_fit)
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
@@ -33,6 +34,9 @@ class PoolDemand:
         self.ratio = NewTokenRatio(config.scheduler)
         self._cache: dict[str | None, int] = {}   # partition -> reserved_pages; cleared on every change
         self._demands: dict[str | None, list[RunningDemand]] = {}   # partition -> running demands; likewise
+        # partition -> reserved_pages_bound: a sum of per-request terms, so an admission adds its own term
+        # (admitted) instead of clearing it; everything else clears it
+        self._bounds: dict[str | None, int] = {}
         # member -> (tokens per block, pages per block, context tokens): the layout's numbers, read per running
         # request on every arrival and admission (kv.pages_for_tokens through three calls cost more than the sums)
         self._geometry = {m.name: (kv.tokens_per_block(m.name), kv.pages_per_block(m.name), m.context_tokens)
@@ -45,6 +49,18 @@ class PoolDemand:
         """The running set or a request's pages changed: reservations must be recomputed."""
         self._cache.clear()
         self._demands.clear()
+        self._bounds.clear()
+
+    def admitted(self, seq: Sequence) -> None:
+        """`seq` was just admitted (attached, now running): what it changed is its own term. Another running
+        request's future_pages reads only that request (its tokens, blocks held, the ratio, which moves once per
+        step), so the bound of seq's partition grows by seq's term; the exact reservation and the delay inputs
+        also depend on which pages are shared, so they are recomputed."""
+        self._cache.clear()
+        self._demands.clear()
+        part = self.partition_of(seq.member)
+        if part in self._bounds:
+            self._bounds[part] += self.future_pages(seq)
 
     def partition_of(self, member: str) -> str | None:
         return member if self._partitioned else None
@@ -113,14 +129,18 @@ class PoolDemand:
         mode = self.config.scheduler.decode_reservation
         if mode == "block":
             return 0
-        cached = self._cache.get(self.partition_of(member))
+        part = self.partition_of(member)
+        cached = self._cache.get(part)
         if cached is not None:
             return cached
-        # future_pages is each request's whole growth to its end when its length is fixed (the ratio does not
-        # apply to it) and its expected rest otherwise, the same in either branch of reserved_pages.
-        partitioned = self._partitioned
-        return sum(self.future_pages(seq) for seq in self._running.values()
-                   if not partitioned or seq.member == member)
+        bound = self._bounds.get(part)
+        if bound is None:
+            # future_pages is each request's whole growth to its end when its length is fixed (the ratio does not
+            # apply to it) and its expected rest otherwise, the same in either branch of reserved_pages.
+            partitioned = self._partitioned
+            bound = self._bounds[part] = sum(self.future_pages(seq) for seq in self._running.values()
+                                             if not partitioned or seq.member == member)
+        return bound
 
     def demand_pages(self, seq: Sequence) -> int:
         """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
@@ -141,10 +161,20 @@ class PoolDemand:
             return {"pool_pressure": pressure, "pages_per_token": pages_per_token, "step_s": step_s}
         need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
         queued_tokens = 0
+        # shortest_first: only the waiting requests ranked at or before it are ahead (queue_rank; a new request
+        # is fresh, so its rank is (1, its expected decode))
+        rank = None
+        if self.config.scheduler.queue_order == "shortest_first":
+            prompt = len(request.prompt_token_ids)
+            rest = expected_rest_tokens(request.sampling, 0, self.ratio.value)
+            rank = (1, min(spec.context_tokens, prompt + rest) - prompt)
+        ratio = self.ratio.value
         for queue in self._waiting.values():
             for seq in queue:
                 # Ahead of it: its own member's queue (FCFS per member) and every held (aged) request;
                 # other members' waiting requests are bypassed (per-member head-of-line).
+                if rank is not None and queue_rank(seq, ratio, self._geometry[seq.member][2]) > rank:
+                    continue
                 if not seq.is_warmup and self.in_partition(seq, member) and (seq.member == member or seq.held):
                     need += self.demand_pages(seq)
                     queued_tokens += len(seq.token_ids)

@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.demand import victim_key
+from orchestrator.core.demand import queue_rank, victim_key
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import (ConfidenceMonitor, EscalationRates, escalation_target, handover_target,
                                           in_warmup_band)
@@ -345,12 +345,15 @@ class Scheduler:
         seq.shared_depth = 0
 
     def _admit(self, plan: StepPlan, now_s: float) -> None:
-        """FCFS within a priority with per-member head-of-line blocking (one member's full pool never
-        blocks another), except that a request waiting scheduler.aging_steps or longer has its pages
+        """FCFS within a priority (or shortest expected decode first among fresh requests, with
+        scheduler.queue_order=shortest_first) with per-member head-of-line blocking (one member's full pool
+        never blocks another), except that a request waiting scheduler.aging_steps or longer has its pages
         held: later requests in its pool are admitted only if they fit beside them (no starvation).
         With scheduler.member_floor_share (shared pool only), a first pass admits the head of every member
         whose running requests would stay within its floor with it: other members' aged requests do not hold
         pages against it, and when it does not fit its pages are held against everyone after it."""
+        if self.config.scheduler.queue_order == "shortest_first":
+            self._sort_queues()
         held: dict[str | None, int] = {}
         blocked: set[str] = set()
         holding: set[RequestId] = set()
@@ -362,6 +365,15 @@ class Scheduler:
             # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
             for name in self.family.member_names:
                 self._release_pins(name, now_s)
+
+    def _sort_queues(self) -> None:
+        """scheduler.queue_order=shortest_first: each priority's queue by demand.queue_rank (stable: requests
+        that already ran or aged keep their FCFS order at the front, equal fresh ones keep theirs)."""
+        ratio = self.demand.ratio.value
+        for priority, queue in self._waiting.items():
+            if len(queue) > 1:
+                self._waiting[priority] = deque(sorted(
+                    queue, key=lambda s: queue_rank(s, ratio, self.family.member(s.member).context_tokens)))
 
     def _floor_usage(self) -> dict[str, int] | None:
         """Pages each member's running requests will hold at their expected end (member_floor_share's
@@ -461,7 +473,7 @@ class Scheduler:
         if seq.num_admissions == 0 and not seq.is_warmup:
             self.stats.on_queue_wait(seq.member, now_s - seq.request.arrival_s)
         seq.num_admissions += 1
-        self.demand.clear()
+        self.demand.admitted(seq)
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(match.num_full_tokens, seq.num_prompt_tokens)
         if seq.count_query:
