@@ -220,20 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         own_steps = {name: fit(runs, [rate], members, system=name) for name in systems}
         held_out_scaled = probe_scaled(runs, others, rate, systems, held_out)
         conf = work / f"confidences_r{rate}.json"
-        results[str(rate)] = {
-            "held_out": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out, conf, replay)),
-                         "cost_model": held_out.describe()},
-            "in_sample": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, in_sample, conf, replay)),
-                          "cost_model": in_sample.describe()},
-            "same_run": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, same_run, conf, replay)),
-                         "cost_model": same_run.describe()},
-            "own_steps": {**compare(real_rate["systems"], simulate_rate(settings, real_rate, own_steps, conf, replay)),
-                          "cost_model": {n: m.describe() for n, m in own_steps.items()}},
-            "machine_probe_ms": real_rate.get("probe_ms")}
+
+        def variant(cost: LinearCostModel | dict[str, LinearCostModel]) -> dict[str, Any]:
+            """One cost model's simulation of this rate against the real run, with the model it used."""
+            described = cost.describe() if isinstance(cost, LinearCostModel) else {n: m.describe() for n, m in cost.items()}
+            return {**compare(real_rate["systems"], simulate_rate(settings, real_rate, cost, conf, replay)),
+                    "cost_model": described}
+        results[str(rate)] = {"held_out": variant(held_out), "in_sample": variant(in_sample),
+                              "same_run": variant(same_run), "own_steps": variant(own_steps),
+                              "machine_probe_ms": real_rate.get("probe_ms")}
         if held_out_scaled is not None:
-            results[str(rate)]["held_out_scaled"] = {
-                **compare(real_rate["systems"], simulate_rate(settings, real_rate, held_out_scaled, conf, replay)),
-                "cost_model": {n: m.describe() for n, m in held_out_scaled.items()}}
+            results[str(rate)]["held_out_scaled"] = variant(held_out_scaled)
     def worst_of(variant: str) -> float | None:
         return max((abs(n["mean_token_latency_s"]) for r in results.values() if variant in r
                     for n in r[variant]["errors"].values() if n["mean_token_latency_s"] is not None), default=None)

@@ -69,7 +69,16 @@ def queue_rank(seq: Sequence, ratio: float, context_tokens: int) -> tuple[int, i
     longest one's)."""
     if seq.held or seq.num_admissions or seq.num_escalations:
         return (0, 0)
-    return (1, expected_final_tokens(seq, ratio, context_tokens) - len(seq.token_ids))
+    if seq.is_warmup:
+        return (1, 0)                      # a warm-up only prefills
+    return fresh_rank(len(seq.token_ids), expected_rest_tokens(seq.request.sampling, seq.num_generated, ratio),
+                      context_tokens)
+
+
+def fresh_rank(num_tokens: int, rest_tokens: int, context_tokens: int) -> tuple[int, int]:
+    """queue_rank of a request that has not run: its expected decode tokens within the context. Also the rank
+    the router gives a request still being routed (num_tokens = its prompt)."""
+    return (1, min(context_tokens, num_tokens + rest_tokens) - num_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from collections.abc import Collection
 
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
-                                      expected_rest_tokens, is_length_fixed, peak_growth, queue_rank,
-                                      steps_until_fit)
+                                      expected_rest_tokens, fresh_rank, is_length_fixed, peak_growth,
+                                      queue_rank, steps_until_fit)
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
@@ -163,11 +163,9 @@ class PoolDemand:
         queued_tokens = 0
         # shortest_first: only the waiting requests ranked at or before it are ahead (queue_rank; a new request
         # is fresh, so its rank is (1, its expected decode))
-        rank = None
-        if self.config.scheduler.queue_order == "shortest_first":
-            prompt = len(request.prompt_token_ids)
-            rest = expected_rest_tokens(request.sampling, 0, self.ratio.value)
-            rank = (1, min(spec.context_tokens, prompt + rest) - prompt)
+        rank = (fresh_rank(len(request.prompt_token_ids), expected_rest_tokens(request.sampling, 0, self.ratio.value),
+                           spec.context_tokens)
+                if self.config.scheduler.queue_order == "shortest_first" else None)
         ratio = self.ratio.value
         for queue in self._waiting.values():
             for seq in queue:
