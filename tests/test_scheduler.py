@@ -432,6 +432,7 @@ def test_memoized_private_page_count_equals_the_pools_count_at_every_step(scenar
             if seq.kv is None:
                 continue
             pages = seq.kv.all_pages()
+            assert seq.kv.num_pages() == len(pages)     # whole blocks in every layer's table
             direct = h.pool.num_private(pages)
             assert h.kv.num_private_pages(seq.kv) == direct, (scenario, step, seq.request_id)
             shared_seen += direct < len(pages)

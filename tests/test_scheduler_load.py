@@ -197,9 +197,9 @@ def test_peak_growth_counts_what_ends_before_the_peak():
     def pages(n):               # 4 tokens a block, 2 pages a block
         return -(-n // 4) * 2
     # A: 8 tokens now (4 pages held, all private), ends after 4 steps at 12 tokens: grows 2 pages, then frees 4+2.
-    a = decode_profile(4, 8, 12, 4, 4, pages, slack_tokens=1)
+    a = decode_profile(4, 8, 12, 4, 4, pages, slack_tokens=1, tokens_per_block=4)
     # B: 4 tokens now, grows to 24 over 20 steps (10 more pages), nothing private (a shared prefix).
-    b = decode_profile(20, 4, 24, 2, 0, pages, slack_tokens=1)
+    b = decode_profile(20, 4, 24, 2, 0, pages, slack_tokens=1, tokens_per_block=4)
     assert a.growth_pages == (2, 2, 2, 2) and b.growth_pages[-1] == 10
     # Summing both ends would reserve 12; A's 4 private pages are back before B needs its last ones.
     assert peak_growth([a, b]) == max(2 + b.growth_pages[3], b.growth_pages[-1] - 4) == 6
@@ -320,8 +320,8 @@ def test_handover_reuse_that_would_outgrow_the_pool_recomputes_the_lower_layers(
 
 
 def test_peak_growth_is_the_maximum_over_every_candidate_step():
-    """peak_growth skips candidate steps whose upper bound cannot beat the best: the same maximum as visiting every
-    candidate (the plain O(n^2) definition), on random decoding requests."""
+    """peak_growth sweeps the steps where a request starts a block or ends: the same maximum as visiting every
+    candidate step over every request (the plain O(n^2) definition), on random decoding requests."""
     import random
 
     from orchestrator.core.demand import decode_profile, peak_growth
@@ -336,16 +336,21 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
     rng = random.Random(7)
     for _ in range(300):
         block, per_block = rng.choice([(4, 3), (16, 5), (32, 36)])
+        context = rng.choice([10**6, rng.randint(8, 260)])      # pages_for caps at the member's context
 
-        def pages(n, block=block, per_block=per_block):
-            return -(-n // block) * per_block
+        def pages(n, block=block, per_block=per_block, context=context):
+            return -(-min(n, context) // block) * per_block
         profiles = []
         for _ in range(rng.randint(0, 12)):
             now = rng.randint(1, 200)
             final = now + rng.randint(0, 90)
-            slack = rng.choice([1, block])
+            slack = rng.choice([1, block, rng.randint(0, 2 * block)])
             held = pages(now + rng.choice([0, 1, slack]))
-            profiles.append(decode_profile(final - now + 1, now, final, held, rng.randint(0, held), pages, slack))
+            profile = decode_profile(final - now + 1, now, final, held, rng.randint(0, held), pages, slack, block)
+            # the sweep reads growth only where a block starts: it must change nowhere else
+            changes = {t for t in range(1, profile.steps_left) if profile.growth_at(t) != profile.growth_at(t - 1)}
+            assert changes <= set(profile.growth_steps())
+            profiles.append(profile)
         assert peak_growth(profiles) == every_candidate(profiles)
 
 

@@ -304,7 +304,7 @@ def test_one_session_timeline_is_exactly_the_fake_costs():
 
 
 def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
-    """The replay runs without automatic full collections (driver._no_full_collections): sound only if what its
+    """The replay runs without automatic full collections (driver.no_full_collections): sound only if what its
     steps and requests create is freed by reference counting alone. With the collector off, nothing of the
     replay's per-step and per-request objects may be left for it to find (the nodes' own assembly may hold
     cycles: one per node, whatever the trace)."""

@@ -23,7 +23,7 @@ from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reductio
                         static_split_for)
 from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summarize
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
-from eval.simulate.driver import STATS_INTERVAL_S, SimRun, simulate
+from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
@@ -141,7 +141,8 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
                 for i in range(setup.placement.num_nodes)]
 
     run = simulate(name, make_nodes, trace, stats_interval_s)
-    metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples))
+    with no_full_collections():     # the records and the trace are still alive: a full collection walks them all
+        metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples))
     step_s = setup.solo_decode_step_s()
     metrics["solo_decode_step_s"] = step_s
     metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(run.records, step_s)

@@ -48,12 +48,12 @@ NodeFactory = Callable[[VirtualClock, EventQueue, Callable[[RequestOutput, float
 
 
 def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float = STATS_INTERVAL_S) -> SimRun:
-    with _no_full_collections():
+    with no_full_collections():
         return _simulate(tag, make_nodes, trace, stats_interval_s)
 
 
 @contextmanager
-def _no_full_collections():
+def no_full_collections():
     """Python's full (generation 2) collections traverse every live container, and a replay keeps many long
     ones alive: the trace's token lists and every record's prompt (the whole history under closed history), ~10^7
     items at 10,000 sessions. They ran every time a quarter more objects had survived to the old generation, so

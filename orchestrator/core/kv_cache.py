@@ -76,7 +76,8 @@ class SeqKV:
         return view[1], view[2]
 
     def num_pages(self) -> int:
-        return sum(map(len, self.block_tables)) + len(self.residual_out or ()) + len(self.residual_in)
+        # Every layer's table has one page per block (attach lays out whole blocks, grow adds whole blocks).
+        return len(self.block_tables[0]) * len(self.block_tables) + len(self.residual_out or ()) + len(self.residual_in)
 
     def all_pages(self) -> list[PageId]:
         pages = list(chain.from_iterable(self.block_tables))

@@ -113,7 +113,7 @@ class PoolDemand:
                 else:
                     private = self.kv.num_private_pages(seq.kv)
                 profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
-                                               self._pages_for[seq.member], slack))
+                                               self._pages_for[seq.member], slack, self._geometry[seq.member][0]))
             else:
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)
