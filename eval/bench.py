@@ -68,6 +68,7 @@ class BenchSettings:
     slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
     slo_tpot_s: float | None = None
     baseline_split: str = "search"         # search | proportional | traffic (the baseline's static split)
+    baseline_host_tier: bool = False       # the baseline's deployments get MFS's host tier too (counter-check)
     record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
     @classmethod
@@ -168,7 +169,7 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
 def config_for(name: str, settings: BenchSettings, split: StaticSplit | None,
                baseline_split: dict[str, float] | None = None):
     return system_config(name, settings.family, settings.kv_pages, split.fractions if split else None,
-                         settings.extra_overrides, baseline_split)
+                         settings.extra_overrides, baseline_split, baseline_host_tier=settings.baseline_host_tier)
 
 
 def run_coroutine(coro):
@@ -368,6 +369,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the baseline's static split: search (default: the best of a simulated search, see "
                              "docs/BENCHMARKS.md 7.4), proportional (to weight bytes), traffic (share of routed "
                              "tokens x layers with floors, the old split)")
+    parser.add_argument("--baseline-host-tier", action="store_true",
+                        help="give the baseline's deployments the same host KV tier as MFS (one LRU they share; "
+                             "by default they have none, as TensorRT-LLM servers run by default): the check that "
+                             "MFS's gain is not its host tier alone")
     parser.add_argument("--slo-ttft-s", type=float, default=None, help="absolute p90 TTFT limit (with --slo-tpot-s)")
     parser.add_argument("--slo-tpot-s", type=float, default=None, help="absolute p90 TPOT limit (with --slo-ttft-s)")
     parser.add_argument("--sessions", type=int, default=None)
@@ -422,7 +427,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
-                   history=args.history, baseline_split=args.baseline_split, slo_ttft_x=args.slo_ttft_x,
+                   history=args.history, baseline_split=args.baseline_split,
+                   baseline_host_tier=args.baseline_host_tier, slo_ttft_x=args.slo_ttft_x,
                    slo_tpot_x=args.slo_tpot_x, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                    record_confidences=getattr(args, "record_confidences", None), **chosen)
 

@@ -52,9 +52,16 @@ class StaticSplit:
 
 
 def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
-                     baseline_split: dict[str, float] | None = None) -> dict[str, Any]:
+                     baseline_split: dict[str, float] | None = None, host_tier_mb: float | None = None,
+                     baseline_host_tier: bool = False) -> dict[str, Any]:
     """Dotted config overrides for system `name` (same engine, same arena size for all). The baseline runs
-    on baseline_split when given (the searched split), else on split."""
+    on baseline_split when given (the searched split), else on split.
+
+    host_tier_mb: the node's host memory for the KV host tier (the simulator sizes it from the hardware), given
+    to every system that keeps a host tier; None leaves the config's own. The baseline has none, as its servers
+    run by default (TensorRT-LLM's kv_cache_host_memory_bytes is 0), unless baseline_host_tier: then its
+    deployments get the same host memory, as one LRU they share (no worse for them than fixed per-server shares
+    of the same total: the counter-check that MFS's gain is not just its host tier)."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
     base: dict[str, Any] = {"pool.num_pages": num_pages}
@@ -68,7 +75,6 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
             "pool.static_split": dict(baseline_split or split),
             "scheduler.independent_deployments": True,
             "pool.cross_member_sharing": False,
-            "pool.host_tier_mb": 0.0,
             "pool.disk_tier_mb": 0.0,
             "router.use_affinity": False,
             "router.use_load": False,
@@ -77,6 +83,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
             "escalation.reuse_shared_layers": False,   # separate deployments share no layers
             **PRE13_POLICIES,
         })
+        if not baseline_host_tier:
+            base["pool.host_tier_mb"] = 0.0
     elif name == "mfs_pre13":
         base.update({**PRE13_POLICIES, **PRE13_ROUTING})
     elif name == "no_affinity":
@@ -89,12 +97,16 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base["escalation.warmup"] = False
     elif name == "no_layer_sharing":
         base.update({"pool.cross_member_sharing": False, "escalation.reuse_shared_layers": False})
+    if host_tier_mb is not None and base.get("pool.host_tier_mb") != 0.0:
+        base["pool.host_tier_mb"] = host_tier_mb
     return base
 
 
 def system_config(name: str, family: str, num_pages: int, split: dict[str, float] | None,
-                  extra: dict[str, Any] | None = None, baseline_split: dict[str, float] | None = None) -> MFSConfig:
-    overrides = {"family": family, **system_overrides(name, num_pages, split, baseline_split), **(extra or {})}
+                  extra: dict[str, Any] | None = None, baseline_split: dict[str, float] | None = None,
+                  host_tier_mb: float | None = None, baseline_host_tier: bool = False) -> MFSConfig:
+    overrides = {"family": family, **system_overrides(name, num_pages, split, baseline_split, host_tier_mb,
+                                                      baseline_host_tier), **(extra or {})}
     return load_config(overrides=overrides)
 
 

@@ -109,6 +109,12 @@ def test_system_knobs():
     assert system_config("baseline", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == searched
     assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == SPLIT
     assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (0.0, 0.0)
+    # --baseline-host-tier: the deployments get MFS's host tier (the config's, or the node's when given); no disk
+    hosted = system_config("baseline", "tiny", 256, SPLIT, baseline_host_tier=True)
+    assert (hosted.pool.host_tier_mb, hosted.pool.disk_tier_mb) == (default.pool.host_tier_mb, 0.0)
+    assert system_config("baseline", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 0.0
+    assert system_config("mfs", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 512.0
+    assert system_config("no_tiers", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 0.0
     assert not b.router.use_affinity and not b.router.use_load
     assert b.escalation.cold_handover and not b.escalation.warmup
     assert not cfg["no_affinity"].router.use_affinity and cfg["no_affinity"].router.use_load

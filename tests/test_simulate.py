@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from dataclasses import replace
 
 import pytest
 
@@ -451,6 +452,19 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
     for name in ("mfs", "baseline"):
         sched = configs[name].scheduler
         assert sched.decode_step_token_budget is None and sched.max_batch_tokens == GPU_SCHEDULER["scheduler.max_batch_tokens"]
+    # The host tier is the node's (128 GiB per GPU by default, one GPU here), not the tiny config's 256 MB; the
+    # baseline's servers have none unless asked, then the same
+    assert setup.host_tier_mb == 128 * 1024 and setup.memory["host_tier_gib"] == 128
+    assert configs["mfs"].pool.host_tier_mb == 128 * 1024 and configs["baseline"].pool.host_tier_mb == 0
+    both, _ = system_configs(setup, replace(settings, baseline_host_tier=True), trace_of([[(PROMPT, 4, 0.0)]], [0.0]),
+                             tokenizer=_tokenizer())
+    assert both["baseline"].pool.host_tier_mb == both["mfs"].pool.host_tier_mb == 128 * 1024
+    assert both["baseline"].pool.disk_tier_mb == 0
+    none = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("per-member"), str(tmp_path / "t.json"),
+                       host_tier_gib_per_gpu=0)
+    assert none.host_tier_mb == 0
+    per_member = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("per-member"), str(tmp_path / "t.json"))
+    assert per_member.host_tier_mb == 3 * 128 * 1024          # one GPU per member: three GPUs' host memory
 
 
 def _tokenizer():

@@ -140,3 +140,35 @@ def test_tiered_store_without_tiers(tmp_path: Path) -> None:
     nothing = TieredStore(None, None)
     assert nothing.put(key(1), blob(1)) is None and nothing.get(key(1)) is None
     assert nothing.counts() == {"host": 0, "disk": 0}
+
+
+def test_per_lineage_counts_follow_every_put_eviction_discard_and_restart(tmp_path: Path) -> None:
+    """counts_by_lineage is kept as entries come and go (not recounted): it must equal a count over the keys
+    after any mix of puts, replacements, evictions (host -> disk -> gone), discards, corrupt reads and a restart."""
+    import random
+
+    rng = random.Random(3)
+    store = TieredStore(HostTier(60), DiskTier(tmp_path, 120))
+
+    def recount(s: TieredStore) -> dict:
+        out: dict = {}
+        for name, tier in (("host", s.host), ("disk", s.disk)):
+            for k in tier.keys():
+                out.setdefault(k.lineage, {"host": 0, "disk": 0})[name] += 1
+        return out
+    for step in range(400):
+        k = key(rng.randrange(40), f"lin/{rng.randrange(3)}")
+        op = rng.random()
+        if op < 0.6:
+            store.put(k, blob(k.block_hash[0], rng.choice([5, 10, 20])))
+        elif op < 0.8:
+            store.discard(k)
+        elif op < 0.9:
+            store.get(k)
+        elif store.disk.keys():                     # a corrupt file: get() drops it
+            victim = rng.choice(store.disk.keys())
+            store.disk.path_for(victim).write_bytes(b"garbage")
+            assert store.disk.get(victim) is None
+        assert store.counts_by_lineage() == recount(store), step
+    reopened = TieredStore(HostTier(60), DiskTier(tmp_path, 50))    # restart, smaller: the scan evicts
+    assert reopened.counts_by_lineage() == recount(reopened) and reopened.disk.num_entries > 0

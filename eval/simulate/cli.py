@@ -25,7 +25,7 @@ from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summar
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
-from eval.simulate.families import DEFAULT_BLOCK_TOKENS, PRESETS, TOKENIZER_NOTE
+from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", default="colocated", help="colocated | per-member | fleet:N")
     parser.add_argument("--node-placement", default="colocated", help="inside a fleet: colocated | per-member")
     parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS, help="tokens per KV block (GPU)")
+    parser.add_argument("--host-tier-gib", type=float, default=None, metavar="GIB",
+                        help=f"host memory for the KV host tier per GPU of a node, paper-scale families (default "
+                             f"{HOST_TIER_GIB_PER_GPU:g}: half a DGX H100/H200's share; 0: none); systems without a "
+                             "host tier (the baseline, unless --baseline-host-tier) keep none")
     parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
                         help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
@@ -78,7 +82,14 @@ def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
         if args.cost_model == "measured":
             raise PlacementError(f"--cost-model measured times this machine's engine; {args.family} runs on "
                                  "--cost-model aiconfigurator")
-        return paper_setup(args.family, args.gpu, args.backend, placement, args.step_table, args.block_tokens)
+        host_gib = HOST_TIER_GIB_PER_GPU if args.host_tier_gib is None else args.host_tier_gib
+        if host_gib < 0:
+            raise PlacementError(f"--host-tier-gib {host_gib:g}: expected 0 or more")
+        return paper_setup(args.family, args.gpu, args.backend, placement, args.step_table, args.block_tokens,
+                           host_tier_gib_per_gpu=host_gib)
+    if args.host_tier_gib is not None:
+        raise PlacementError(f"--host-tier-gib sizes a GPU node's host tier; {args.family} runs with its config's "
+                             "(--set pool.host_tier_mb=MB to change it)")
     if args.cost_model == "aiconfigurator":
         raise PlacementError(f"--cost-model aiconfigurator covers {', '.join(PRESETS)}; {args.family} uses measured")
     return tiny_setup(args.family, args.step_table, placement, settings.kv_pages)
@@ -116,7 +127,8 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
                                  replace(settings, kv_pages=setup.num_pages, extra_overrides=extra))
     configs = {name: system_config(name, settings.family, setup.num_pages,
                                    split.fractions if split is not None and hasattr(split, "fractions") else split,
-                                   extra)
+                                   extra, host_tier_mb=setup.host_tier_mb,
+                                   baseline_host_tier=settings.baseline_host_tier)
                for name in settings.systems}
     if setup.family is not None:
         # A GPU family's cap (GPU_SCHEDULER) is one engine's batch: independent deployments get it per member
@@ -168,7 +180,8 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
     extra = {**setup.overrides, **settings.extra_overrides}
 
     def config_on(fractions: dict[str, float]):
-        return system_config("baseline", settings.family, setup.num_pages, fractions, extra)
+        return system_config("baseline", settings.family, setup.num_pages, fractions, extra,
+                             host_tier_mb=setup.host_tier_mb, baseline_host_tier=settings.baseline_host_tier)
 
     def run_pilot(fractions: dict[str, float], rate: float):
         config = config_on(fractions)
@@ -261,6 +274,10 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
     notes.append("quality_mean_logprob: not simulated (tokens come from a seeded stream)")
+    if setup.host_tier_mb is not None:
+        notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for the systems that keep one; the "
+                     "baseline: " + ("the same, as one LRU its deployments share (--baseline-host-tier)"
+                                     if settings.baseline_host_tier else "none (its servers' default)"))
     return {
         "workload": trace.at_rate(headline).summary(),
         "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),

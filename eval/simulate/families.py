@@ -26,6 +26,10 @@ WEIGHT_DTYPE_BYTES = 2              # bf16 weights
 DEFAULT_BLOCK_TOKENS = 32           # TensorRT-LLM KvCacheConfig.tokens_per_block default
 FREE_GPU_MEMORY_FRACTION = 0.9      # TensorRT-LLM KvCacheConfig.free_gpu_memory_fraction default
 WEIGHT_FIT_FRACTION = 0.8           # a member whose weights exceed this share of its GPUs gets more GPUs (TP)
+# Host memory for the KV host tier, per GPU of a node: DGX H100 / H200 carry 2 TiB of system memory for 8 GPUs
+# (256 GiB each); half of that share goes to the tier (TensorRT-LLM's kv_cache_host_memory_bytes, SGLang's
+# HiCache, LMCache's CPU buffer). The shipped config's 256 MB sizes the tiny family's tier, not a GPU node's.
+HOST_TIER_GIB_PER_GPU = 128.0
 TOKENIZER_NOTE = ("token counts come from the shipped tiny family's tokenizer (a 4096-token BPE trained on "
                   "ShareGPT); no tokenizer of the simulated family is on disk. Its vocabulary is ~37x smaller "
                   "than Qwen3's (151,936) or Llama 3.1's (128,256), so the same text is likely MORE tokens here "

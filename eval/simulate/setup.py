@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
-from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, PRESETS, DeviceMemory,
-                                    page_bytes_for, paper_family, tensor_parallel, weight_bytes)
+from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, HOST_TIER_GIB_PER_GPU, PRESETS,
+                                    DeviceMemory, page_bytes_for, paper_family, tensor_parallel, weight_bytes)
 from eval.simulate.fleet import Placement, PlacementError
 from eval.simulate.step_table import StepTable, StepTableError, load_table, save_table
 from orchestrator.core.family import FamilySpec, load_family
@@ -51,6 +51,8 @@ class SimSetup:
     page_bytes: int
     split: dict[str, float] | None        # per-member placement: the physical split both systems get
     overrides: dict[str, Any] = field(default_factory=dict)
+    # per node: the KV host tier of every system that keeps one (None: the config's own, as the tiny family)
+    host_tier_mb: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)
     gpu: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -111,7 +113,9 @@ def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pag
 
 
 def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table_path: str | None,
-                block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION) -> SimSetup:
+                block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION,
+                host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU) -> SimSetup:
+    """host_tier_gib_per_gpu: host memory for the KV host tier per GPU of a node (0: no host tier)."""
     from eval.simulate.aic_table import build_aic_table
 
     preset = PRESETS[family]
@@ -149,11 +153,15 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
         num_pages = sum(d.num_pages for d in devices.values())
         split = {n: d.num_pages / num_pages for n, d in devices.items()}
     overrides = {**GPU_SCHEDULER, "pool.page_bytes": page_bytes}
+    gpus_per_node = (table.member(preset[0][0]).tp if placement.kind == "colocated"
+                     else sum(table.member(n).tp for n, _ in preset))
+    host_tier_gib = host_tier_gib_per_gpu * gpus_per_node
     return SimSetup(family_name=family, family=spec, member_names=spec.member_names,
                     cost=TableCostModel(table, "aiconfigurator"), placement=placement, num_pages=num_pages,
-                    page_bytes=page_bytes, split=split, overrides=overrides, gpu=gpu,
+                    page_bytes=page_bytes, split=split, overrides=overrides, host_tier_mb=host_tier_gib * 1024, gpu=gpu,
                     memory={**memory, "block_tokens": block_tokens, "weights_gib": {n: round(w / 2**30, 2)
-                                                                                   for n, w in weights.items()}},
+                                                                                   for n, w in weights.items()},
+                            "host_tier_gib": host_tier_gib, "host_tier_gib_per_gpu": host_tier_gib_per_gpu},
                     notes=notes)
 
 

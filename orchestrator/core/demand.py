@@ -139,9 +139,10 @@ class DecodeProfile:
         """The steps t in [1, steps_left) where growth_at(t) may differ from growth_at(t - 1): where the tokens
         it covers, tokens_now + t + slack, start a new block (pages_for is a whole number of blocks of the
         capped length, and the min / max around it only flatten steps, never add one)."""
-        size = self.tokens_per_block
-        # the first t >= 1 with tokens_now + slack + t - 1 a multiple of size, then every size steps
-        return range((-(self.tokens_now + self.slack_tokens)) % size + 1, self.steps_left, size)
+        size, covered = self.tokens_per_block, self.tokens_now + self.slack_tokens
+        # the first t >= 1 with covered + t - 1 a multiple of size, then every size steps, while it covers no more
+        # than final_tokens (beyond, pages_for reads final_tokens: no change)
+        return range((-covered) % size + 1, min(self.steps_left, self.final_tokens - covered + 1), size)
 
     @property
     def growth_pages(self) -> tuple[int, ...]:
@@ -167,10 +168,12 @@ def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
     pages; the maximum of the running total read just before each end."""
     base, changes, candidates = 0, [], set()
     for p in profiles:
-        last = p.growth_at(0)
+        # growth_at(t) inlined (it runs per block start of every running request on every arrival)
+        pages_for, final, covered, held = p.pages_for, p.final_tokens, p.tokens_now + p.slack_tokens, p.held_pages
+        last = max(0, pages_for(min(final, covered)) - held)
         base += last
         for t in p.growth_steps():
-            grown = p.growth_at(t)
+            grown = max(0, pages_for(min(final, covered + t)) - held)
             if grown != last:
                 changes.append((t, grown - last))
                 last = grown
