@@ -97,7 +97,7 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base["escalation.warmup"] = False
     elif name == "no_layer_sharing":
         base.update({"pool.cross_member_sharing": False, "escalation.reuse_shared_layers": False})
-    if host_tier_mb is not None and base.get("pool.host_tier_mb") != 0.0:
+    if host_tier_mb is not None and base.get("pool.host_tier_mb") != 0.0:   # a system set to none keeps none
         base["pool.host_tier_mb"] = host_tier_mb
     return base
 

@@ -120,7 +120,7 @@ def victim_key(order: str) -> Callable[[Sequence], tuple]:
 class DecodeProfile:
     """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token
     per step (every decoding request decodes in every step) and ends after `steps_left` steps. Growth is
-    computed per asked step (peak_growth reads a few steps per profile), not tabulated for every step."""
+    computed per asked step, not tabulated for every step (peak_growth reads it, inlined, at growth_steps only)."""
 
     steps_left: int               # steps until it ends
     tokens_now: int
