@@ -14,6 +14,63 @@ from orchestrator.core.family import FamilySpec
 # (fractions, rate) -> (config, records, metrics): the bench's real replay of the baseline on a split
 PilotRunner = Callable[[dict[str, float], float], tuple[Any, list, dict[str, Any]]]
 
+SPLIT_MODES = ("search", "proportional", "traffic")
+
+
+class SplitError(ValueError):
+    """A fixed --baseline-split that is malformed or does not name the family's members."""
+
+
+def parse_split_mode(text: str) -> str:
+    """--baseline-split: a mode, or fixed fractions "member=fraction,..." (checked for form here, against the
+    family's members by fixed_split). Raises SplitError with what is wrong."""
+    if text in SPLIT_MODES:
+        return text
+    fixed_fractions(text)
+    return text
+
+
+def fixed_fractions(text: str) -> dict[str, float]:
+    """ "a=0.2,b=0.8" -> {"a": 0.2, "b": 0.8}; every fraction in (0, 1], together 1 (to 1e-6)."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = None
+        if not sep or not name or fraction is None:
+            raise SplitError(f"baseline split {text!r}: expected one of {', '.join(SPLIT_MODES)} or "
+                             "member=fraction,... (e.g. tiny-s=0.2,tiny-m=0.3,tiny-l=0.5)")
+        if not 0.0 < fraction <= 1.0 or name in out:
+            raise SplitError(f"baseline split {text!r}: {name}={value} must be a fraction in (0, 1], once per member")
+        out[name] = fraction
+    if abs(sum(out.values()) - 1.0) > 1e-6:
+        raise SplitError(f"baseline split {text!r}: the fractions add up to {sum(out.values()):g}, not 1")
+    return out
+
+
+def fixed_split(mode: str, family: FamilySpec) -> dict[str, float] | None:
+    """The fractions of a fixed --baseline-split for `family` (None for a mode); every member named once."""
+    if mode in SPLIT_MODES:
+        return None
+    fractions = fixed_fractions(mode)
+    if set(fractions) != set(family.member_names):
+        raise SplitError(f"baseline split {mode!r} names {sorted(fractions)}; the family {family.name} has "
+                         f"{list(family.member_names)}")
+    return {m: fractions[m] for m in family.member_names}
+
+
+def split_mode_label(mode: str) -> str:
+    """What the JSON's baseline_split_mode says: the mode, or "fixed" for given fractions."""
+    return mode if mode in SPLIT_MODES else "fixed"
+
+
+def runs_pilot(mode: str) -> bool:
+    """Whether choose_baseline_split replays the baseline once before the curve (the search's pilot)."""
+    return mode == "search"
+
 
 def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tuple[float, ...],
                           split: StaticSplit, estimator, run_pilot: PilotRunner,
@@ -26,6 +83,10 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
 
     proportional = proportional_split(family)
     out: dict[str, Any] = {}
+    fixed = fixed_split(settings.baseline_split, family)
+    if fixed is not None:         # the operator's own split: no pilot, no search
+        out["baseline_fixed"] = {"fractions": fixed, "rule": "given with --baseline-split"}
+        return fixed, out
     if settings.baseline_split == "traffic":
         return split.fractions, out
     if settings.baseline_split == "proportional":     # no pilot needed: the baseline itself runs on it

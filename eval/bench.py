@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
-from eval.baseline_split import choose_baseline_split
+from eval.baseline_split import SplitError, choose_baseline_split, parse_split_mode, runs_pilot, split_mode_label
 from eval.quality import add_quality as _add_quality, score_quality  # noqa: F401 (score_quality re-exported)
 from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
@@ -67,7 +67,7 @@ class BenchSettings:
     slo_tpot_x: float = TPOT_SLO_X         # and p90 TPOT within this x its p50 TPOT
     slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
     slo_tpot_s: float | None = None
-    baseline_split: str = "search"         # search | proportional | traffic (the baseline's static split)
+    baseline_split: str = "search"         # search | proportional | traffic | "member=fraction,..." (fixed)
     baseline_host_tier: bool = False       # the baseline's deployments get MFS's host tier too (counter-check)
     record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
@@ -223,7 +223,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.trace_file and trace.spec.rate_sessions_per_s in rates:
         headline = trace.spec.rate_sessions_per_s
     configs: dict[str, Any] = {}
-    pilot = "baseline" in settings.systems and settings.baseline_split != "traffic"
+    pilot = "baseline" in settings.systems and runs_pilot(settings.baseline_split)
     progress = _progress(settings, trace, len(rates) + (1 / len(settings.systems) if pilot else 0))
     points: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
@@ -259,7 +259,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,
-                     "baseline_split_mode": settings.baseline_split, "baseline_split": baseline_split,
+                     "baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": baseline_split,
                      "configs": configs, "machine": _machine()},
         **about_split,
         **curve_result(settings, headline, head, rates, curve),
@@ -365,10 +365,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
     parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
                         help="SLO: p90 TPOT within this multiple of the lightest-rate baseline's p50 TPOT")
-    parser.add_argument("--baseline-split", choices=("search", "proportional", "traffic"), default="search",
+    parser.add_argument("--baseline-split", type=_split_mode, default="search", metavar="MODE|MEMBER=F,...",
                         help="the baseline's static split: search (default: the best of a simulated search, see "
                              "docs/BENCHMARKS.md 7.4), proportional (to weight bytes), traffic (share of routed "
-                             "tokens x layers with floors, the old split)")
+                             "tokens x layers with floors, the old split), or fixed fractions of the pool per "
+                             "member, e.g. tiny-s=0.2,tiny-m=0.3,tiny-l=0.5 (no pilot, no search)")
     parser.add_argument("--baseline-host-tier", action="store_true",
                         help="give the baseline's deployments the same host KV tier as MFS (one LRU they share; "
                              "by default they have none, as TensorRT-LLM servers run by default): the check that "
@@ -393,6 +394,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write every reply's per-token top-1 probabilities (the input mfs simulate's escalation uses)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every system, YAML value (e.g. escalation.threshold=0.15)")
+
+
+def _split_mode(text: str) -> str:
+    try:
+        return parse_split_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -438,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         result = run_bench(settings)
-    except (TraceFileError, ConfigError) as exc:      # a bad trace file or --set override: say what, no traceback
+    except (TraceFileError, ConfigError, SplitError) as exc:   # a bad trace file, --set or split: say what, no traceback
         raise SystemExit(f"mfs bench: {exc}") from None
     result["settings"]["command"] = "mfs bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)

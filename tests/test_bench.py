@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -428,3 +429,30 @@ def test_baseline_split_modes_without_a_pilot():
                                          None, no_pilot)
     assert split == proportional_split(family)
     assert about["baseline_proportional"]["metrics"] is None and about["baseline_proportional"]["rate"] == 0.5
+    given = "tiny-l=0.5,tiny-s=0.2,tiny-m=0.3"          # any order on the command line; the family's in the result
+    split, about = choose_baseline_split(BenchSettings(baseline_split=given), family, trace, (0.5,), traffic, None, no_pilot)
+    assert list(split.items()) == [("tiny-s", 0.2), ("tiny-m", 0.3), ("tiny-l", 0.5)]
+    assert about == {"baseline_fixed": {"fractions": split, "rule": "given with --baseline-split"}}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("tiny-s=0.5", "add up to 0.5"), ("tiny-s=0.5,tiny-m=0.5,tiny-l=0", "in (0, 1]"), ("tiny-s=0.5,tiny-s=0.5", "once"),
+    ("tiny-s:0.5", "member=fraction"), ("seach", "member=fraction"), ("tiny-s=x,tiny-m=1", "member=fraction")])
+def test_fixed_baseline_split_refused_with_the_reason(text, says):
+    from eval.baseline_split import SplitError, parse_split_mode
+
+    with pytest.raises(SplitError, match=re.escape(says)):
+        parse_split_mode(text)
+
+
+def test_fixed_baseline_split_must_name_the_family():
+    from eval.baseline_split import SplitError, fixed_split, parse_split_mode
+    from orchestrator.core.family import load_family
+    from tests.test_workloads import family_dir
+
+    family = load_family(str(family_dir()))
+    assert parse_split_mode("search") == "search" and fixed_split("search", family) is None
+    with pytest.raises(SplitError, match="the family tiny has"):
+        fixed_split("tiny-s=0.5,tiny-x=0.5", family)
+    with pytest.raises(SplitError, match="the family tiny has"):
+        fixed_split("tiny-s=0.5,tiny-m=0.5", family)       # tiny-l missing

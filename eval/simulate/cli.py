@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from eval.baseline_split import choose_baseline_split
+from eval.baseline_split import SplitError, choose_baseline_split, split_mode_label
 from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
                         complexity_estimator, curve_rates, curve_result, format_table, settings_from_args,
                         static_split_for)
@@ -193,7 +193,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
     chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
                                           split, complexity_estimator(tokenizer), run_pilot)
     configs["baseline"] = config_on(chosen)
-    return {"baseline_split_mode": settings.baseline_split, "baseline_split": chosen, **about}
+    return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
 
 def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
@@ -309,7 +309,8 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         result = run_simulation(args)
-    except (TraceFileError, ConfigError, StepTableError, PlacementError, ConfidenceFileError, FamilyError) as exc:
+    except (TraceFileError, ConfigError, StepTableError, PlacementError, ConfidenceFileError, FamilyError,
+            SplitError) as exc:
         raise SystemExit(f"mfs simulate: {exc}") from None
     result["settings"]["command"] = ("mfs simulate " + " ".join(sys.argv[2:])) if sys.argv[1:2] == ["simulate"] else None
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
