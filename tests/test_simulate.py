@@ -424,6 +424,13 @@ def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pi
     assert pilot["rate"] == 1.0 and pilot["metrics"]["num_requests"] == 3       # the pilot ran, simulated, at the lightest rate
     assert about["baseline_split_search"]["num_candidates"] > 100
     assert traffic == split.fractions                                          # before the search: the traffic split
+    # a split given on the command line: the baseline runs it, nothing is replayed before the curve
+    given = {"tiny-s": 0.15, "tiny-m": 0.25, "tiny-l": 0.6}
+    fixed = replace(settings, baseline_split=",".join(f"{m}={f}" for m, f in given.items()))
+    about = search_baseline_split(setup, fixed, trace, [1.0, 2.0], split, configs, library(), tokenizer)
+    assert about == {"baseline_split_mode": "fixed", "baseline_split": given,
+                     "baseline_fixed": {"fractions": given, "rule": "given with --baseline-split"}}
+    assert configs["baseline"].pool.static_split == given
 
 
 def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_deployments_together(tmp_path):
