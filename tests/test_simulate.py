@@ -181,6 +181,46 @@ def test_sim_executor_steps_cost_the_sum_on_one_device_and_the_max_side_by_side(
     data = serial.read_page(3)                                     # tier copies add to the next step
     serial.write_page(4, data)
     assert len(data) == 1024 and serial.step_s(plan) == pytest.approx(OVERHEAD_S + DECODE_S + PREFILL_S + 2048e-9)
+    serial.execute(plan)                                           # the copies went with that step
+    assert serial.step_s(plan) == pytest.approx(OVERHEAD_S + DECODE_S + PREFILL_S)
+
+
+def test_with_saves_overlapping_only_what_outlasts_the_compute_adds_and_loads_always_do():
+    """A GPU engine offloads evicted pages on its own copy stream: step = overhead + max(compute, saves) + loads."""
+    class OverlapCost(FakeCost):
+        saves_overlap = True
+
+    family = nested_family()
+    plan = StepPlan(batches=[MemberBatch("s", [chunk("a", 9, 1)])])
+    gpu = SimExecutor(family, 64, 1000, OverlapCost(), library(members=("s", "m", "l")), vocab_size=50)
+    compute = DECODE_S
+    few = int(compute * 1e9) // 2000                               # pages whose save takes half the compute
+    for page in range(few):
+        gpu.read_page(page)
+    assert gpu.step_s(plan) == pytest.approx(OVERHEAD_S + compute)          # hidden behind the compute
+    gpu.write_page(0, bytes(1000))
+    assert gpu.step_s(plan) == pytest.approx(OVERHEAD_S + compute + 1000e-9)  # a load is on the path
+    for page in range(few, 4 * few):                               # saves now take twice the compute
+        gpu.read_page(page)
+    assert gpu.step_s(plan) == pytest.approx(OVERHEAD_S + 4 * few * 1000e-9 + 1000e-9)
+    gpu.execute(plan)
+    assert gpu.step_s(plan) == pytest.approx(OVERHEAD_S + compute)
+
+
+def test_paper_setup_overlaps_saves_unless_told_not_to(tmp_path):
+    from eval.simulate.setup import paper_setup
+
+    g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
+    hf = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+          "head_dim": 128, "vocab_size": 1000, "intermediate_size": 1536, "max_position_embeddings": 8192}
+    table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
+                      members={n: MemberCosts(g, g, hf_config=hf) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
+    save_table(table, tmp_path / "t.json")
+    overlapped = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"))
+    serial = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"),
+                         saves_overlap=False)
+    assert overlapped.cost.saves_overlap and overlapped.cost.describe()["saves_overlap"]
+    assert not serial.cost.saves_overlap
 
 
 def test_sim_executor_tokens_and_confidences_depend_only_on_request_member_and_position():

@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"host memory for the KV host tier per GPU of a node, paper-scale families (default "
                              f"{HOST_TIER_GIB_PER_GPU:g}: half a DGX H100/H200's share; 0: none); systems without a "
                              "host tier (the baseline, unless --baseline-host-tier) keep none")
+    parser.add_argument("--serial-saves", action="store_true",
+                        help="paper-scale families: charge copies of evicted pages to the host tier before the step "
+                             "(as the local engine does) instead of beside its compute on the GPU's copy stream "
+                             "(the default, as TensorRT-LLM offloads)")
     parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
                         help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
@@ -86,7 +90,10 @@ def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
         if host_gib < 0:
             raise PlacementError(f"--host-tier-gib {host_gib:g}: expected 0 or more")
         return paper_setup(args.family, args.gpu, args.backend, placement, args.step_table, args.block_tokens,
-                           host_tier_gib_per_gpu=host_gib)
+                           host_tier_gib_per_gpu=host_gib, saves_overlap=not args.serial_saves)
+    if args.serial_saves:
+        raise PlacementError(f"--serial-saves is for paper-scale families; {args.family}'s measured cost model "
+                             "already charges every copy in the step, as its engine makes them")
     if args.host_tier_gib is not None:
         raise PlacementError(f"--host-tier-gib sizes a GPU node's host tier; {args.family} runs with its config's "
                              "(--set pool.host_tier_mb=MB to change it)")
@@ -277,7 +284,10 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     if setup.host_tier_mb is not None:
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for the systems that keep one; the "
                      "baseline: " + ("the same, as one LRU its deployments share (--baseline-host-tier)"
-                                     if settings.baseline_host_tier else "none (its servers' default)"))
+                                     if settings.baseline_host_tier else "none (its servers' default)")
+                     + ("; copies of evicted pages to it run beside the step's compute (the GPU's copy stream; "
+                        "--serial-saves charges them before the step)" if getattr(setup.cost, "saves_overlap", False)
+                        else "; copies to and from it are charged in the step"))
     return {
         "workload": trace.at_rate(headline).summary(),
         "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),

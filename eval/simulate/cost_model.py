@@ -76,9 +76,14 @@ def batch_shape(batch: MemberBatch, num_layers: int, own_forward: bool = True) -
 
 
 class CostModel(Protocol):
-    """Seconds for a member batch, the serving loop's fixed cost per step, and tier copies."""
+    """Seconds for a member batch, the serving loop's fixed cost per step, and tier copies.
+
+    saves_overlap: whether copies of evicted pages to the host tier run beside the step's compute (a GPU engine's
+    own copy stream, as TensorRT-LLM's KV cache transfer manager offloads) instead of before it (the local engine
+    copies in its step loop)."""
 
     name: str
+    saves_overlap: bool
 
     def batch_s(self, shape: BatchShape) -> float: ...
 
@@ -99,9 +104,10 @@ class TableCostModel:
     ride_overlap times that: its rows go through layers the host runs anyway, as the local engine merges them.
     """
 
-    def __init__(self, table: StepTable, name: str = "table") -> None:
+    def __init__(self, table: StepTable, name: str = "table", saves_overlap: bool = False) -> None:
         self.table = table
         self.name = name
+        self.saves_overlap = saves_overlap
 
     def batch_s(self, shape: BatchShape) -> float:
         costs = self.table.member(shape.member)
@@ -127,6 +133,7 @@ class TableCostModel:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.table.source, "gpu": self.table.gpu, "backend": self.table.backend,
                 "step_overhead_ms": self.table.step_overhead_ms, "copy_gb_s": self.table.copy_gb_s,
+                "saves_overlap": self.saves_overlap,
                 "members": {n: {"model": m.model, "tp": m.tp} for n, m in self.table.members.items()},
                 "notes": list(self.table.notes)}
 
@@ -154,6 +161,7 @@ class LinearCostModel:
         self.source = source
         self.copy_gb_s = copy_gb_s
         self.name = name
+        self.saves_overlap = False          # the local engine copies tier pages in its step loop
 
     def batch_s(self, shape: BatchShape) -> float:
         coef = self.coefficients[shape.member]

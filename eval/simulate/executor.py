@@ -2,7 +2,9 @@
 long the step would have taken.
 
 Durations: the cost model's fixed per-step overhead, plus the member batches (one after the other when the
-members share a device, side by side when each has its own), plus the tier copies made before the step.
+members share a device, side by side when each has its own), plus the tier copies made before the step: loads
+(host -> arena) always on the step's path, saves (arena -> host) too unless the cost model says they run beside
+the compute (saves_overlap: a GPU engine's copy stream), where only what outlasts the compute adds.
 Tokens: a seeded stream, token = hash(request key, position), the same in every system; or, when a real run's
 replies are given (the validation replays its own real runs), that run's reply token at that position, so a
 closed-loop session's next prompt is the real one and the router reads the same text. Confidences: the
@@ -39,7 +41,8 @@ class SimExecutor:
         self.replies = replies or {}             # request key -> a real run's reply (token ids), replayed
         self._zero_page = bytes(page_bytes)
         self._key_crc: dict[str, int] = {}      # request key -> CRC-32 of its bytes (the token stream's prefix)
-        self._copy_bytes = 0
+        self._save_bytes = 0                    # arena -> host tier since the last step (read_page)
+        self._load_bytes = 0                    # host tier -> arena (write_page)
         self.last_step_s = 0.0
         self.num_steps = 0
         self.busy_s = 0.0
@@ -63,12 +66,14 @@ class SimExecutor:
         """What the plan costs (also the tier copies made since the last step)."""
         costs = [self.cost.batch_s(shape) for shape in plan_shapes(plan, self.family)]
         compute = (max(costs) if self.members_in_parallel else sum(costs)) if costs else 0.0
-        return self.cost.step_overhead_s() + compute + self.cost.copy_s(self._copy_bytes)
+        saves, loads = self.cost.copy_s(self._save_bytes), self.cost.copy_s(self._load_bytes)
+        body = max(compute, saves) if getattr(self.cost, "saves_overlap", False) else compute + saves
+        return self.cost.step_overhead_s() + body + loads
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
         self.release(plan.released_requests)
         self.last_step_s = self.step_s(plan)
-        self._copy_bytes = 0
+        self._save_bytes = self._load_bytes = 0
         self.num_steps += 1
         self.busy_s += self.last_step_s
         out = []
@@ -86,11 +91,11 @@ class SimExecutor:
         return out
 
     def read_page(self, page: PageId) -> bytes:
-        self._copy_bytes += self.page_bytes
+        self._save_bytes += self.page_bytes
         return self._zero_page
 
     def write_page(self, page: PageId, data: bytes) -> None:
-        self._copy_bytes += len(data)
+        self._load_bytes += len(data)
 
     def release(self, request_ids: Sequence[RequestId]) -> None:
         for request_id in request_ids:

@@ -114,8 +114,11 @@ def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pag
 
 def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table_path: str | None,
                 block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION,
-                host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU) -> SimSetup:
-    """host_tier_gib_per_gpu: host memory for the KV host tier per GPU of a node (0: no host tier)."""
+                host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU, saves_overlap: bool = True) -> SimSetup:
+    """host_tier_gib_per_gpu: host memory for the KV host tier per GPU of a node (0: no host tier).
+    saves_overlap: copies of evicted pages to the host tier run beside the step's compute, on the GPU's copy
+    stream (TensorRT-LLM's KV cache transfer manager offloads on a stream of its own; vLLM's offloading
+    connector likewise), so a step costs max(compute, saves) + loads; False charges them before the step."""
     from eval.simulate.aic_table import build_aic_table
 
     preset = PRESETS[family]
@@ -157,7 +160,7 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
                      else sum(table.member(n).tp for n, _ in preset))
     host_tier_gib = host_tier_gib_per_gpu * gpus_per_node
     return SimSetup(family_name=family, family=spec, member_names=spec.member_names,
-                    cost=TableCostModel(table, "aiconfigurator"), placement=placement, num_pages=num_pages,
+                    cost=TableCostModel(table, "aiconfigurator", saves_overlap), placement=placement, num_pages=num_pages,
                     page_bytes=page_bytes, split=split, overrides=overrides, host_tier_mb=host_tier_gib * 1024, gpu=gpu,
                     memory={**memory, "block_tokens": block_tokens, "weights_gib": {n: round(w / 2**30, 2)
                                                                                    for n, w in weights.items()},
