@@ -567,3 +567,15 @@ def test_step_check_recovers_the_ride_overlap_real_merged_steps_imply():
     assert result["merged l+m"]["with"] == pytest.approx(2.5) and result["merged l+m"]["without"] < 2.4
     assert result["merged l+m"]["implied_ride_overlap"] == pytest.approx(0.4)
     assert result["alone l"]["steps"] == 3 and not any("16" in kind for kind in result)
+
+
+def test_serial_saves_is_refused_for_the_tiny_family_whose_model_already_charges_every_copy():
+    import argparse
+
+    from eval.simulate.cli import add_arguments, build_setup, sim_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--family", "tiny", "--quick", "--serial-saves"])
+    with pytest.raises(PlacementError, match="--serial-saves is for paper-scale families"):
+        build_setup(args, sim_settings(args))
