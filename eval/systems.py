@@ -120,11 +120,15 @@ def pages_rule(family: FamilySpec, config: MFSConfig, num_pages: int):
 
 
 def member_weight_bytes(family: FamilySpec) -> dict[str, int]:
-    """Bytes of each member's checkpoint weights (*.safetensors / *.bin files); members without files
-    (test fakes) get an estimate from their shape (attention + 3 MLP matrices of 4x hidden per layer,
-    plus the embedding, 2 bytes per weight)."""
+    """Bytes of each member's weights: what the family says (`serving.weight_bytes`: the simulator's paper-scale
+    members, whose checkpoint_dir is only the shipped tokenizer), else its checkpoint files (*.safetensors /
+    *.bin); members without either (test fakes) get an estimate from their shape (attention + 3 MLP matrices of
+    4x hidden per layer, plus the embedding, 2 bytes per weight)."""
     out = {}
     for m in family.members:
+        if m.serving.get("weight_bytes"):
+            out[m.name] = int(m.serving["weight_bytes"])
+            continue
         files = [f for pattern in ("*.safetensors", "*.bin") for f in m.checkpoint_dir.glob(pattern)]
         size = sum(f.stat().st_size for f in files if f.is_file())
         if not size:

@@ -579,3 +579,19 @@ def test_serial_saves_is_refused_for_the_tiny_family_whose_model_already_charges
     args = parser.parse_args(["--family", "tiny", "--quick", "--serial-saves"])
     with pytest.raises(PlacementError, match="--serial-saves is for paper-scale families"):
         build_setup(args, sim_settings(args))
+
+
+def test_a_paper_familys_operator_split_follows_its_members_weights_not_the_tokenizer_checkpoint():
+    """paper-scale members borrow the shipped tokenizer's checkpoint_dir; the baseline's proportional split (and the
+    search's pilot) must read their real weight bytes, not that directory's (equal thirds before the fix)."""
+    from eval.simulate.families import paper_family, weight_bytes
+    from eval.systems import proportional_split
+
+    def hf(layers, hidden):
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
+    configs = [("a", hf(4, 512)), ("b", hf(8, 1024)), ("c", hf(16, 2048))]
+    split = proportional_split(paper_family("test", configs))
+    total = sum(weight_bytes(c) for _, c in configs)
+    assert split == pytest.approx({n: weight_bytes(c) / total for n, c in configs})
+    assert split["a"] < split["b"] < split["c"]

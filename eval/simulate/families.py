@@ -83,7 +83,9 @@ def paper_family(name: str, members: list[tuple[str, dict[str, Any]]]) -> Family
             num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             vocab_size=tokenizer_member.vocab_size, context_tokens=int(hf.get("max_position_embeddings", 32768)),
             layer_lineages=lineages, tokenizer_hash=tokenizer_member.tokenizer_hash,
-            eos_token_ids=tokenizer_member.eos_token_ids))
+            eos_token_ids=tokenizer_member.eos_token_ids,
+            # its checkpoint_dir is the shipped tokenizer's: the weights the baseline's operator split reads are these
+            serving={"weight_bytes": weight_bytes(hf)}))
     return FamilySpec(name=name, members=tuple(specs))
 
 
