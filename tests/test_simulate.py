@@ -28,6 +28,7 @@ class FakeCost:
     """Exactly predictable: a member batch with any prefill costs PREFILL_S, a decode-only batch DECODE_S."""
 
     name = "fake"
+    saves_overlap = False
 
     def batch_s(self, shape: BatchShape) -> float:
         return PREFILL_S if shape.prefills else DECODE_S
@@ -40,6 +41,12 @@ class FakeCost:
 
     def describe(self) -> dict:
         return {"name": self.name, "source": "test"}
+
+
+def hf_config(layers: int, hidden: int) -> dict:
+    """A small dense decoder's HF config (paper-scale members in tests)."""
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
 
 
 def library(values=(0.9,), members=("tiny-s", "tiny-m", "tiny-l"), by_request=None) -> ConfidenceLibrary:
@@ -211,10 +218,8 @@ def test_paper_setup_overlaps_saves_unless_told_not_to(tmp_path):
     from eval.simulate.setup import paper_setup
 
     g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
-    hf = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
-          "head_dim": 128, "vocab_size": 1000, "intermediate_size": 1536, "max_position_embeddings": 8192}
     table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
-                      members={n: MemberCosts(g, g, hf_config=hf) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
+                      members={n: MemberCosts(g, g, hf_config=hf_config(4, 512)) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
     save_table(table, tmp_path / "t.json")
     overlapped = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"))
     serial = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"),
@@ -397,10 +402,7 @@ def test_paper_setup_sizes_pages_from_gpu_memory_minus_weights(tmp_path):
     from eval.simulate.families import page_bytes_for, weight_bytes
     from eval.simulate.setup import paper_setup
 
-    def hf(layers, hidden):
-        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
-                "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
-    configs = {"qwen3-0.6b": hf(4, 512), "qwen3-1.7b": hf(6, 1024), "qwen3-8b": hf(8, 2048)}
+    configs = {"qwen3-0.6b": hf_config(4, 512), "qwen3-1.7b": hf_config(6, 1024), "qwen3-8b": hf_config(8, 2048)}
     g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
     table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
                       members={n: MemberCosts(g, g, hf_config=c) for n, c in configs.items()})
@@ -478,12 +480,9 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
     from eval.simulate.cli import system_configs
     from eval.simulate.setup import GPU_SCHEDULER, paper_setup
 
-    def hf(layers, hidden):
-        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
-                "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
     g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
     table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
-                      members={n: MemberCosts(g, g, hf_config=hf(4, 512)) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
+                      members={n: MemberCosts(g, g, hf_config=hf_config(4, 512)) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
     save_table(table, tmp_path / "t.json")
     setup = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"))
     settings = BenchSettings(family="qwen3", systems=("mfs", "baseline"), baseline_split="traffic")
@@ -587,10 +586,7 @@ def test_a_paper_familys_operator_split_follows_its_members_weights_not_the_toke
     from eval.simulate.families import paper_family, weight_bytes
     from eval.systems import proportional_split
 
-    def hf(layers, hidden):
-        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
-                "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
-    configs = [("a", hf(4, 512)), ("b", hf(8, 1024)), ("c", hf(16, 2048))]
+    configs = [("a", hf_config(4, 512)), ("b", hf_config(8, 1024)), ("c", hf_config(16, 2048))]
     split = proportional_split(paper_family("test", configs))
     total = sum(weight_bytes(c) for _, c in configs)
     assert split == pytest.approx({n: weight_bytes(c) / total for n, c in configs})

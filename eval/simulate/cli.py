@@ -286,7 +286,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                      "baseline: " + ("the same, as one LRU its deployments share (--baseline-host-tier)"
                                      if settings.baseline_host_tier else "none (its servers' default)")
                      + ("; copies of evicted pages to it run beside the step's compute (the GPU's copy stream; "
-                        "--serial-saves charges them before the step)" if getattr(setup.cost, "saves_overlap", False)
+                        "--serial-saves charges them before the step)" if setup.cost.saves_overlap
                         else "; copies to and from it are charged in the step"))
     return {
         "workload": trace.at_rate(headline).summary(),

@@ -67,7 +67,7 @@ class SimExecutor:
         costs = [self.cost.batch_s(shape) for shape in plan_shapes(plan, self.family)]
         compute = (max(costs) if self.members_in_parallel else sum(costs)) if costs else 0.0
         saves, loads = self.cost.copy_s(self._save_bytes), self.cost.copy_s(self._load_bytes)
-        body = max(compute, saves) if getattr(self.cost, "saves_overlap", False) else compute + saves
+        body = max(compute, saves) if self.cost.saves_overlap else compute + saves
         return self.cost.step_overhead_s() + body + loads
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:

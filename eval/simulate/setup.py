@@ -140,7 +140,7 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
     spec = paper_family(family, configs)
     page_bytes = page_bytes_for([c for _, c in configs], block_tokens)
     gpu_mem = int(table.gpu_memory_bytes)
-    weights = {n: weight_bytes(c) for n, c in configs}
+    weights = {m.name: m.serving["weight_bytes"] for m in spec.members}     # paper_family's, from the HF configs
     split = None
     if placement.kind == "colocated":
         gpus = table.member(preset[0][0]).tp
