@@ -49,6 +49,15 @@ def hf_config(layers: int, hidden: int) -> dict:
             "head_dim": 128, "vocab_size": 1000, "intermediate_size": 3 * hidden, "max_position_embeddings": 8192}
 
 
+def small_qwen3_table(tmp_path) -> str:
+    """A saved step table for the qwen3 preset's members, each a small decoder costing 1-2 s a batch."""
+    g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
+    table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
+                      members={n: MemberCosts(g, g, hf_config=hf_config(4, 512)) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
+    save_table(table, tmp_path / "t.json")
+    return str(tmp_path / "t.json")
+
+
 def library(values=(0.9,), members=("tiny-s", "tiny-m", "tiny-l"), by_request=None) -> ConfidenceLibrary:
     lib = ConfidenceLibrary(family="tiny", source="test", members={m: [list(values)] for m in members},
                             by_request=by_request or {})
@@ -217,13 +226,9 @@ def test_with_saves_overlapping_only_what_outlasts_the_compute_adds_and_loads_al
 def test_paper_setup_overlaps_saves_unless_told_not_to(tmp_path):
     from eval.simulate.setup import paper_setup
 
-    g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
-    table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
-                      members={n: MemberCosts(g, g, hf_config=hf_config(4, 512)) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
-    save_table(table, tmp_path / "t.json")
-    overlapped = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"))
-    serial = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"),
-                         saves_overlap=False)
+    path = small_qwen3_table(tmp_path)
+    overlapped = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), path)
+    serial = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), path, saves_overlap=False)
     assert overlapped.cost.saves_overlap and overlapped.cost.describe()["saves_overlap"]
     assert not serial.cost.saves_overlap
 
@@ -480,11 +485,8 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
     from eval.simulate.cli import system_configs
     from eval.simulate.setup import GPU_SCHEDULER, paper_setup
 
-    g = Grid2D((1.0, 2.0), (0.0, 1.0), ((1.0, 1.0), (2.0, 2.0)))
-    table = StepTable(source="test", gpu="test_gpu", gpu_memory_bytes=10 * 2**30,
-                      members={n: MemberCosts(g, g, hf_config=hf_config(4, 512)) for n in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")})
-    save_table(table, tmp_path / "t.json")
-    setup = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), str(tmp_path / "t.json"))
+    path = small_qwen3_table(tmp_path)
+    setup = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("colocated"), path)
     settings = BenchSettings(family="qwen3", systems=("mfs", "baseline"), baseline_split="traffic")
     configs, _ = system_configs(setup, settings, trace_of([[(PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
     per_engine = GPU_SCHEDULER["scheduler.max_running_requests"]
