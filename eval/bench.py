@@ -403,6 +403,17 @@ def _split_mode(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_overrides(items: list[str], prog: str) -> dict[str, Any]:
+    """--set KEY=VALUE items (YAML values) as config overrides; a malformed item exits with one line."""
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"{prog}: --set expects KEY=VALUE, got {item!r}")
+        extra[key.strip()] = yaml.safe_load(value)
+    return extra
+
+
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -426,12 +437,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
     chosen = {k: v for k, v in (("sessions", args.sessions), ("rate", args.rate), ("kv_pages", args.kv_pages))
               if v is not None}
-    extra = dict(base.extra_overrides)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"mfs bench: --set expects KEY=VALUE, got {item!r}")
-        extra[key.strip()] = yaml.safe_load(value)
+    extra = {**base.extra_overrides, **parse_overrides(args.set, "mfs bench")}
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,

@@ -1,6 +1,8 @@
-"""Loads a Hugging Face Llama / Qwen2 checkpoint folder into plain tensors (fused per layer) plus its rope table."""
+"""Loads a Hugging Face Llama / Qwen2 checkpoint folder into plain tensors (fused per layer) plus its rope table
+(or draws them, for a checkpoint declared `mfs_random_weights`: timing runs on real shapes without weight files)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -9,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from orchestrator.core.family import FamilyError, read_checkpoint_config
+from orchestrator.core.family import FamilyError, llama_tensor_shapes, random_weights, read_checkpoint_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ROPE_TYPES = ("default", "llama3", "linear")
@@ -182,6 +184,34 @@ class _TensorReader:
         return tensor.to(device=self.device, dtype=self.dtype)
 
 
+class _RandomTensorReader:
+    """A checkpoint declared `mfs_random_weights` (family.py): each tensor drawn from (seed, name) on the device,
+    so the same name and shape give the same values in every member (a nested random family shares its lower
+    layers, as its lineages say). Norm weights are ones and biases zeros, as a fresh model's are."""
+
+    def __init__(self, checkpoint: Path, spec: dict, config: dict, dtype: torch.dtype,
+                 device: str | torch.device) -> None:
+        self.source = checkpoint / "config.json"
+        self.seed, self.std = spec["seed"], float(spec["std"])
+        self.shapes = llama_tensor_shapes(config)
+        self.dtype, self.device = dtype, torch.device(device)
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.shapes.get(name) != shape:
+            raise FamilyError(f"{self.source}: tensor '{name}' has shape {self.shapes.get(name)}, expected {shape}")
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        seed = int.from_bytes(hashlib.blake2b(f"{self.seed}|{name}".encode(), digest_size=8).digest(), "little")
+        generator = torch.Generator(device=self.device).manual_seed(seed & (2**63 - 1))
+        drawn = torch.randn(shape, generator=generator, device=self.device, dtype=torch.float32)
+        return drawn.mul_(self.std).to(self.dtype)
+
+
 def load_checkpoint(checkpoint: str | Path, dtype: str = "float32", device: str | torch.device = "cpu",
                     reuse_layers: dict[int, LayerWeights] | None = None) -> CheckpointWeights:
     """Loads every tensor onto `device` in `dtype`.
@@ -193,7 +223,10 @@ def load_checkpoint(checkpoint: str | Path, dtype: str = "float32", device: str 
     if dtype not in TORCH_DTYPES:
         raise FamilyError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
     config = model_config(checkpoint)
-    reader = _TensorReader(checkpoint, TORCH_DTYPES[dtype], device)
+    raw = read_checkpoint_config(checkpoint)
+    spec = random_weights(checkpoint, raw)
+    reader = (_TensorReader(checkpoint, TORCH_DTYPES[dtype], device) if spec is None
+              else _RandomTensorReader(checkpoint, spec, raw, TORCH_DTYPES[dtype], device))
     hidden, vocab = config.hidden_size, config.vocab_size
     embed = reader.get("model.embed_tokens.weight", (vocab, hidden))
     reuse_layers = reuse_layers or {}

@@ -21,12 +21,13 @@ import argparse
 import asyncio
 import json
 import pickle
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from eval.bench import BenchSettings, config_for, prepare, run_system as run_real
+from eval.bench import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
 from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
 from eval.simulate.cost_model import LinearCostModel, fit_linear, plan_shapes
 from eval.simulate.fleet import Placement
@@ -82,6 +83,8 @@ def machine_probe_ms(repeats: int = 5) -> list[float]:
 
 def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
     family, trace, split, notes = prepare(settings)
+    if settings.trace_file:                  # a saved trace keeps its sessions; its arrivals move to this rate
+        trace = trace.at_rate(settings.rate)
     out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}, "probe_ms": {}, "replies": {}}
     records_all = []
     for name in settings.systems:
@@ -184,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="mfs,baseline")
+    parser.add_argument("--family", default="tiny",
+                        help="shipped family name or family directory (e.g. one of build_scripts/random_family.py)")
+    parser.add_argument("--kv-pages", type=int, default=None, help="arena pages (default: the bench's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every system, YAML value (e.g. escalation.enabled=false)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="replay a trace saved by `mfs bench --save-trace` at each rate (no ShareGPT package "
+                             "needed: eval/simulate/data/quick_trace_seed0.json is the quick trace of seed 0)")
     parser.add_argument("--work-dir", default=".cache/mfs/validation")
     parser.add_argument("--out", default="validation.json")
     parser.add_argument("--save-fit", default=None, metavar="FILE", help="write the fit over every rate (mfs-step-fit/1)")
@@ -194,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
+    base = replace(base, family=args.family, extra_overrides=parse_overrides(args.set, "validate"), trace_file=args.trace,
+                   kv_pages=args.kv_pages if args.kv_pages is not None else base.kv_pages)
     systems = tuple(s for s in args.systems.split(",") if s)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                "same_order_every_rate": {v: all(r[v]["same_order"] for r in results.values() if v in r)
                                          for v in VARIANTS if any(v in r for r in results.values())},
                "same_order_every_rate_held_out": all(r["held_out"]["same_order"] for r in results.values()),
-               "by_rate": results, "command": "python -m eval.simulate.validate " + " ".join(argv or [])}
+               "by_rate": results, "command": "python -m eval.simulate.validate " + " ".join(sys.argv[1:] if argv is None else argv)}
     Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
     if args.save_fit:          # the in-sample fit over every rate: mfs simulate's default measured cost model
         Path(args.save_fit).write_text(json.dumps(in_sample.to_dict(), indent=1))

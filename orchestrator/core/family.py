@@ -2,7 +2,10 @@
 
 Loaded once from a family directory (family.yaml + one Hugging Face checkpoint folder per member).
 Layer lineages are hashed from the weights here (numpy via safetensors, no torch) so the core can
-decide which members may share which cached pages.
+decide which members may share which cached pages. A checkpoint whose config.json carries
+`mfs_random_weights: {seed, std}` has no weight files: the local engine draws every tensor from (seed, tensor
+name) when it loads (timing runs on real shapes, build_scripts/random_family.py), and its lineages hash those
+draws' identities, so members with the same seed and widths share their common lower layers.
 """
 from __future__ import annotations
 
@@ -199,8 +202,56 @@ def _load_member(name: str, index: int, checkpoint: Path, serving: dict, per_mem
     )
 
 
-def layer_lineages(checkpoint: Path, config: dict) -> tuple[str, ...]:
-    """lineage[l] = H(lineage[l-1], weights of layer l); lineage[-1] = H(embeddings, rope and attention settings)."""
+RANDOM_WEIGHTS_KEY = "mfs_random_weights"     # config.json: {"seed": int, "std": float}; no weight files
+
+
+def random_weights(checkpoint: Path, config: dict) -> dict | None:
+    """The checkpoint's random-weights declaration, checked; None for a checkpoint with weight files."""
+    spec = config.get(RANDOM_WEIGHTS_KEY)
+    if spec is None:
+        return None
+    if (not isinstance(spec, dict) or not isinstance(spec.get("seed"), int)
+            or not isinstance(spec.get("std"), (int, float)) or spec["std"] <= 0):
+        raise FamilyError(f"{checkpoint / 'config.json'}: field '{RANDOM_WEIGHTS_KEY}' must be "
+                          f"{{\"seed\": int, \"std\": positive number}}, got {spec!r}")
+    return spec
+
+
+def llama_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama / Qwen2 checkpoint of this config.json holds, by Hugging Face name."""
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    dim = config.get("head_dim") or hidden // heads
+    biased = config["_arch"] == "qwen2" or bool(config.get("attention_bias"))
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden),
+                                          "model.norm.weight": (hidden,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (heads * dim, hidden),
+                       p + "self_attn.k_proj.weight": (kv_heads * dim, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * dim, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * dim),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)})
+        if biased:
+            shapes.update({p + "self_attn.q_proj.bias": (heads * dim,), p + "self_attn.k_proj.bias": (kv_heads * dim,),
+                           p + "self_attn.v_proj.bias": (kv_heads * dim,)})
+            if config["_arch"] != "qwen2":
+                shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+    return shapes
+
+
+def _random_digests(config: dict, spec: dict) -> dict[str, str]:
+    """What identifies a drawn tensor: seed, spread, name and shape (the engine draws it from exactly these)."""
+    return {name: hashlib.blake2b(f"random|{spec['seed']}|{spec['std']}|{name}|{shape}".encode(),
+                                  digest_size=16).hexdigest()
+            for name, shape in llama_tensor_shapes(config).items()}
+
+
+def _file_digests(checkpoint: Path) -> dict[str, str]:
     from safetensors import safe_open
 
     files = sorted(checkpoint.glob("*.safetensors"))
@@ -214,6 +265,13 @@ def layer_lineages(checkpoint: Path, config: dict) -> tuple[str, ...]:
                     digests[key] = hashlib.blake2b(handle.get_tensor(key).tobytes(), digest_size=16).hexdigest()
         except Exception as exc:  # safetensors raises several types for a corrupt file
             raise FamilyError(f"{file}: cannot read weights: {exc}") from exc
+    return digests
+
+
+def layer_lineages(checkpoint: Path, config: dict) -> tuple[str, ...]:
+    """lineage[l] = H(lineage[l-1], weights of layer l); lineage[-1] = H(embeddings, rope and attention settings)."""
+    spec = random_weights(checkpoint, config)
+    digests = _file_digests(checkpoint) if spec is None else _random_digests(config, spec)
     embed_key = "model.embed_tokens.weight"
     if embed_key not in digests:
         raise FamilyError(f"{checkpoint}: weights lack '{embed_key}'")
