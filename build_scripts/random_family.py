@@ -27,11 +27,11 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.core.family import RANDOM_WEIGHTS_KEY, SHIPPED_FAMILIES_DIR, llama_tensor_shapes
+from eval.simulate.families import weight_bytes
+from orchestrator.core.family import RANDOM_WEIGHTS_KEY, SHIPPED_FAMILIES_DIR
 
 TOKENIZER_SOURCE = SHIPPED_FAMILIES_DIR / "tiny" / "tiny-l"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-WEIGHT_BYTES = 2        # bf16, what a GPU serves: the operator's split reads family.yaml's weight_bytes
 
 
 @dataclass(frozen=True)
@@ -95,20 +95,13 @@ def write_family(preset: str, out: Path, seed: int = 0, std: float = 0.02, force
         for file in TOKENIZER_FILES:
             if (TOKENIZER_SOURCE / file).is_file():
                 shutil.copy2(TOKENIZER_SOURCE / file, folder / file)
-        params = sum(_numel(s) for s in llama_tensor_shapes({**config, "_arch": "llama"}).values())
-        entries.append({"name": name, "checkpoint": name, "weight_bytes": params * WEIGHT_BYTES})
+        # bf16 bytes, what a GPU serves: the baseline's operator split reads family.yaml's weight_bytes
+        entries.append({"name": name, "checkpoint": name, "weight_bytes": weight_bytes(config)})
     manifest = {"name": f"random-{preset}", "kind": kind, "members": entries}
     header = (f"# Random weights of real shapes (build_scripts/random_family.py --preset {preset} --seed {seed} "
               f"--std {std}): for timing runs only; the replies are noise.\n")
     (out / "family.yaml").write_text(header + yaml.safe_dump(manifest, sort_keys=False))
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def main(argv: list[str] | None = None) -> int:
