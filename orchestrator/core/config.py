@@ -59,6 +59,8 @@ class SchedulerConfig:
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
     member_floor_share: float | None = None   # share of the pool each member's admissions can always get (shared pool)
     queue_order: str = "fcfs"             # fcfs | shortest_first (fresh requests by expected remaining decode)
+    member_interleave: str = "lockstep"   # lockstep | cost_weighted (cheap members step more often: interleave.py)
+    member_step_costs: dict[str, float] | None = None   # relative forward cost per member (None: weight bytes)
     # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
     # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
     # orchestrator/core/deployments.py
@@ -196,6 +198,8 @@ class MFSConfig:
                f"must be keep or rollback, got {self.escalation.on_escalate!r}")
         _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
         _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
+        _check(self.scheduler.member_interleave in ("lockstep", "cost_weighted"), "scheduler.member_interleave",
+               f"must be lockstep or cost_weighted, got {self.scheduler.member_interleave!r}")
         _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
         _check(self.engine.process in ("separate", "thread"), "engine.process",
                f"must be separate or thread, got {self.engine.process!r}")

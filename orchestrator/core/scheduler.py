@@ -22,6 +22,7 @@ from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.pool_demand import PoolDemand
 from orchestrator.core.router import MemberLoad, Router, SessionAffinity
+from orchestrator.core.interleave import MemberInterleave, member_costs
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import (FinishReason, MemberBatch, MemberName, PageId, Request, RequestId,
@@ -68,6 +69,9 @@ class Scheduler:
         self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
         self._last_busy_schedule_s: float | None = None
         self.escalation_rates = EscalationRates()        # per member: how often its requests escalate out
+        mode = config.scheduler.member_interleave
+        self._interleave = MemberInterleave(mode, member_costs(family, config.scheduler.member_step_costs)
+                                            if mode != "lockstep" else {n: 1.0 for n in family.member_names})
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
@@ -156,7 +160,11 @@ class Scheduler:
         extra = {n: {} for n in running}
         if request is not None:
             for name in running:
-                extra[name] = self.demand.delay_and_pressure(name, request, self._step_cost_s)
+                # a member that runs in a share of the steps gets a token every step / share
+                step_s = self._step_cost_s
+                if step_s is not None and self._interleave.mode != "lockstep":
+                    step_s /= self._interleave.share.get(name, 1.0)
+                extra[name] = self.demand.delay_and_pressure(name, request, step_s)
         rates = self.escalation_rates
         return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1],
                               escalation_rate=rates.rate(n), **extra[n]) for n in running}
@@ -515,7 +523,15 @@ class Scheduler:
             budget = min(budget, cfg.decode_step_token_budget)
         batches: dict[str, list[SeqChunk]] = {}
         prefills = []
+        chosen = None
+        if self._interleave.mode != "lockstep":
+            counts: dict[str, int] = {}
+            for seq in self._running.values():
+                counts[seq.member] = counts.get(seq.member, 0) + 1
+            chosen = self._interleave.choose(counts)
         for seq in self._running.values():
+            if chosen is not None and seq.member not in chosen:
+                continue        # its member sits this step out; its pages and slot stay
             if seq.is_decoding():
                 pos = len(seq.token_ids) - 1
                 batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True))
