@@ -134,6 +134,9 @@ def test_system_knobs():
             ("block", None, "youngest", None)
     assert cfg["mfs_pre13"].router.session_bonus == 0.2 and cfg["mfs_pre13"].pool.static_split is None
     assert (mfs.scheduler.decode_reservation, mfs.scheduler.victim_order) == ("peak", "priority_progress")
+    assert (mfs.scheduler.member_interleave, cfg["mfs_interleave"].scheduler.member_interleave) == \
+        ("lockstep", "cost_weighted")
+    assert cfg["mfs_interleave"].pool.static_split is None and cfg["mfs_interleave"].router.use_affinity
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
 

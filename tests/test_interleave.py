@@ -50,11 +50,11 @@ def test_member_costs_default_to_weight_bytes_and_check_configured_ones():
     costs = member_costs(family)
     assert list(costs) == family.member_names and costs["s"] < costs["m"] < costs["l"]
     assert member_costs(family, {"s": 1, "m": 2, "l": 5}) == {"s": 1.0, "m": 2.0, "l": 5.0}
-    with pytest.raises(ValueError, match="not in family"):
+    with pytest.raises(ConfigError, match="not in family"):
         member_costs(family, {"s": 1, "m": 2, "l": 5, "xl": 9})
-    with pytest.raises(ValueError, match="lacks members"):
+    with pytest.raises(ConfigError, match="lacks members"):
         member_costs(family, {"s": 1, "l": 5})
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ConfigError, match="positive"):
         member_costs(family, {"s": 0, "m": 2, "l": 5})
     with pytest.raises(ConfigError, match="member_interleave"):
         load_config(overrides={"scheduler.member_interleave": "fastest"})

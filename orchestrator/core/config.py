@@ -15,6 +15,9 @@ from typing import Any
 import yaml
 
 
+MEMBER_INTERLEAVE_MODES = ("lockstep", "cost_weighted")    # scheduler.member_interleave (interleave.py)
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key path."""
 
@@ -198,8 +201,8 @@ class MFSConfig:
                f"must be keep or rollback, got {self.escalation.on_escalate!r}")
         _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
         _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
-        _check(self.scheduler.member_interleave in ("lockstep", "cost_weighted"), "scheduler.member_interleave",
-               f"must be lockstep or cost_weighted, got {self.scheduler.member_interleave!r}")
+        _check(self.scheduler.member_interleave in MEMBER_INTERLEAVE_MODES, "scheduler.member_interleave",
+               f"must be one of {', '.join(MEMBER_INTERLEAVE_MODES)}, got {self.scheduler.member_interleave!r}")
         _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
         _check(self.engine.process in ("separate", "thread"), "engine.process",
                f"must be separate or thread, got {self.engine.process!r}")

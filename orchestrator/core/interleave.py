@@ -22,24 +22,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from orchestrator.core.config import MEMBER_INTERLEAVE_MODES, ConfigError
 from orchestrator.core.family import FamilySpec
-
-INTERLEAVE_MODES = ("lockstep", "cost_weighted")
 
 
 def member_costs(family: FamilySpec, configured: Mapping[str, float] | None = None) -> dict[str, float]:
     """Relative cost of one forward per member: the configured values, else the member's weight bytes (a decode
-    forward on a GPU reads all of them: memory-bound), else an estimate of them from the shapes."""
+    forward on a GPU reads all of them: memory-bound), else an estimate of them from the shapes. The configured
+    values are checked against the family here (the config alone does not know its members)."""
     if configured:
+        key = "config key 'scheduler.member_step_costs'"
         unknown = set(configured) - set(family.member_names)
         if unknown:
-            raise ValueError(f"scheduler.member_step_costs names members not in family {family.name}: "
-                             f"{sorted(unknown)}")
+            raise ConfigError(f"{key}: names members not in family {family.name}: {sorted(unknown)}")
         missing = set(family.member_names) - set(configured)
         if missing:
-            raise ValueError(f"scheduler.member_step_costs lacks members {sorted(missing)}")
+            raise ConfigError(f"{key}: lacks members {sorted(missing)}")
         if any(float(v) <= 0 for v in configured.values()):
-            raise ValueError("scheduler.member_step_costs must be positive")
+            raise ConfigError(f"{key}: every cost must be positive")
         return {n: float(configured[n]) for n in family.member_names}
     costs = {}
     for m in family.members:
@@ -55,8 +55,9 @@ def member_costs(family: FamilySpec, configured: Mapping[str, float] | None = No
 
 class MemberInterleave:
     def __init__(self, mode: str, costs: Mapping[str, float]) -> None:
-        if mode not in INTERLEAVE_MODES:
-            raise ValueError(f"scheduler.member_interleave must be one of {INTERLEAVE_MODES}, got {mode!r}")
+        if mode not in MEMBER_INTERLEAVE_MODES:
+            raise ConfigError(f"config key 'scheduler.member_interleave': must be one of "
+                              f"{', '.join(MEMBER_INTERLEAVE_MODES)}, got {mode!r}")
         self.mode = mode
         self.costs = dict(costs)
         self._credit = {name: 0.0 for name in costs}
