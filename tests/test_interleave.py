@@ -88,3 +88,16 @@ def test_the_scheduler_steps_a_cheap_member_more_often_and_loses_no_token():
     # Once s has finished (step 13), l runs alone, in every step.
     assert lock_steps["small"] == lock_steps["large"] == steps["small"] == list(range(2, 14))
     assert steps["large"] == [4, 6, 8, 10, 12, 14, 15, 16, 17, 18, 19, 20]
+
+
+def test_mfs_serve_refuses_costs_that_do_not_fit_the_family_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "bad.yaml"
+    config.write_text("scheduler:\n  member_interleave: cost_weighted\n  member_step_costs: {tiny-s: 1}\n")
+    done = subprocess.run([sys.executable, "-m", "orchestrator.serve.cli", "serve", "--config", str(config),
+                           "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout.strip().splitlines() == [
+        "mfs serve: config key 'scheduler.member_step_costs': lacks members ['tiny-l', 'tiny-m']"]
