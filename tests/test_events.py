@@ -63,7 +63,8 @@ def test_empty_snapshot_has_zeros_everywhere() -> None:
             "preemptions": 0, "preemptions_by_kind": {"swap": 0, "recompute": 0}, "downgrades": {},
             "evictions": 0, "offloads": {"host": 0, "disk": 0},
             "warmups": {"issued": 0, "hit": 0},
-            "generated_tokens": {m: 0 for m in MEMBERS}, "prompt_tokens": {m: 0 for m in MEMBERS}},
+            "generated_tokens": {m: 0 for m in MEMBERS}, "prompt_tokens": {m: 0 for m in MEMBERS},
+            "member_steps": {m: 0 for m in MEMBERS}},
         "queue_wait_s": {m: {"count": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0} for m in MEMBERS},
         "recent_routes": []}
     json.dumps(snap)

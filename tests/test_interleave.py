@@ -66,14 +66,19 @@ def _run(mode: str) -> tuple[Harness, dict[str, list[int]]]:
     h.submit("small", PROMPT, max_tokens=12, pinned_member=MemberName("s"))
     h.submit("large", [7] + PROMPT, max_tokens=12, pinned_member=MemberName("l"))
     steps: dict[str, list[int]] = {"small": [], "large": []}
+    ran: dict[str, list[int]] = {"s": [], "l": []}        # the steps whose plan had the member's batch
     for step in range(1, 100):
         if not h.scheduler.has_work():
             break
         before = {rid: len(h.tokens(rid)) if rid in h.outputs else 0 for rid in steps}
-        h.step()
+        plan = h.step()
+        for batch in plan.batches:
+            ran[batch.member].append(step)
         for rid in steps:
             if rid in h.outputs and len(h.tokens(rid)) > before[rid]:
                 steps[rid].append(step)
+    counted = h.scheduler.snapshot(h.now)["counters"]["member_steps"]
+    assert counted == {"s": len(ran["s"]), "m": 0, "l": len(ran["l"])}     # mfs_member_steps_total
     return h, steps
 
 
@@ -88,6 +93,9 @@ def test_the_scheduler_steps_a_cheap_member_more_often_and_loses_no_token():
     # Once s has finished (step 13), l runs alone, in every step.
     assert lock_steps["small"] == lock_steps["large"] == steps["small"] == list(range(2, 14))
     assert steps["large"] == [4, 6, 8, 10, 12, 14, 15, 16, 17, 18, 19, 20]
+    steps_run = weighted.scheduler.snapshot(weighted.now)["counters"]["member_steps"]
+    assert steps_run == {"s": 13, "m": 0, "l": 13}     # l: 6 of the 13 steps s was in, then 7 alone
+    assert lock.scheduler.snapshot(lock.now)["counters"]["member_steps"] == {"s": 13, "m": 0, "l": 13}
 
 
 def test_mfs_serve_refuses_costs_that_do_not_fit_the_family_in_one_line(tmp_path):

@@ -19,7 +19,8 @@ STATS = {
                  "preemptions": 5, "preemptions_by_kind": {"swap": 2, "recompute": 3},
                  "downgrades": {"tiny-m->tiny-s": 6}, "evictions": 9, "offloads": {"host": 4, "disk": 1},
                  "warmups": {"issued": 2, "hit": 1},
-                 "generated_tokens": {"tiny-s": 300, "tiny-m": 40}, "prompt_tokens": {"tiny-s": 1000}},
+                 "generated_tokens": {"tiny-s": 300, "tiny-m": 40}, "prompt_tokens": {"tiny-s": 1000},
+                 "member_steps": {"tiny-s": 50, "tiny-m": 30}},
     "queue_wait_s": {"tiny-s": {"count": 4, "p50": 0.1, "p90": 0.5, "p99": 0.9}},
     "recent_routes": [],
 }
@@ -51,6 +52,7 @@ def test_collector_maps_every_stats_field():
     assert s[("mfs_offloads_total", (("tier", "host"),))] == 4
     assert s[("mfs_engine_up", ())] == 1
     assert s[("mfs_downgrades_total", (("from", "tiny-m"), ("to", "tiny-s")))] == 6
+    assert s[("mfs_member_steps_total", (("member", "tiny-m"),))] == 30
     assert s[("mfs_preemptions_by_kind_total", (("kind", "swap"),))] == 2
     assert s[("mfs_queue_wait_seconds", (("member", "tiny-s"), ("quantile", "p99")))] == 0.9
 

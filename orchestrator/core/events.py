@@ -5,7 +5,7 @@ import enum
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,7 @@ class Stats:
         self._warmups = {"issued": 0, "hit": 0}
         self._generated_tokens: dict[str, int] = {}
         self._prompt_tokens: dict[str, int] = {}
+        self._member_steps: dict[str, int] = {}
         self._routes: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUTES)
 
     def on_request_done(self, member: str, outcome: str) -> None:
@@ -169,6 +170,12 @@ class Stats:
             self._prompt_tokens[member] = self._prompt_tokens.get(member, 0) + prompt_tokens
             self._generated_tokens[member] = self._generated_tokens.get(member, 0) + generated_tokens
 
+    def on_member_steps(self, members: Iterable[str]) -> None:
+        """One step ran these members' forwards (with member_interleave cost_weighted, a share of the steps)."""
+        with self._lock:
+            for member in members:
+                self._member_steps[member] = self._member_steps.get(member, 0) + 1
+
     def record_route(self, decision: RouteDecision) -> None:
         route = {"request_id": decision.request_id, "member": decision.member, "reason": decision.reason,
                  "complexity": decision.complexity, "scores": dict(decision.scores),
@@ -205,6 +212,7 @@ class Stats:
                 "generated_tokens": {m: self._generated_tokens.get(m, 0)
                                      for m in _union(members, self._generated_tokens)},
                 "prompt_tokens": {m: self._prompt_tokens.get(m, 0) for m in _union(members, self._prompt_tokens)},
+                "member_steps": {m: self._member_steps.get(m, 0) for m in _union(members, self._member_steps)},
             }
             waits = {m: sorted(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
             routes = [{**r, "scores": dict(r["scores"]), "matched_prefix_tokens": dict(r["matched_prefix_tokens"])}

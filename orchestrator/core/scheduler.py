@@ -548,6 +548,8 @@ class Scheduler:
             batches.setdefault(seq.member, []).append(self._chunk(seq, start, end, sample=sample))
             budget -= end - start
         plan.batches = [MemberBatch(MemberName(m), chunks) for m, chunks in batches.items()]
+        if batches:
+            self.stats.on_member_steps(batches)
 
     def _chunk(self, seq: Sequence, start: int, end: int, sample: bool) -> SeqChunk:
         kv = seq.kv

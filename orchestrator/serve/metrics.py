@@ -50,6 +50,8 @@ class EngineStatsCollector(Collector):
         yield _counter("mfs_downgrades", "requests routed to a smaller member than scored best, under load",
                        ["from", "to"], [(tuple(k.split("->", 1)), n)
                                         for k, n in counters.get("downgrades", {}).items() if "->" in k])
+        yield _counter("mfs_member_steps", "engine steps that ran the member's forward", ["member"],
+                       _flat(counters.get("member_steps", {})))
         yield _counter("mfs_evictions", "cached pages evicted from the arena", [],
                        [((), counters.get("evictions", 0))])
         yield _counter("mfs_offloads", "pages copied to a lower tier", ["tier"],
