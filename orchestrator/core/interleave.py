@@ -7,9 +7,10 @@ the sum of the members' forwards. `cost_weighted` lets a cheap member step more 
 member m is included at a rate f_m proportional to sqrt(n_m / c_m) (n_m its running requests, c_m its cost
 per forward). Of all rates that keep the device busy (sum of f_m * c_m fixed), these minimise the mean time
 between tokens over the running requests, sum(n_m / f_m) / sum(n_m) (Lagrange: n_m / f_m**2 = lambda * c_m).
-With a 70B member beside an 8B one (forwards ~6x apart on a GPU) the 8B's requests get tokens about twice as
-often for a few percent more time between the 70B's tokens. Independent deployments cannot do this: each
-process steps its own model and the device time-slices them.
+With as many requests on an 8B member as on a 70B one (forwards ~6x apart on a GPU), the 8B's requests get a
+token about twice as often, the 70B's wait about a fifth longer between tokens, and the mean falls by ~15%:
+a mean bought with the large member's tail. Independent deployments cannot do this: each process steps its
+own model and the device time-slices them.
 
 The member with the highest rate (the pacer) runs in every step; each other member earns rate/pacer rate of
 a turn per step and runs when it has a whole one, so over time it runs that share of the steps. A member
