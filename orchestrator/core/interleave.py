@@ -7,7 +7,8 @@ the sum of the members' forwards. `cost_weighted` lets a cheap member step more 
 member m is included at a rate f_m proportional to sqrt(n_m / c_m) (n_m its running requests, c_m its cost
 per forward). Of all rates that keep the device busy (sum of f_m * c_m fixed), these minimise the mean time
 between tokens over the running requests, sum(n_m / f_m) / sum(n_m) (Lagrange: n_m / f_m**2 = lambda * c_m).
-With as many requests on an 8B member as on a 70B one (forwards ~6x apart on a GPU), the 8B's requests get a
+By the rule alone (arithmetic, not a measurement): with as many requests on an 8B member as on a 70B one, at
+aiconfigurator's TensorRT-LLM decode costs on two H200s (3.3 and 20.5 ms a forward), the 8B's requests get a
 token about twice as often, the 70B's wait about a fifth longer between tokens, and the mean falls by ~15%:
 a mean bought with the large member's tail. Independent deployments cannot do this: each process steps its
 own model and the device time-slices them.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from orchestrator.core.config import MEMBER_INTERLEAVE_MODES, ConfigError
+from orchestrator.core.config import ConfigError
 from orchestrator.core.family import FamilySpec
 
 
@@ -47,7 +48,9 @@ def member_costs(family: FamilySpec, configured: Mapping[str, float] | None = No
         weights = m.serving.get("weight_bytes")
         if not weights:
             # attention (q, o at full width; k, v at the KV width) and a gated MLP of ~8/3 the width, per layer,
-            # plus the embedding: the parameters a decode forward reads
+            # plus the embedding: the parameters a decode forward reads. (eval.systems.member_weight_bytes, which
+            # reads checkpoint file sizes, gives ratios within 1% of these for the tiny family; BENCHMARKS'
+            # simulated tiny figures were made with this estimate, and that 1% moves them: section 9.)
             h, kv = m.hidden_size, m.num_kv_heads * m.head_dim
             weights = m.num_layers * (2 * h * h + 2 * h * kv + 8 * h * h) + m.vocab_size * h
         costs[m.name] = float(weights)
@@ -55,10 +58,9 @@ def member_costs(family: FamilySpec, configured: Mapping[str, float] | None = No
 
 
 class MemberInterleave:
+    """mode: one of config.MEMBER_INTERLEAVE_MODES (MFSConfig.validate checks it)."""
+
     def __init__(self, mode: str, costs: Mapping[str, float]) -> None:
-        if mode not in MEMBER_INTERLEAVE_MODES:
-            raise ConfigError(f"config key 'scheduler.member_interleave': must be one of "
-                              f"{', '.join(MEMBER_INTERLEAVE_MODES)}, got {mode!r}")
         self.mode = mode
         self.costs = dict(costs)
         self._credit = {name: 0.0 for name in costs}
