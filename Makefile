@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mfs-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench engine-bench clean
+.PHONY: demo test install bench engine-bench compile-core clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ bench: $(STAMP)
 
 engine-bench: $(STAMP)
 	$(PY) -m eval.engine_bench
+
+# mypyc-compiled hot modules of the core and the simulator into build/compiled_core (mfs simulate --compiled-core)
+compile-core: $(STAMP)
+	$(PY) -m build_scripts.compile_core
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache

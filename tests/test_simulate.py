@@ -355,7 +355,7 @@ def test_one_session_timeline_is_exactly_the_fake_costs():
 
 
 def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
-    """The replay runs without automatic full collections (driver.no_full_collections): sound only if what its
+    """The replay runs with the cyclic collector off (driver.no_full_collections): sound only if what its
     steps and requests create is freed by reference counting alone. With the collector off, nothing of the
     replay's per-step and per-request objects may be left for it to find (the nodes' own assembly may hold
     cycles: one per node, whatever the trace)."""
@@ -383,6 +383,22 @@ def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def test_the_replay_turns_the_collector_off_and_restores_it():
+    import gc
+
+    from eval.simulate.driver import no_full_collections
+
+    was = gc.isenabled()
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            with no_full_collections():
+                during = (gc.isenabled(), gc.get_freeze_count() > 0)
+            assert during == (False, True) and gc.isenabled() is before and gc.get_freeze_count() == 0
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_a_refused_request_is_recorded_and_the_session_goes_on():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -32,6 +33,7 @@ from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_set
 from eval.simulate.step_table import StepTableError
 from eval.systems import needs_split, system_config
 from eval.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
+from orchestrator.core import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-s", type=float, default=None)
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="simulate up to N systems at once, each in its own process (same output; N cores)")
+    parser.add_argument("--compiled-core", action="store_true",
+                        help="run the core's and the simulator's hot modules compiled by mypyc (`make compile-core` "
+                             "first; same output, less CPU: docs/BENCHMARKS.md 8.3); refused if the build is stale")
 
 
 def sim_settings(args: argparse.Namespace) -> BenchSettings:
@@ -149,8 +154,10 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
 
 def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
                vocab_size: int, stats_interval_s: float,
-               replies: dict[str, list[int]] | None = None) -> tuple[SimRun, dict[str, Any]]:
-    """replies: request key -> token ids of a real run of this system on this trace, replayed (validation)."""
+               replies: dict[str, list[int]] | None = None,
+               keep_nodes: list | None = None) -> tuple[SimRun, dict[str, Any]]:
+    """replies: request key -> token ids of a real run of this system on this trace, replayed (validation).
+    keep_nodes: see driver.simulate (a forked worker's shortcut past freeing the nodes)."""
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
                            members_in_parallel=setup.members_in_parallel, replies=replies)
@@ -159,7 +166,7 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
         return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output)
                 for i in range(setup.placement.num_nodes)]
 
-    run = simulate(name, make_nodes, trace, stats_interval_s)
+    run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
     with no_full_collections():     # else collections walk the live records and trace: 0.6 s of a 17 s replay
         metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples))
     step_s = setup.solo_decode_step_s()
@@ -221,17 +228,20 @@ def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: Confide
 
 
 def _records_and_metrics(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
-                         vocab_size: int, interval_s: float) -> tuple[list, dict[str, Any]]:
-    run, metrics = run_system(name, config, setup, trace, confidences, vocab_size, interval_s)
+                         vocab_size: int, interval_s: float, keep_nodes: list | None = None) -> tuple[list, dict[str, Any]]:
+    run, metrics = run_system(name, config, setup, trace, confidences, vocab_size, interval_s,
+                              keep_nodes=keep_nodes)
     return run.records, metrics
 
 
 _FORKED: tuple | None = None       # what forked workers simulate (inherited through fork, never pickled)
+# A forked worker's finished nodes: never freed, the worker process ends (os._exit) after its one system
+_WORKER_NODES: list = []
 
 
 def _forked_system(name: str) -> tuple[list, dict[str, Any]]:
     configs, args = _FORKED
-    records, metrics = _records_and_metrics(name, configs[name], *args)
+    records, metrics = _records_and_metrics(name, configs[name], *args, keep_nodes=_WORKER_NODES)
     for record in records:         # only latencies are read back (eval.bench._paired): do not ship the tokens
         record.prompt_token_ids, record.output_token_ids, record.output_logprobs = [], [], []
     return records, metrics
@@ -243,7 +253,8 @@ def _run_forked(configs: dict, args: tuple, jobs: int) -> dict[str, tuple[list, 
     global _FORKED
     _FORKED = (configs, args)
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(configs))) as pool:
+        # one system per worker: a worker keeps its finished nodes (_WORKER_NODES) until it exits
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(configs)), maxtasksperchild=1) as pool:
             results = pool.map(_forked_system, list(configs), chunksize=1)
     finally:
         _FORKED = None
@@ -304,7 +315,8 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                       "confidences": confidences.describe(),
                       "tokenizer": ("the shipped tiny family's tokenizer (the simulated family's own)" if
                                     setup.family is None else TOKENIZER_NOTE),
-                      "trace_build_s": round(trace_s, 1), "simulate_s": round(sim_s, 1)},
+                      "trace_build_s": round(trace_s, 1), "simulate_s": round(sim_s, 1),
+                      "core": {"compiled_modules": compiled.active_modules()}},
     }
 
 
@@ -315,7 +327,25 @@ def _settings(settings: BenchSettings) -> dict[str, Any]:
     return d
 
 
+def use_compiled_core() -> None:
+    """--compiled-core: the compiled modules are chosen when their packages are imported, so a process that has
+    not chosen them re-executes itself with MFS_COMPILED_CORE set (the command line is `mfs simulate ...`)."""
+    if compiled.build_dir() is None:
+        reason = compiled.stale_reason(compiled.DEFAULT_DIR)
+        if reason is not None:
+            raise SystemExit(f"mfs simulate: --compiled-core: {reason}")
+        if sys.argv[1:2] != ["simulate"]:
+            raise SystemExit(f"mfs simulate: --compiled-core: set {compiled.ENV}=1 before this process imports the "
+                             "core (only the `mfs simulate` command line re-executes itself)")
+        os.execve(sys.executable, [sys.executable, "-m", "orchestrator.serve.cli", *sys.argv[1:]],
+                  {**os.environ, compiled.ENV: "1"})
+    if not compiled.active_modules():
+        raise SystemExit(f"mfs simulate: --compiled-core: {compiled.stale_reason(compiled.build_dir())}")
+
+
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "compiled_core", False):
+        use_compiled_core()
     started = time.monotonic()
     try:
         result = run_simulation(args)

@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 # Keys whose values are timings of this machine (or the command that was typed), never simulated figures.
-MACHINE_KEYS = frozenset({"wall_s", "cpu_s", "trace_build_s", "simulate_s", "command"})
+# `core`: which build of the core ran (Python sources or the compiled modules), which must not change a figure.
+MACHINE_KEYS = frozenset({"wall_s", "cpu_s", "trace_build_s", "simulate_s", "command", "core"})
 
 
 def differences(a: Any, b: Any, path: str = "", limit: int = 20, skip: frozenset[str] = frozenset()) -> list[str]:

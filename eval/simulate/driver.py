@@ -27,7 +27,6 @@ from orchestrator.core.errors import MFSError
 from orchestrator.core.types import Request, RequestId, RequestOutput, SamplingParams
 
 STATS_INTERVAL_S = 0.5          # the bench samples the stats snapshot every 0.5 s
-YOUNG_GC_THRESHOLD = 50_000     # allocations between young collections during a replay (Python's default: 700)
 
 
 @dataclass(slots=True)
@@ -47,34 +46,39 @@ class SimRun:
 NodeFactory = Callable[[VirtualClock, EventQueue, Callable[[RequestOutput, float], None]], list[SimNode]]
 
 
-def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float = STATS_INTERVAL_S) -> SimRun:
+def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float = STATS_INTERVAL_S,
+             keep_nodes: list | None = None) -> SimRun:
+    """keep_nodes: where to leave the replay's nodes instead of freeing them at its end. A forked worker that
+    exits right after (cli._forked_system) passes one: the OS then takes the memory back at once, where freeing
+    the nodes' pools, prefix maps and tiers object by object took ~9 s of a 10,000-session fleet:8 replay."""
     with no_full_collections():
-        return _simulate(tag, make_nodes, trace, stats_interval_s)
+        return _simulate(tag, make_nodes, trace, stats_interval_s, keep_nodes)
 
 
 @contextmanager
 def no_full_collections():
-    """Python's full (generation 2) collections traverse every live container, and a replay keeps many long
-    ones alive: the trace's token lists and every record's prompt (the whole history under closed history), ~10^7
-    items at 10,000 sessions. They ran every time a quarter more objects had survived to the old generation, so
-    their cost grew with the trace and the load (a request's state lives long enough to get there). For the
-    replay, what exists at its start is frozen out of the collector and automatic full collections are off;
-    young collections still run, and reference counting frees everything that holds no cycle (the core's and
-    the simulator's per-request objects hold none; what does stays until the next full collection after the
-    replay). The young generation is also collected less often (every YOUNG_GC_THRESHOLD allocations, not 700):
-    a step's plan, sampled tokens and outputs die by reference counting before a collection sees them instead of
-    being scanned and promoted. Nothing a simulation computes depends on when the collector runs."""
-    thresholds = gc.get_threshold()
+    """The cyclic collector is off for the replay: what exists at its start is frozen out of it, and neither
+    full nor young collections run. Full collections traverse every live container, and a replay keeps many
+    long ones alive (the trace's token lists and every record's prompt: ~10^7 items at 10,000 sessions), so
+    their cost grew with the trace and the load; young ones scanned every step's plan, tokens and outputs
+    before reference counting freed them (4% of a replay's CPU with the compiled core, at one collection per
+    50,000 allocations). Nothing is lost: the core's and the simulator's per-step and per-request objects
+    hold no cycle (tests/test_simulate.py checks that a replay leaves none of them to the collector), so
+    reference counting frees them; what does form a cycle waits for the first collection after the replay.
+    Nothing a simulation computes depends on when the collector runs."""
+    was_enabled = gc.isenabled()
     gc.freeze()
-    gc.set_threshold(max(thresholds[0], YOUNG_GC_THRESHOLD), thresholds[1], 2**31 - 1)
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*thresholds)
+        if was_enabled:
+            gc.enable()
         gc.unfreeze()
 
 
-def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float) -> SimRun:
+def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float,
+              keep_nodes: list | None = None) -> SimRun:
     started, cpu_started = time.perf_counter(), time.process_time()
     clock = VirtualClock()
     events = EventQueue(clock)
@@ -156,6 +160,8 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
     # send and next_turn refer to each other (a cycle through their closures, holding the nodes and the trace):
     # emptied here, the replay's state goes with the last reference to it, not at some later full collection.
     del send, next_turn
+    if keep_nodes is not None:
+        keep_nodes.extend(nodes)
     return run
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from eval.simulate.confidence import ConfidenceLibrary
 from eval.simulate.cost_model import CostModel, plan_shapes
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan
+from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan, tuple_new
 
 FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (pad, bos, eos)
 
@@ -87,7 +87,7 @@ class SimExecutor:
                 key = keys.get(request_id, request_id)
                 position = chunk.num_generated
                 p = value(key, member, position)
-                out.append(SampledToken(request_id, token_id(key, position), _log(p), p))
+                out.append(tuple_new(SampledToken, (request_id, token_id(key, position), _log(p), p, ())))
         return out
 
     def read_page(self, page: PageId) -> bytes:

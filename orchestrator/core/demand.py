@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from orchestrator.core.config import SchedulerConfig
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.types import SamplingParams
+from orchestrator.core.types import SamplingParams, tuple_new
 
 
 class NewTokenRatio:
@@ -80,9 +80,9 @@ def fresh_rank(num_tokens: int, rest_tokens: int, context_tokens: int) -> tuple[
     return (1, min(context_tokens, num_tokens + rest_tokens) - num_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class RunningDemand:
-    """One admitted request as the delay estimate sees it."""
+class RunningDemand(NamedTuple):
+    """One admitted request as the delay estimate sees it (a tuple: the router's estimate builds one per
+    running request after every step; a frozen dataclass's __init__ set each field through Python)."""
 
     held_pages: int          # pages it holds now (returned when it ends)
     future_pages: int        # pages reserved for its remaining decode
@@ -116,11 +116,11 @@ def victim_key(order: str) -> Callable[[Sequence], tuple]:
                       s.num_computed_tokens, -s.admit_order)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeProfile:
+class DecodeProfile(NamedTuple):
     """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token
     per step (every decoding request decodes in every step) and ends after `steps_left` steps. Growth is
-    computed per asked step, not tabulated for every step (peak_growth reads it, inlined, at growth_steps only)."""
+    computed per asked step, not tabulated for every step (peak_growth reads it, inlined, at growth_steps only).
+    A tuple, as RunningDemand: one is built per running request on every arrival."""
 
     steps_left: int               # steps until it ends
     tokens_now: int
@@ -153,8 +153,8 @@ def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pag
                    pages_for: Callable[[int], int], slack_tokens: int, tokens_per_block: int) -> DecodeProfile:
     """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation);
     tokens_per_block: the block size behind pages_for."""
-    return DecodeProfile(steps_left, tokens_now, final_tokens, held_pages, private_pages, pages_for, slack_tokens,
-                         tokens_per_block)
+    return tuple_new(DecodeProfile, (steps_left, tokens_now, final_tokens, held_pages, private_pages, pages_for,
+                                     slack_tokens, tokens_per_block))
 
 
 def peak_growth(profiles: Iterable[DecodeProfile]) -> int:

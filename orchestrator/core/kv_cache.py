@@ -14,7 +14,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.tiers import TieredStore
-from orchestrator.core.types import PageId, PageKey, Tier
+from orchestrator.core.types import PageId, PageKey, Tier, tuple_new
 
 
 # One page slot of a request's tables: (kind "kv" | "out" | "in", layer or None, block, key or None = fresh).
@@ -93,7 +93,7 @@ class KVCacheManager:
         self.pool = pool
         self.tiers = tiers
         self.layout = KVLayout(family, page_bytes, dtype_bytes, record_residuals)
-        self._blocks = {m.name: self.layout.tokens_per_block(m.name) for m in family.members}
+        self._blocks: dict[str, int] = {m.name: self.layout.tokens_per_block(m.name) for m in family.members}
 
     # ------------------------------------------------------------------ identity (the layout's rules)
     def tokens_per_block(self, member: str) -> int:
@@ -158,7 +158,7 @@ class KVCacheManager:
         slowest = Tier.ARENA
         lookup = self.pool.lookup
         for lineage in lineages:
-            key = PageKey(lineage, block_hash)
+            key = tuple_new(PageKey, (lineage, block_hash))
             if lookup(key) is not None:
                 continue            # in the arena: the fastest tier (what _locate says first)
             tier = self.tiers.locate(key) if self.tiers is not None else None
@@ -220,17 +220,19 @@ class KVCacheManager:
         records = self.layout.records_residual(member)
         slots: list[_Slot] = []
         for block in range(match.num_full_blocks):
-            for layer, lineage in enumerate(spec.layer_lineages):
-                slots.append(("kv", layer, block, PageKey(lineage, hashes[block])))
+            block_hash = hashes[block]
+            slots.extend([("kv", layer, block, tuple_new(PageKey, (lineage, block_hash)))
+                          for layer, lineage in enumerate(spec.layer_lineages)])
             if records:
                 key = PageKey(spec.residual_lineage(), hashes[block])
                 slots.append(("out", None, block, key if self._locate(key) is not None else None))
         if match.num_shared_blocks:
+            assert match.shared_source is not None
             source = self.family.member(match.shared_source)
             for block in range(match.num_full_blocks, match.num_full_blocks + match.num_shared_blocks):
                 for layer in range(spec.num_layers):
-                    key = PageKey(spec.layer_lineages[layer], hashes[block]) if layer < match.shared_depth else None
-                    slots.append(("kv", layer, block, key))
+                    lower = PageKey(spec.layer_lineages[layer], hashes[block]) if layer < match.shared_depth else None
+                    slots.append(("kv", layer, block, lower))
                 slots.append(("in", None, block, PageKey(source.residual_lineage(), hashes[block])))
                 if records:
                     slots.append(("out", None, block, None))
@@ -260,8 +262,10 @@ class KVCacheManager:
                     self.pool.register(page, key)
                     loads.append((page, key, tier))
             if kind == "kv":
+                assert layer is not None
                 seq.block_tables[layer].append(page)
             elif kind == "out":
+                assert seq.residual_out is not None
                 seq.residual_out.append(page)
             else:
                 seq.residual_in[block] = page
@@ -302,7 +306,7 @@ class KVCacheManager:
         for block in range(seq.num_registered_blocks, full):
             block_hash = hashes[block]
             self.pool.register_pages([table[block] for table in seq.block_tables],
-                                     [PageKey(lineage, block_hash) for lineage in spec.layer_lineages])
+                                     [tuple_new(PageKey, (lineage, block_hash)) for lineage in spec.layer_lineages])
             if seq.residual_out is not None:
                 self.pool.register(seq.residual_out[block], PageKey(spec.residual_lineage(), hashes[block]))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)

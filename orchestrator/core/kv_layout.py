@@ -7,7 +7,7 @@ scheduler's validation and the baseline's split arithmetic (eval/systems.py) all
 from __future__ import annotations
 
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.family import FamilySpec, dtype_bytes
+from orchestrator.core.family import FamilySpec, MemberSpec, dtype_bytes
 
 
 def records_residuals(config: MFSConfig) -> bool:
@@ -19,9 +19,9 @@ def records_residuals(config: MFSConfig) -> bool:
 class KVLayout:
     def __init__(self, family: FamilySpec, page_bytes: int, dtype_bytes: int, record_residuals: bool = True):
         self.family = family
-        self._blocks = {m.name: m.tokens_per_block(page_bytes, dtype_bytes) for m in family.members}
+        self._blocks: dict[str, int] = {m.name: m.tokens_per_block(page_bytes, dtype_bytes) for m in family.members}
         # A member records residuals when a larger member starts from its exit depth (nested family).
-        self._records_residual = {
+        self._records_residual: dict[str, bool] = {
             m.name: record_residuals and m.residual_fits_page(page_bytes, dtype_bytes)
             and any(family.shared_depth(m.name, big.name) == m.num_layers
                     and self._blocks[big.name] == self._blocks[m.name]
@@ -29,7 +29,7 @@ class KVLayout:
             for m in family.members
         }
         # For each member, the smaller members whose exit residual can feed it (largest depth first).
-        self._residual_sources = {
+        self._residual_sources: dict[str, list[MemberSpec]] = {
             m.name: [s for s in reversed(family.members[:m.index])
                      if self._records_residual[s.name] and family.shared_depth(s.name, m.name) == s.num_layers
                      and self._blocks[s.name] == self._blocks[m.name]]

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from operator import itemgetter
 from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import cast
 
 from orchestrator.core.config import MemberLimit
 from orchestrator.core.types import PageId, PageKey
@@ -28,13 +29,13 @@ class _FreeQueue:
     def __len__(self) -> int:
         return self.end - self.next_fresh + len(self.freed)
 
-    def __contains__(self, page: PageId) -> bool:
+    def __contains__(self, page: int) -> bool:
         return self.next_fresh <= page < self.end or page in self.freed
 
     def take(self, num_pages: int) -> list[PageId]:
         """The first num_pages free pages (at most len(self)), removed from the queue."""
         fresh = min(num_pages, self.end - self.next_fresh)
-        pages = list(range(self.next_fresh, self.next_fresh + fresh))
+        pages = cast(list[PageId], list(range(self.next_fresh, self.next_fresh + fresh)))
         self.next_fresh += fresh
         freed = self.freed
         for _ in range(min(num_pages - fresh, len(freed))):

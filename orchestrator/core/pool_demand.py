@@ -16,7 +16,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.types import PageId, Request, RequestId
+from orchestrator.core.types import PageId, Request, RequestId, tuple_new
 
 
 class PoolDemand:
@@ -184,8 +184,7 @@ class PoolDemand:
         if steps is None:
             steps = max((d.remaining_steps for d in demands), default=0)
         budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
-        steps += queued_tokens / max(1, budget)
-        delay_s = steps * step_s
+        delay_s = (steps + queued_tokens / max(1, budget)) * step_s
         return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token,
                 "step_s": step_s}
 
@@ -201,8 +200,8 @@ class PoolDemand:
             _, per_block, context = geometry[s.member]
             final = expected_final_tokens(s, ratio, context)
             held = len(s.kv.block_tables[0]) * per_block
-            demands.append(RunningDemand(held, max(0, pages_for[s.member](final) - held),
-                                         max(0, final - len(s.token_ids)) + 1))
+            demands.append(tuple_new(RunningDemand, (held, max(0, pages_for[s.member](final) - held),
+                                                     max(0, final - len(s.token_ids)) + 1)))
         return demands
 
 

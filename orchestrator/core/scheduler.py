@@ -47,7 +47,7 @@ class Scheduler:
         self._waiting: dict[int, deque[Sequence]] = {}          # priority -> FCFS queue
         self._running: OrderedDict[RequestId, Sequence] = OrderedDict()  # admission order
         self._by_id: dict[RequestId, Sequence] = {}
-        self._aborts: list[tuple[RequestId, str | None]] = []
+        self._aborts: list[tuple[RequestId, str | None, FinishReason | None]] = []
         self._released: list[RequestId] = []
         self._sessions = SessionAffinity()
         # session -> (last finish time, its pages and their keys): TTL ageing of idle sessions' cache
@@ -57,10 +57,12 @@ class Scheduler:
         # tells whether any request can have timed out, without a pass over all of them every step.
         self._arrivals: list[tuple[float, int, Sequence]] = []
         self._arrival_counter = itertools.count()
-        self._eos = {m.name: frozenset(m.eos_token_ids) for m in family.members}
+        # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
+        self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
+                             for m in family.members}
         # Most pages each member can ever hold (its slice, minus the other members' floors, under its ceiling):
         # a request needing more is refused at once rather than left waiting for room that never comes.
-        self._capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        self._capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self._reserve_pages = {m.name: config.pool.decode_reserve_blocks * kv.pages_per_block(m.name)
                                for m in family.members}
         self.demand = PoolDemand(family, config, pool, kv, self._running, self._waiting, self._capacity_pages)
@@ -157,7 +159,7 @@ class Scheduler:
             for seq in queue:
                 waiting[seq.member][0] += 1
                 waiting[seq.member][1] += len(seq.token_ids)
-        extra = {n: {} for n in running}
+        extra: dict[str, dict[str, float]] = {n: {} for n in running}
         if request is not None:
             for name in running:
                 # a member that runs in a share of the steps gets a token every step / share
@@ -183,6 +185,8 @@ class Scheduler:
         if not (cfg.warmup and cfg.enabled and seq.monitor is not None and in_warmup_band(cfg, seq.complexity)):
             return
         target = escalation_target(self.family, seq.member, pinned=False)
+        if target is None:
+            return
         load = self.loads()[target]
         # Members share the device: a warm-up is only free while the whole engine is lightly loaded.
         if load.num_running or load.num_waiting or len(self._running) > cfg.warmup_max_running:
@@ -190,9 +194,9 @@ class Scheduler:
         warm = Request(request_id=RequestId(f"{seq.request_id}#warmup"), prompt_token_ids=seq.request.prompt_token_ids,
                        sampling=seq.request.sampling, arrival_s=now_s, cache_salt=seq.request.cache_salt,
                        priority=WARMUP_PRIORITY)
-        warm_seq = Sequence(request=warm, member=target, token_ids=list(warm.prompt_token_ids),
+        warm_seq = Sequence(request=warm, member=MemberName(target), token_ids=list(warm.prompt_token_ids),
                             num_prompt_tokens=len(warm.prompt_token_ids), is_warmup=True, count_query=False)
-        seq.warmup_member = target
+        seq.warmup_member = MemberName(target)
         self._by_id[warm.request_id] = warm_seq
         self._enqueue(warm_seq)
         self.stats.on_warmup(issued=True, hit=False)
@@ -258,16 +262,18 @@ class Scheduler:
             for seq in list(self._by_id.values()):
                 if not seq.is_warmup and now_s - seq.request.arrival_s > timeout:
                     self._aborts.append((seq.request_id, f"timed out after {timeout:.0f} s", None))
-        outputs = []
+        outputs: list[RequestOutput] = []
         aborts, self._aborts = self._aborts, []
         for request_id, reason, finish_reason in aborts:
-            seq = self._by_id.get(request_id)
-            if seq is None:
+            aborted = self._by_id.get(request_id)
+            if aborted is None:
                 continue
             stopped = finish_reason is FinishReason.STOP
-            seq.finish_reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
-            seq.error = reason
-            outputs.append(self._finish(seq, now_s, outcome="finished" if stopped else "cancelled"))
+            aborted.finish_reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
+            aborted.error = reason
+            output = self._finish(aborted, now_s, outcome="finished" if stopped else "cancelled")
+            if output is not None:      # always: a final output is built whatever was sent before
+                outputs.append(output)
             warm = self._by_id.get(RequestId(f"{request_id}#warmup"))
             if warm is not None:
                 self._finish(warm, now_s, outcome=None)
@@ -288,12 +294,15 @@ class Scheduler:
         Returns whether anything was preempted."""
         preempted = False
         running = self._running
+        preallocate, grow = self.config.scheduler.preallocate_blocks, self.kv.grow
         for seq in list(running.values()):
             if seq.request_id not in running or not seq.is_decoding():
                 continue
-            if self.config.scheduler.preallocate_blocks and self.kv.grow(seq.kv, len(seq.token_ids) + 1):
+            kv = seq.kv
+            assert kv is not None       # a running request holds pages
+            if preallocate and grow(kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
-            while not self.kv.grow(seq.kv, len(seq.token_ids)):
+            while not grow(kv, len(seq.token_ids)):
                 victim = min((s for s in self._running.values() if self.demand.in_partition(s, seq.member)),
                              key=self._victim_key)
                 if victim is seq and self._release_pins(seq.member, now_s):
@@ -395,7 +404,9 @@ class Scheduler:
         return usage
 
     def _under_floor(self, seq: Sequence, usage: dict[str, int]) -> bool:
-        floor = self.config.scheduler.member_floor_share * self._capacity_pages[seq.member]
+        share = self.config.scheduler.member_floor_share
+        assert share is not None        # only asked when floors are on (_floor_usage)
+        floor = share * self._capacity_pages[seq.member]
         return usage[seq.member] + self.demand.demand_pages(seq) <= floor
 
     def _admit_pass(self, plan: StepPlan, now_s: float, held: dict[str | None, int], blocked: set[str],
@@ -553,6 +564,7 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, start: int, end: int, sample: bool) -> SeqChunk:
         kv = seq.kv
+        assert kv is not None
         blocks_needed = -(-end // kv.tokens_per_block)
         start_layer = seq.shared_depth if start < seq.shared_until_tokens else 0
         residual_in = None
@@ -600,7 +612,9 @@ class Scheduler:
                 computed = chunk.start_pos + len(chunk.token_ids)
                 if computed > seq.num_computed_tokens:
                     seq.num_computed_tokens = computed
-                self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
+                kv = seq.kv
+                assert kv is not None
+                self.kv.register_full_blocks(kv, seq.hashes, seq.num_computed_tokens)
                 if seq.is_warmup and seq.num_computed_tokens >= len(seq.token_ids):
                     self._finish(seq, now_s, outcome=None)
         outputs: list[RequestOutput] = []
@@ -620,10 +634,10 @@ class Scheduler:
     def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
         """One sampled token into its request (the caller counts it in the stats)."""
         seq.append_token(token.token_id, token.logprob, token.top_logprobs)
-        block_tokens = self.kv.tokens_per_block(seq.member)
+        block_tokens, eos, context_tokens = self._token_rules[seq.member]
         if (len(seq.hashes) + 1) * block_tokens <= len(seq.token_ids):
             seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
-        reason = seq.stop_reason(token.token_id, self._eos[seq.member], self.family.member(seq.member).context_tokens)
+        reason = seq.stop_reason(token.token_id, eos, context_tokens)
         if reason is not None:
             seq.finish_reason = reason
             return self._finish(seq, now_s, outcome="finished")
@@ -653,7 +667,9 @@ class Scheduler:
             seq.hashes = []
         seq.member = MemberName(target)
         seq.count_query = True
-        seq.monitor.reset()
+        monitor = seq.monitor
+        assert monitor is not None      # escalation comes from the monitor
+        monitor.reset()
         if not self._can_escalate(seq):
             seq.monitor = None
         self._enqueue(seq, front=True)

@@ -9,7 +9,7 @@ from orchestrator.core.config import EscalationConfig
 from orchestrator.core.escalation import ON_ESCALATE_ROLLBACK, ConfidenceMonitor
 from orchestrator.core.kv_cache import SeqKV
 from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
-                                RequestState, RouteDecision)
+                                RequestState, RouteDecision, tuple_new)
 
 
 @dataclass(slots=True, eq=False)
@@ -69,9 +69,9 @@ class Sequence:
         self.top_logprobs.append(top_logprobs)
         spans, member = self.spans, self.member
         if spans and spans[-1].member == member:
-            spans[-1] = MemberSpan(member, spans[-1].num_tokens + 1)
+            spans[-1] = tuple_new(MemberSpan, (member, spans[-1].num_tokens + 1))
         else:
-            spans.append(MemberSpan(member, 1))
+            spans.append(tuple_new(MemberSpan, (member, 1)))
 
     def stop_reason(self, token_id: int, eos_token_ids: Collection[int], context_tokens: int) -> FinishReason | None:
         """Why the request ends after token_id (just appended), or None: a stop token or EOS once min_tokens
@@ -91,7 +91,9 @@ class Sequence:
     def roll_back_for_handover(self) -> int:
         """Drops the low-confidence tail the monitor asks to regenerate (never tokens already sent to the
         client); returns how many went."""
-        rollback = min(self.monitor.rollback_tokens(), self.num_generated - self.num_emitted_tokens)
+        monitor = self.monitor
+        assert monitor is not None      # only a monitored request escalates
+        rollback = min(monitor.rollback_tokens(), self.num_generated - self.num_emitted_tokens)
         if rollback > 0:
             del self.token_ids[-rollback:], self.logprobs[-rollback:], self.top_logprobs[-rollback:]
             last = self.spans[-1]

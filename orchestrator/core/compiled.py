@@ -1,0 +1,103 @@
+"""The compiled core: the simulator's hot modules built to C extensions by mypyc (build_scripts/compile_core.py),
+used instead of their Python sources when MFS_COMPILED_CORE names a build that matches those sources. Standard
+library only (it lives in the core because the core's __init__ calls it).
+
+The sources stay the one definition: a build is a copy of them compiled as is (mypyc keeps Python's semantics for
+type-checked code; `mfs simulate` gives byte-identical JSON either way, tests/test_compiled_core.py checks it), and
+a build whose sources changed since is refused with one line, not used. Nothing is compiled into the source tree:
+tests, `mfs serve` and the bench import the Python sources unless the variable is set. `mfs simulate
+--compiled-core` sets it and re-executes itself.
+
+Activation is per package: orchestrator/core/__init__.py and eval/simulate/__init__.py call activate(), which puts
+the build's folder for that package first in the package's __path__, so `import orchestrator.core.scheduler` finds
+the extension there and every module that was not compiled still comes from the sources.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+ENV = "MFS_COMPILED_CORE"
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_DIR = REPO / "build" / "compiled_core"
+MANIFEST = "manifest.json"
+
+# What is compiled: the per-token and per-arrival path of a simulation (docs/BENCHMARKS.md 8.3's profiles).
+# Every module here type-checks under mypy (mypyc refuses a module that does not), and none reads its own
+# __file__ (an extension's __file__ is in the build folder).
+MODULES = (
+    "orchestrator.core.page_pool", "orchestrator.core.kv_cache", "orchestrator.core.demand",
+    "orchestrator.core.pool_demand", "orchestrator.core.sequence", "orchestrator.core.scheduler",
+    "orchestrator.core.deployments", "orchestrator.core.escalation", "orchestrator.core.tiers",
+    "orchestrator.core.block_hash", "orchestrator.core.complexity", "orchestrator.core.events",
+    "orchestrator.core.types", "orchestrator.core.kv_layout",
+    "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",
+)
+
+
+def source_path(module: str, root: Path = REPO) -> Path:
+    return root.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def source_digests(modules=MODULES, root: Path = REPO) -> dict[str, str]:
+    """module -> sha256 of its source file (what a build was made from)."""
+    return {m: hashlib.sha256(source_path(m, root).read_bytes()).hexdigest() for m in modules}
+
+
+def build_dir() -> Path | None:
+    """The folder MFS_COMPILED_CORE names ("1": build/compiled_core), or None when it is unset or empty."""
+    value = os.environ.get(ENV, "").strip()
+    if not value or value == "0":
+        return None
+    return DEFAULT_DIR if value == "1" else Path(value)
+
+
+def stale_reason(directory: Path) -> str | None:
+    """Why the build in `directory` cannot stand for the sources (None: it can)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no build in {directory} (run `make compile-core`)"
+    if manifest.get("python") != sys.implementation.cache_tag:
+        return f"{directory} was built for {manifest.get('python')}, this is {sys.implementation.cache_tag}"
+    built = manifest.get("sources", {})
+    unknown = [m for m in built if m not in MODULES]
+    if unknown or not built:
+        return f"{directory} holds modules this version does not compile ({', '.join(unknown) or 'none'})"
+    changed = [m for m, digest in source_digests(list(built)).items() if built[m] != digest]
+    if changed:
+        return (f"{directory} is stale ({', '.join(m.rsplit('.', 1)[1] for m in changed[:3])}"
+                f"{' and more' if len(changed) > 3 else ''} changed since it was built; run `make compile-core`)")
+    return None
+
+
+_checked: dict[Path, str | None] = {}
+
+
+def activate(package: str, path: list[str]) -> bool:
+    """Called from a package's __init__ with its __name__ and __path__: puts the build's folder for it first
+    when MFS_COMPILED_CORE names an up-to-date build. Says in one line (stderr) why a named build is not used."""
+    directory = build_dir()
+    if directory is None:
+        return False
+    if directory not in _checked:
+        _checked[directory] = stale_reason(directory)
+        if _checked[directory] is not None:
+            print(f"{ENV}: {_checked[directory]}: using the Python sources", file=sys.stderr)
+    if _checked[directory] is not None:
+        return False
+    folder = str(directory.joinpath(*package.split(".")))
+    if folder not in path:
+        path.insert(0, folder)
+    if str(directory) not in sys.path:
+        sys.path.append(str(directory))       # mypyc's shared runtime module lies at the build's top
+    return True
+
+
+def active_modules() -> list[str]:
+    """The compiled modules among those imported so far (an extension's file is not a .py)."""
+    return sorted(m for m in MODULES if m in sys.modules
+                  and not str(getattr(sys.modules[m], "__file__", "") or "").endswith(".py"))
