@@ -16,8 +16,8 @@ driver.py       replays a bench trace through the nodes in virtual time -> the b
 cli.py          `mfs simulate` arguments, the result JSON (the bench schema plus `simulated`)
 validate.py     the CPU bench's curve run for real and simulated on the same traces, and the errors
 
-With MFS_COMPILED_CORE set to an up-to-date build (`make compile-core`), executor, clock, node and fleet come
-from it, as the core's hot modules do (orchestrator/core/compiled.py).
+With MFS_COMPILED_CORE set to an up-to-date build (`make compile-core`), executor, clock, node, fleet,
+confidence and cost_model come from it, as the core's hot modules do (orchestrator/core/compiled.py).
 """
 
 from orchestrator.core.compiled import activate as _activate

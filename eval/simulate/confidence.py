@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.simulate.paths import DEFAULT_LIBRARY
+
 CONFIDENCE_FORMAT = "mfs-confidences/1"
-DEFAULT_LIBRARY = Path(__file__).resolve().parent / "data" / "tiny_confidences.json"
 
 
 class ConfidenceFileError(ValueError):

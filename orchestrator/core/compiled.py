@@ -33,8 +33,10 @@ MODULES = (
     "orchestrator.core.pool_demand", "orchestrator.core.sequence", "orchestrator.core.scheduler",
     "orchestrator.core.deployments", "orchestrator.core.escalation", "orchestrator.core.tiers",
     "orchestrator.core.block_hash", "orchestrator.core.complexity", "orchestrator.core.events",
-    "orchestrator.core.types", "orchestrator.core.kv_layout",
+    "orchestrator.core.types", "orchestrator.core.kv_layout", "orchestrator.core.router",
+    "orchestrator.core.interleave",
     "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",
+    "eval.simulate.confidence", "eval.simulate.cost_model",
 )
 
 
@@ -98,6 +100,19 @@ def activate(package: str, path: list[str]) -> bool:
 
 
 def active_modules() -> list[str]:
-    """The compiled modules among those imported so far (an extension's file is not a .py)."""
-    return sorted(m for m in MODULES if m in sys.modules
-                  and not str(getattr(sys.modules[m], "__file__", "") or "").endswith(".py"))
+    """The modules this process loads (or has loaded) compiled: where the import system finds each one now (an
+    extension, not a .py), without importing it (the simulator imports some of them only in its workers)."""
+    active = []
+    for module in MODULES:
+        loaded = sys.modules.get(module)
+        origin = getattr(loaded, "__file__", None) if loaded is not None else _origin(module)
+        if origin and not str(origin).endswith(".py"):
+            active.append(module)
+    return sorted(active)
+
+
+def _origin(module: str) -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)      # imports the parent package only
+    return spec.origin if spec is not None else None

@@ -43,7 +43,7 @@ def member_costs(family: FamilySpec, configured: Mapping[str, float] | None = No
         if any(float(v) <= 0 for v in configured.values()):
             raise ConfigError(f"{key}: every cost must be positive")
         return {n: float(configured[n]) for n in family.member_names}
-    costs = {}
+    costs: dict[str, float] = {}
     for m in family.members:
         weights = m.serving.get("weight_bytes")
         if not weights:

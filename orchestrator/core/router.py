@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from orchestrator.core.config import RouterConfig, RouterWeights
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import MemberName, Request, RouteDecision
+from orchestrator.core.types import MemberName, Profile, Request, RouteDecision
 
 COMPONENTS = ("complexity", "affinity", "load", "session", "pressure")
 SESSION_BONUS_INDEPENDENT = 0.2   # router.session_bonus: null means this for independent families, 0 for nested
@@ -121,7 +121,8 @@ class Router:
 
     def weights(self, request: Request) -> RouterWeights:
         profiles = self.config.profiles
-        weights = profiles.get(getattr(request.profile, "value", request.profile))
+        profile = request.profile
+        weights = profiles.get(profile.value if isinstance(profile, Profile) else str(profile))
         return weights if weights is not None else profiles[self.config.profile]
 
     def route(self, request: Request, *, complexity: float, matched_prefix_tokens: dict[str, int],
