@@ -3,8 +3,8 @@
 
 The sources are copied to a temporary folder and compiled there, so nothing lands in the source tree; the build
 folder gets the extensions (in their packages' folders), mypyc's shared runtime module, and a manifest with the
-digest of every compiled source, against which orchestrator/core/compiled.py refuses a stale build. Needs mypy
-(the `test` and `fast-sim` extras) and a C compiler with Python's headers.
+digest of every source of the two packages, against which orchestrator/core/compiled.py refuses a stale build.
+Needs mypy (the `test` and `fast-sim` extras) and a C compiler with Python's headers.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def compile_core(out: Path = DEFAULT_DIR, quiet: bool = False, modules: tuple[st
     if importlib.util.find_spec("mypyc") is None:
         raise CompileError("mypyc is not installed: pip install 'mypy==2.4.1' (or the project's fast-sim extra)")
     started = time.monotonic()
-    digests = source_digests(modules)
+    digests = source_digests()
     with tempfile.TemporaryDirectory(prefix="mfs-compile-core-") as tmp:
         work = Path(tmp)
         # the packages the compiled modules import (mypy type-checks against them; only MODULES are compiled)
@@ -62,13 +62,13 @@ def compile_core(out: Path = DEFAULT_DIR, quiet: bool = False, modules: tuple[st
         if not runtime:
             raise CompileError("mypyc left no shared runtime module")
         shutil.copy2(runtime[0], out / runtime[0].name)
-    if source_digests(modules) != digests:
+    if source_digests() != digests:
         shutil.rmtree(out)
         raise CompileError("the sources changed while compiling: run it again")
     import mypy.version
 
     (out / MANIFEST).write_text(json.dumps({"python": sys.implementation.cache_tag, "mypy": mypy.version.__version__,
-                                            "sources": digests}, indent=1))
+                                            "modules": list(modules), "sources": digests}, indent=1))
     if not quiet:
         print(f"compile-core: {len(modules)} modules in {out} ({time.monotonic() - started:.0f} s); "
               f"use them with `mfs simulate --compiled-core` or MFS_COMPILED_CORE=1")

@@ -29,13 +29,13 @@ def test_every_compiled_module_exists_and_never_reads_its_own_file():
 
 
 def test_a_stale_build_is_refused_in_one_line_and_the_sources_are_used(tmp_path, monkeypatch, capsys):
-    digests = compiled.source_digests(SUBSET)
-    manifest = {"python": sys.implementation.cache_tag, "sources": dict(digests)}
+    manifest = {"python": sys.implementation.cache_tag, "modules": list(SUBSET), "sources": compiled.source_digests()}
     (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest))
     assert compiled.stale_reason(tmp_path) is None
-    manifest["sources"]["orchestrator.core.page_pool"] = "0" * 64
+    # a module the build did not compile changed: its types are compiled into the callers, so it counts too
+    manifest["sources"]["orchestrator/core/config.py"] = "0" * 64
     (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest))
-    assert "page_pool changed" in compiled.stale_reason(tmp_path)
+    assert "config.py changed" in compiled.stale_reason(tmp_path)
     monkeypatch.setenv(compiled.ENV, str(tmp_path))
     monkeypatch.setattr(compiled, "_checked", {})
     path: list[str] = []
@@ -43,9 +43,15 @@ def test_a_stale_build_is_refused_in_one_line_and_the_sources_are_used(tmp_path,
     assert path == []
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stale" in err[0] and "using the Python sources" in err[0]
+    del manifest["sources"]["orchestrator/core/config.py"]            # a source added since: stale as well
+    (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest))
+    assert "config.py changed" in compiled.stale_reason(tmp_path)
     manifest["python"] = "cpython-0"
     (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest))
     assert "built for cpython-0" in compiled.stale_reason(tmp_path)
+    manifest["python"], manifest["modules"] = sys.implementation.cache_tag, ["orchestrator.serve.server"]
+    (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest))
+    assert "does not compile" in compiled.stale_reason(tmp_path)
     assert "no build" in compiled.stale_reason(tmp_path / "missing")
 
 

@@ -3,10 +3,10 @@ used instead of their Python sources when MFS_COMPILED_CORE names a build that m
 library only (it lives in the core because the core's __init__ calls it).
 
 The sources stay the one definition: a build is a copy of them compiled as is (mypyc keeps Python's semantics for
-type-checked code; `mfs simulate` gives byte-identical JSON either way, tests/test_compiled_core.py checks it), and
-a build whose sources changed since is refused with one line, not used. Nothing is compiled into the source tree:
-tests, `mfs serve` and the bench import the Python sources unless the variable is set. `mfs simulate
---compiled-core` sets it and re-executes itself.
+type-checked code; `mfs simulate` gives byte-identical JSON either way, tests/test_compiled_core.py checks it),
+and a build is refused with one line, not used, once any source of the two packages changed since it was made.
+Nothing is compiled into the source tree: tests, `mfs serve` and the bench import the Python sources unless the
+variable is set. `mfs simulate --compiled-core` sets it and re-executes itself.
 
 Activation is per package: orchestrator/core/__init__.py and eval/simulate/__init__.py call activate(), which puts
 the build's folder for that package first in the package's __path__, so `import orchestrator.core.scheduler` finds
@@ -44,9 +44,16 @@ def source_path(module: str, root: Path = REPO) -> Path:
     return root.joinpath(*module.split(".")).with_suffix(".py")
 
 
-def source_digests(modules=MODULES, root: Path = REPO) -> dict[str, str]:
-    """module -> sha256 of its source file (what a build was made from)."""
-    return {m: hashlib.sha256(source_path(m, root).read_bytes()).hexdigest() for m in modules}
+# Every source a build depends on: the compiled modules and what they import (types declared there are compiled
+# into their callers: a field turned from int to float would fail at run time), i.e. the two packages entire.
+PACKAGES = ("orchestrator", "eval")
+
+
+def source_digests(root: Path = REPO) -> dict[str, str]:
+    """Relative path -> sha256 of every .py file of PACKAGES (what a build was made from)."""
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for package in PACKAGES for path in sorted((root / package).rglob("*.py"))
+            if "__pycache__" not in path.parts}
 
 
 def build_dir() -> Path | None:
@@ -65,13 +72,16 @@ def stale_reason(directory: Path) -> str | None:
         return f"no build in {directory} (run `make compile-core`)"
     if manifest.get("python") != sys.implementation.cache_tag:
         return f"{directory} was built for {manifest.get('python')}, this is {sys.implementation.cache_tag}"
-    built = manifest.get("sources", {})
-    unknown = [m for m in built if m not in MODULES]
-    if unknown or not built:
-        return f"{directory} holds modules this version does not compile ({', '.join(unknown) or 'none'})"
-    changed = [m for m, digest in source_digests(list(built)).items() if built[m] != digest]
+    modules = manifest.get("modules") or []
+    if not modules:
+        return f"{directory} lists no compiled module (an older build; run `make compile-core`)"
+    unknown = [m for m in modules if m not in MODULES]
+    if unknown:
+        return f"{directory} holds modules this version does not compile ({', '.join(unknown)})"
+    built, now = manifest.get("sources", {}), source_digests()
+    changed = sorted(f for f in built.keys() | now.keys() if built.get(f) != now.get(f))
     if changed:
-        return (f"{directory} is stale ({', '.join(m.rsplit('.', 1)[1] for m in changed[:3])}"
+        return (f"{directory} is stale ({', '.join(Path(f).name for f in changed[:3])}"
                 f"{' and more' if len(changed) > 3 else ''} changed since it was built; run `make compile-core`)")
     return None
 
