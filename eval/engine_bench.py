@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
                              "transformers runs under it too; 0 = glibc defaults)")
     parser.add_argument("--torch-attention", action="store_true",
                         help="the engine's decode attention as gather + SDPA (engine.native_attention: false)")
+    parser.add_argument("--torch-layer-ops", action="store_true",
+                        help="RMSNorm, rope + K/V write and SiLU-and-multiply as torch operators "
+                             "(engine.native_layer_ops: false)")
     parser.add_argument("--parallel-forwards", type=int, choices=(1, 2), default=1,
                         help="the engine's forwards per step (engine.parallel_forwards); the engine then runs "
                              "threads/K intra-op threads per forward, so both sides use --threads cores in all "
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     executor = LocalExecutor(family, num_pages=max(BATCH_SIZES) * member.num_layers * blocks, page_bytes=page_bytes,
                              num_threads=args.threads // args.parallel_forwards,
                              malloc_mmap_threshold_mb=args.malloc_mmap_threshold_mb,
-                             native_attention=not args.torch_attention, parallel_forwards=args.parallel_forwards)
+                             native_attention=not args.torch_attention, parallel_forwards=args.parallel_forwards,
+                             native_layer_ops=not args.torch_layer_ops)
     hf = AutoModelForCausalLM.from_pretrained(member.checkpoint_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
           f"prompt {args.prompt_tokens} + {args.tokens} new tokens, fp32, {args.threads} thread(s) "
           f"(engine: {args.parallel_forwards} forward(s) x {args.threads // args.parallel_forwards}), "
           f"malloc mmap threshold {args.malloc_mmap_threshold_mb} MB (both sides; tuned: {executor.malloc_tuned}); "
-          f"decode attention {'native, in place' if executor.decode_kernel else 'gather + SDPA'}")
+          f"decode attention {'native, in place' if executor.decode_kernel else 'gather + SDPA'}; "
+          f"layer ops {'native' if executor.layer_kernels else 'torch'}")
     print(f"machine matmul: {machine / 1e9:.1f} GFLOP/s")
     print(f"{'batch':>5} {'engine tok/s':>13} {'step ms':>8} {'HF tok/s':>10} {'HF step ms':>10} {'ratio':>6} "
           f"{'cpu ms':>7} {'HF cpu ms':>9} {'cpu ratio':>9} {'GFLOP/s':>8} {'of peak':>7}")

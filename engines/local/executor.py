@@ -11,6 +11,7 @@ from orchestrator.core.types import PageId, RequestId, SampledToken, SeqChunk, S
 
 from engines.local.arena import KVArena
 from engines.local.checkpoint import TORCH_DTYPES, LayerWeights, load_checkpoint
+from engines.local.layer_kernels import LayerKernels
 from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
@@ -68,10 +69,12 @@ class LocalExecutor:
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
                  device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True,
                  malloc_mmap_threshold_mb: int = 32, native_attention: bool = True,
-                 parallel_forwards: int = 1) -> None:
+                 parallel_forwards: int = 1, native_layer_ops: bool = True) -> None:
         """malloc_mmap_threshold_mb: see engines/local/malloc_tuning.py (process-wide; 0 = glibc defaults).
         native_attention: float32 CPU decodes read K/V in place from the pages (engines/local/paged_decode.py;
         compiled on first use, the torch path where no C compiler exists).
+        native_layer_ops: float32 CPU forwards run RMSNorm, rope with the K/V write and SiLU-and-multiply as one
+        native call each (engines/local/layer_kernels.py; the torch path where no C compiler exists).
         parallel_forwards: 2 splits each CPU forward of two or more chunks in two halves run on two threads."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
@@ -92,6 +95,8 @@ class LocalExecutor:
         self.models: dict[str, PagedCausalLM] = {}
         uses_kernel = native_attention and dtype == "float32" and self.device.type == "cpu"
         self.decode_kernel = PagedDecodeKernel.load() if uses_kernel else None
+        on_cpu_f32 = dtype == "float32" and self.device.type == "cpu"
+        self.layer_kernels = LayerKernels.load() if native_layer_ops and on_cpu_f32 else None
         # same lineage = same weights for that layer (and all below): load once, share the tensors
         by_lineage: dict[str, LayerWeights] = {}
         shared: dict[int, torch.Tensor] = {}          # a tied head's [in, out] copy, once per embedding
@@ -101,7 +106,8 @@ class LocalExecutor:
             for lineage, layer in zip(member.layer_lineages, weights.layers):
                 by_lineage.setdefault(lineage, layer)
             self.models[member.name] = PagedCausalLM(member, weights, dtype, shared=shared,
-                                                     decode_kernel=self.decode_kernel)
+                                                     decode_kernel=self.decode_kernel,
+                                                     layer_kernels=self.layer_kernels)
         # (smaller, larger) pairs whose batches may run as one forward on the larger model; checked once here
         self.nested_pairs: set[tuple[str, str]] = set()
         if merge_nested:

@@ -15,6 +15,7 @@ from orchestrator.core.types import SeqChunk
 from engines.local.arena import KVArena
 from engines.local.attention import AttnGroup, attend, decode_group, prefill_group
 from engines.local.checkpoint import CheckpointWeights, LayerWeights
+from engines.local.layer_kernels import LayerKernels
 from engines.local.paged_decode import PagedDecodeKernel
 
 
@@ -29,7 +30,9 @@ class _Segment:
     first_layer: int
     end_layer: int
     rows: torch.Tensor | None       # [t] rows of the step's hidden buffer; None = every row
-    writes: list[tuple[torch.Tensor, ...]]  # per layer: (page, K-or-V, slot) index of the K rows then the V rows
+    kv_pages: torch.Tensor          # [layers, t] int64: the page each row's K and V go to, per layer
+    kv_slots: torch.Tensor          # [t] int64: the slot within that page
+    writes: list[tuple[torch.Tensor, ...]] | None  # torch path, per layer: (page, K-or-V, slot) of K rows then V rows
     cos: torch.Tensor               # [t, 1, head_dim]
     sin: torch.Tensor               # [t, 1, head_dim], first half negated (see _rope)
     groups: list[AttnGroup]
@@ -87,8 +90,11 @@ class PagedCausalLM:
 
     def __init__(self, member: MemberSpec, weights: CheckpointWeights, dtype: str = "float32",
                  shared: dict[int, torch.Tensor] | None = None,
-                 decode_kernel: PagedDecodeKernel | None = None) -> None:
-        """decode_kernel: decode attention read in place from the pages (None: gather + SDPA)."""
+                 decode_kernel: PagedDecodeKernel | None = None,
+                 layer_kernels: LayerKernels | None = None) -> None:
+        """decode_kernel: decode attention read in place from the pages (None: gather + SDPA).
+        layer_kernels: RMSNorm, rope with the K/V write, and SiLU-and-multiply each as one native call
+        (None: torch operators)."""
         config = weights.config
         if (config.num_layers, config.hidden_size, config.num_kv_heads, config.head_dim) != (
                 member.num_layers, member.hidden_size, member.num_kv_heads, member.head_dim):
@@ -102,6 +108,7 @@ class PagedCausalLM:
         self.num_groups = config.num_heads // config.num_kv_heads   # query heads per kv head
         self.layers = [_prepare_layer(w) for w in weights.layers]
         self.decode_kernel = decode_kernel
+        self.layer_kernels = layer_kernels if dtype == "float32" and self.device.type == "cpu" else None
         self._table_cache: dict[str, tuple[list[list[int]], torch.Tensor]] = {}
         # a tied head stays the embedding (lookups want rows); its [in, out] copy is shared between members
         shared = {} if shared is None else shared
@@ -152,8 +159,15 @@ class PagedCausalLM:
             rows = hidden
         else:
             rows = hidden[torch.tensor(last_rows, dtype=torch.long, device=self.device)]
-        normed = _rms_norm(rows, self.weights.norm, self.config.rms_norm_eps)
+        normed = self._norm(rows, self.weights.norm)
         return torch.mm(normed, self.head).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.layer_kernels is not None:
+            out = self.layer_kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+            if out is not None:
+                return out
+        return _rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _input_hidden(self, arena: KVArena, chunks: list[SeqChunk], offsets: list[int], block: int) -> torch.Tensor:
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
@@ -223,10 +237,8 @@ class PagedCausalLM:
         t = len(positions)
         owner = torch.tensor([c for c, n in enumerate(counts) for _ in range(n)], device=device)
         slots = position_tensor % block
-        write_pages = tables[owner, :, position_tensor // block].t().repeat(1, 2)   # [layers, 2t]: K rows, V rows
-        kind = torch.arange(2, device=device).repeat_interleave(t)
-        slots2 = slots.repeat(2)
-        writes = [(pages, kind, slots2) for pages in write_pages.unbind(0)]
+        kv_pages = tables[owner, :, position_tensor // block].t().contiguous()        # [layers, t]
+        writes = None if self.layer_kernels is not None else self._torch_writes(kv_pages, slots)
         groups, decode, decode_rows, row0 = [], [], [], 0
         for c, (n, start) in enumerate(zip(counts, starts)):
             if n == 1:
@@ -244,8 +256,16 @@ class PagedCausalLM:
         freqs = position_tensor[:, None].float() * self.weights.inv_freq[None, :]   # [t, head_dim // 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         signed_sin = torch.cat((-freqs[:, None, :].sin(), freqs[:, None, :].sin()), dim=-1)
-        return _Segment(first_layer=first, end_layer=end, rows=rows, writes=writes,
+        return _Segment(first_layer=first, end_layer=end, rows=rows, kv_pages=kv_pages, kv_slots=slots, writes=writes,
                         cos=angles.cos().to(self.torch_dtype), sin=signed_sin.to(self.torch_dtype), groups=groups)
+
+    @staticmethod
+    def _torch_writes(kv_pages: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the index_put_ index of the segment's K rows then V rows: (page, K-or-V, slot)."""
+        t = slots.shape[0]
+        kind = torch.arange(2, device=slots.device).repeat_interleave(t)
+        slots2 = slots.repeat(2)
+        return [(pages, kind, slots2) for pages in kv_pages.repeat(1, 2).unbind(0)]
 
     def _tables(self, chunks: list[SeqChunk], widest: int, first: int, end: int) -> torch.Tensor:
         """[chunks, end - first, widest] page ids of layers [first, end) (0-padded). A request's table tensor is
@@ -272,14 +292,21 @@ class PagedCausalLM:
         """layer: index within the segment (its writes and pages)."""
         config = self.config
         t, heads, kv_heads, dim = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
-        normed = _rms_norm(x, w.input_norm, config.rms_norm_eps)
+        kernels = self.layer_kernels
+        normed = self._norm(x, w.input_norm)
         qkv = torch.mm(normed, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, normed, w.qkv)
-        # rope q and k together: one set of ops for both
-        qk = _rope(qkv[:, :(heads + kv_heads) * dim].view(t, heads + kv_heads, dim), segment.cos, segment.sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
         # write first, then read every position back from the pages: one code path for cached and new keys
-        kv_view.index_put_(segment.writes[layer], torch.cat((k, v)))
+        if kernels is not None and kernels.rope_write_kv(qkv, heads, kv_heads, dim, segment.cos, segment.sin,
+                                                         kv_view, segment.kv_pages[layer], segment.kv_slots):
+            q = qkv[:, :heads * dim].view(t, heads, dim)           # roped in place
+        else:
+            # rope q and k together: one set of ops for both
+            qk = _rope(qkv[:, :(heads + kv_heads) * dim].view(t, heads + kv_heads, dim), segment.cos, segment.sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
+            if segment.writes is None:
+                segment.writes = self._torch_writes(segment.kv_pages, segment.kv_slots)
+            kv_view.index_put_(segment.writes[layer], torch.cat((k, v)))
         only = segment.groups[0] if len(segment.groups) == 1 else None
         if only is not None and isinstance(only.rows, slice) and only.rows == slice(0, t):   # no scatter needed
             out = attend(q, kv_rows, only, layer, kv_heads, dim, kv_view, self.decode_kernel)
@@ -291,5 +318,9 @@ class PagedCausalLM:
         attended = out.reshape(t, heads * dim)
         # residual adds fused into the matmuls
         x = torch.addmm(x, attended, w.o) if w.o_bias is None else torch.addmm(x + w.o_bias, attended, w.o)
-        gate, up = torch.mm(_rms_norm(x, w.post_norm, config.rms_norm_eps), w.gate_up).chunk(2, dim=-1)
-        return torch.addmm(x, F.silu(gate).mul_(up), w.down)
+        gate_up = torch.mm(self._norm(x, w.post_norm), w.gate_up)
+        activated = kernels.silu_mul(gate_up) if kernels is not None else None
+        if activated is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate).mul_(up)
+        return torch.addmm(x, activated, w.down)

@@ -139,6 +139,9 @@ class EngineConfig:
     # issue 15: float32 CPU decode attention reads K/V in place from the pages (a C kernel compiled on first
     # use, engines/local/paged_decode.py); false keeps gather + SDPA
     native_attention: bool = True
+    # float32 CPU forwards run RMSNorm, rope + the K/V write, and SiLU-and-multiply as one native call each
+    # (engines/local/layer_kernels.py); false keeps the torch operators
+    native_layer_ops: bool = True
     # issue 15: 2 splits each CPU forward of a step in two halves computed on two threads (1: one forward);
     # None: 2 for a one-thread CPU engine in its own process on >= 2 cores, else 1 (serve/serving.py)
     parallel_forwards: int | None = None

@@ -95,6 +95,7 @@ class LocalServing:
                              dtype=cfg.engine.dtype, device=device, num_threads=threads,
                              malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
                              native_attention=cfg.engine.native_attention,
+                             native_layer_ops=cfg.engine.native_layer_ops,
                              parallel_forwards=parallel_forwards(cfg.engine.parallel_forwards, device, threads,
                                                                  own_process))
 

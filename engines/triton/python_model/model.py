@@ -147,6 +147,7 @@ class MemberWorker:
                                            num_threads=cfg.engine.num_threads,
                                            malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
                                            native_attention=cfg.engine.native_attention,
+                                           native_layer_ops=cfg.engine.native_layer_ops,
                                            # auto = 1 here: Triton's own threads share the process
                                            parallel_forwards=cfg.engine.parallel_forwards or 1)
         self._running = True
