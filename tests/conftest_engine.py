@@ -159,3 +159,39 @@ def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
+
+
+def shipped_decode_logits(prompts: list[list[int]], new_tokens: int, **executor_options):
+    """(executor, the logits of every sampled step) when the shipped tiny-l prefills `prompts` in one step and decodes
+    `new_tokens` - 1 more, through a real LocalExecutor built with `executor_options` (one torch thread)."""
+    from eval.engine_bench import BLOCK_TOKENS, SHIPPED_FAMILIES_DIR, engine_step_times_s
+    from engines.local.executor import LocalExecutor
+    from orchestrator.core.family import load_family
+
+    family = load_family(SHIPPED_FAMILIES_DIR / "tiny")
+    member = family.members[-1]
+    page_bytes = BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4)
+    executor = LocalExecutor(family, num_pages=4 * member.num_layers * 4, page_bytes=page_bytes, num_threads=1,
+                             **executor_options)
+    logits: list[torch.Tensor] = []
+    original = executor.sampler.sample
+
+    def record(rows, chunks, eos):
+        logits.append(rows.clone())
+        return original(rows, chunks, eos)
+    executor.sampler.sample = record
+    engine_step_times_s(executor, member, prompts, new_tokens)
+    return executor, logits
+
+
+def assert_decodes_alike(prompts: list[list[int]], option: str, attribute: str, new_tokens: int = 12) -> None:
+    """The shipped tiny-l decodes `prompts` with the executor option `option` on and off: with it on, the
+    executor's `attribute` (the native piece it enables) is loaded, and every step's logits agree within float32
+    noise with the same greedy tokens."""
+    with_it, native = shipped_decode_logits(prompts, new_tokens, **{option: True})
+    without, plain = shipped_decode_logits(prompts, new_tokens, **{option: False})
+    assert getattr(with_it, attribute) is not None and getattr(without, attribute) is None
+    assert len(native) == len(plain) == new_tokens
+    for native_logits, torch_logits in zip(native, plain):
+        torch.testing.assert_close(native_logits, torch_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(native_logits.argmax(-1), torch_logits.argmax(-1))

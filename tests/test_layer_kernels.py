@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest_engine import assert_decodes_alike
 from engines.local.layer_kernels import LayerKernels
 from engines.local.model import _rms_norm, _rope
 
@@ -93,31 +94,6 @@ def test_rope_write_refuses_bad_slots_without_writing(kernels):
 
 
 def test_engine_decodes_the_same_with_and_without_the_kernels(kernels):
-    """Prefill (two chunks, several rows each) and decode through the real executor, both ways: logits within
-    float32 noise, the same greedy tokens."""
-    from eval.engine_bench import BLOCK_TOKENS, SHIPPED_FAMILIES_DIR, engine_step_times_s
-    from engines.local.executor import LocalExecutor
-    from orchestrator.core.family import load_family
-
-    family = load_family(SHIPPED_FAMILIES_DIR / "tiny")
-    member = family.members[-1]
-    page_bytes = BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4)
-    sampled = {}
-    for native in (True, False):
-        executor = LocalExecutor(family, num_pages=4 * member.num_layers * 4, page_bytes=page_bytes,
-                                 num_threads=1, native_layer_ops=native)
-        assert (executor.layer_kernels is not None) == native
-        logits = []
-        original = executor.sampler.sample
-
-        def record(rows, chunks, eos, original=original, logits=logits):
-            logits.append(rows.clone())
-            return original(rows, chunks, eos)
-        executor.sampler.sample = record
-        prompts = [[(13 * i + 7 * s) % 4000 + 3 for i in range(21)] for s in range(3)]
-        engine_step_times_s(executor, member, prompts, 12)
-        sampled[native] = logits
-    assert len(sampled[True]) == len(sampled[False]) == 12
-    for native_logits, torch_logits in zip(sampled[True], sampled[False]):
-        torch.testing.assert_close(native_logits, torch_logits, rtol=1e-4, atol=1e-4)
-        assert torch.equal(native_logits.argmax(-1), torch_logits.argmax(-1))
+    """Prefill and decode through the real executor, both ways."""
+    assert_decodes_alike([[(13 * i + 7 * s) % 4000 + 3 for i in range(21)] for s in range(3)], "native_layer_ops",
+                         "layer_kernels")

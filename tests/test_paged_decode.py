@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from conftest_engine import assert_decodes_alike
 from engines.local import native_kernels
 from engines.local.attention import attend, decode_group
 from engines.local.paged_decode import PagedDecodeKernel
@@ -67,33 +68,8 @@ def test_bad_page_ids_or_lengths_fall_back_without_writing(kernel):
 
 
 def test_engine_decodes_the_same_with_and_without_the_kernel(kernel):
-    from eval.engine_bench import BLOCK_TOKENS, SHIPPED_FAMILIES_DIR, engine_step_times_s
-    from engines.local.executor import LocalExecutor
-    from orchestrator.core.family import load_family
-
-    family = load_family(SHIPPED_FAMILIES_DIR / "tiny")
-    member = family.members[-1]
-    page_bytes = BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4)
-    sampled = {}
-    for native in (True, False):
-        executor = LocalExecutor(family, num_pages=4 * member.num_layers * 4, page_bytes=page_bytes,
-                                 num_threads=1, native_attention=native)
-        assert (executor.decode_kernel is not None) == native
-        tokens = []
-        original = executor.sampler.sample
-
-        def record(logits, chunks, eos, original=original, tokens=tokens):
-            tokens.append(logits.clone())
-            return original(logits, chunks, eos)
-        executor.sampler.sample = record
-        prompts = [[(11 * i + 5 * s) % 4000 + 3 for i in range(20 + 7 * s)] for s in range(3)]
-        prompts = [p[:20] for p in prompts]                           # one step prefills them all: equal lengths
-        engine_step_times_s(executor, member, prompts, 12)
-        sampled[native] = tokens
-    assert len(sampled[True]) == len(sampled[False]) == 12
-    for native_logits, torch_logits in zip(sampled[True], sampled[False]):
-        torch.testing.assert_close(native_logits, torch_logits, rtol=1e-4, atol=1e-4)
-        assert torch.equal(native_logits.argmax(-1), torch_logits.argmax(-1))
+    prompts = [[(11 * i + 5 * s) % 4000 + 3 for i in range(20)] for s in range(3)]   # one step prefills them all
+    assert_decodes_alike(prompts, "native_attention", "decode_kernel")
 
 
 def test_no_compiler_says_so_in_one_line(monkeypatch, tmp_path, caplog):

@@ -43,10 +43,12 @@ def _cpu_signature() -> str:
 
 
 def _build(name: str, compiler: str) -> Path:
-    """Compiles native/<name>.c unless an identical build (same source, compiler, flags, machine) is cached."""
+    """Compiles native/<name>.c unless an identical build (same source and headers, compiler, flags, machine) is
+    cached."""
     source = _SOURCE_DIR / f"{name}.c"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), " ".join(_FLAGS).encode(),
+    headers = [h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h"))]      # what the sources #include
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     folder = cache_dir()
     try:

@@ -9,24 +9,16 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "fast_exp.h"
+
 #define MAX_DIM 1024
 
-/* exp(x) for any float, vectorizable (the same range reduction and Cephes polynomial as paged_decode.c's
- * exp_nonpositive): below -87 it returns 0, above 88 it returns exp(88) (silu only divides by 1 + it). */
+/* exp(x) for any float: fast_exp.h's polynomial, 0 below -87, exp(88) above 88 (silu only divides by 1 + it). */
 static inline float exp_clamped(float x)
 {
     const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_rintf(clamped * 1.44269504088896341f);
-    const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
-    return x < -87.0f ? 0.0f : p * scale.f;
+    const float e = exp_in_range(clamped);
+    return x < -87.0f ? 0.0f : e;
 }
 
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, rows of dim floats (x and out row-contiguous). */
@@ -64,7 +56,8 @@ void silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, float *out)
  * place (rotate-half rope: x * cos + roll(x, dim / 2) * signed_sin, signed_sin carrying the first half's minus,
  * as model.py's _rope), then copies each row's k and v heads into its slot of its page: the arena's
  * [pages][2][block][kv_heads][dim] layout, pages page_stride floats apart, V half_stride floats after K.
- * cos, signed_sin: [rows][dim]. Returns -1 (nothing written) when a page or slot is out of range or dim is odd or over MAX_DIM. */
+ * cos, signed_sin: [rows][dim]. Returns -1 (nothing written) when a page or slot is out of range, or dim is odd
+ * or over MAX_DIM. */
 int rope_write_kv_f32(float *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                       const float *cos_, const float *signed_sin, float *kv_base, int64_t page_stride,
                       int64_t half_stride, int64_t block_tokens, int64_t num_pages, const int64_t *pages,

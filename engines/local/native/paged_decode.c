@@ -13,28 +13,18 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 #define MAX_HEADS 256
 #define MAX_BLOCK 512
 #define MAX_DIM 512
 
-/* exp(x) for x <= 0 (a score minus the running maximum), vectorizable: libm's expf is a call per key (a third
- * of the kernel's time at long contexts) and glibc offers its vector variants only under -ffast-math. Range
- * reduction x = n ln2 + r, |r| <= ln2/2, then the classic degree-6 minimax polynomial (Cephes' coefficients):
- * within 2 ulp of expf over the range used; below -87 it returns 0 (the true value is under 1.7e-38). */
+/* exp(x) for x <= 0 (a score minus the running maximum): fast_exp.h's polynomial, 0 below -87. */
 static inline float exp_nonpositive(float x)
 {
     const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_rintf(clamped * 1.44269504088896341f);
-    const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
-    return x < -87.0f ? 0.0f : p * scale.f;
+    const float e = exp_in_range(clamped);
+    return x < -87.0f ? 0.0f : e;
 }
 
 /* One sequence, every head: pages in order, and within a page every kv head (a page's K half and V half are each
