@@ -53,3 +53,31 @@ def test_probe_scaling_uses_the_runs_probe_over_the_fit_runs_mean():
     assert per_system["mfs"].overhead_s == pytest.approx(0.001 * 10.0 / 5.0)
     assert per_system["baseline"].overhead_s == pytest.approx(0.001 * 5.0 / 5.0)
     assert probe_scaled({0.5: {"steps": {"mfs": {}}}, 1.0: real[1.0]}, [0.5], 1.0, ("mfs",), model) is None
+
+
+def test_each_system_replays_its_own_recorded_confidences(monkeypatch, tmp_path):
+    """The shared file keeps the first system's sequence of a request both ran on a member; each simulated system
+    reads the file of its own real run where there is one (older work dirs: the shared one)."""
+    import json
+    from dataclasses import replace
+
+    import eval.simulate.cli as sim_cli
+    import eval.simulate.validate as validate
+    from eval.bench import BenchSettings
+    from eval.simulate.confidence import CONFIDENCE_FORMAT
+
+    shared = tmp_path / "confidences_r1.0.json"
+    for path, source in ((shared, "shared"), (validate.own_confidences(shared, "baseline"), "baseline's own")):
+        path.write_text(json.dumps({"format": CONFIDENCE_FORMAT, "family": "tiny", "source": source,
+                                    "members": {"tiny-m": [[0.9, 0.8]]}, "by_request": {}}))
+    assert validate.own_confidences(shared, "baseline").name == "confidences_r1.0_baseline.json"
+    seen = {}
+
+    def run_system(name, config, setup, trace, library, vocab_size, interval, replies=None):
+        seen[name] = library.source
+        return None, {}
+    monkeypatch.setattr(sim_cli, "run_system", run_system)
+    monkeypatch.setattr(validate, "config_for", lambda name, settings, split: None)
+    settings = replace(BenchSettings.quick_defaults(), systems=("mfs", "baseline"))
+    validate.simulate_rate(settings, {"split": None, "trace": None}, LinearCostModel(COEF, 0.0, "x"), shared)
+    assert seen == {"mfs": "shared", "baseline": "baseline's own"}

@@ -8,7 +8,9 @@ to that rate's runs' steps (same_run: on a shared machine the cost of a step dri
 system's own run only (own_steps: this VM's speed drifts by up to 2x within a minute, so even two systems run one
 after the other at one rate see different machines; this variant isolates how well the simulated core reproduces
 queueing and batching given the step costs the machine had during that very run), and
-the same trace is simulated with the bench's configs and the recorded confidences. Reported per system and
+the same trace is simulated with the bench's configs and each system's own recorded confidences (a request
+decoded on the same member in another system's batches can cross the escalation threshold elsewhere, by the last
+bits of a probability). Reported per system and
 rate: mean token latency, TTFT p50/p90, TPOT p50 and throughput, simulated / real - 1, and whether the systems
 are ordered the same way; and a fixed workload timed before and after every real run (machine_probe_ms), so the
 machine's own drift is on record beside the errors.
@@ -81,18 +83,28 @@ def machine_probe_ms(repeats: int = 5) -> list[float]:
     return times
 
 
+def own_confidences(conf_path: Path, system: str) -> Path:
+    """Where one system's recorded confidences of a real run lie, beside the shared file."""
+    return conf_path.with_name(f"{conf_path.stem}_{system}{conf_path.suffix}")
+
+
 def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
     family, trace, split, notes = prepare(settings)
     if settings.trace_file:                  # a saved trace keeps its sessions; its arrivals move to this rate
         trace = trace.at_rate(settings.rate)
     out: dict[str, Any] = {"trace": trace, "split": split, "systems": {}, "steps": {}, "probe_ms": {}, "replies": {}}
     records_all = []
+    note = f"validation rate {settings.rate} seed {settings.seed}"
     for name in settings.systems:
         log: list = []
         before = machine_probe_ms()
         records, metrics = asyncio.run(run_real(name, config_for(name, settings, split), trace, instrument=_instrument(log)))
         out["probe_ms"][name] = {"before": before, "after": machine_probe_ms()}
         records_all += records
+        # Each system's own confidences as well: the same request decoded on the same member in another system's
+        # batches can differ in its last bits, and one probability on the other side of the escalation threshold
+        # changes where the request runs. The shared file keeps the first system's sequence for such a request.
+        write_library(records, own_confidences(conf_path, name), family.name, f"{note}, {name}")
         # The replies as generated: the simulation replays them, so each closed-loop turn's prompt (and what the
         # router reads in it) is the real run's, not a seeded token stream's.
         out["replies"][name] = {request_key(r.session_id, r.turn_index): list(r.output_token_ids)
@@ -101,7 +113,7 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
         gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
         out["steps"][name] = {"observations": [(shapes, seconds) for _, seconds, shapes in log],
                               "gaps_s": [g for g in gaps if 0 <= g < BACK_TO_BACK_S]}
-    write_library(records_all, conf_path, family.name, f"validation rate {settings.rate} seed {settings.seed}")
+    write_library(records_all, conf_path, family.name, note)
     return out
 
 
@@ -157,10 +169,12 @@ def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostMode
 
     family = load_family(settings.family)
     tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
-    library = ConfidenceLibrary.load(conf_path, seed=settings.seed)
-    library.map_members(family.member_names, family.member_names)
     out = {}
     for name in settings.systems:
+        # each system replays its own real run's confidences (work dirs from before they were recorded: the shared)
+        own = own_confidences(conf_path, name)
+        library = ConfidenceLibrary.load(own if own.is_file() else conf_path, seed=settings.seed)
+        library.map_members(family.member_names, family.member_names)
         setup = SimSetup(family_name=family.name, family=None, member_names=family.member_names,
                          cost=cost[name] if isinstance(cost, dict) else cost, placement=Placement("colocated"),
                          num_pages=settings.kv_pages, page_bytes=0, split=None)
