@@ -58,9 +58,11 @@ def test_rope_and_kv_write_match_torch(kernels, heads, kv_heads, dim, block):
     angles = torch.rand(rows, 1, dim // 2, generator=gen) * 40
     cos = torch.cat((angles, angles), -1).cos()
     signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)
-    page_ids = torch.randint(0, pages, (rows,), generator=gen)
-    slots = torch.randperm(block, generator=gen)[:rows] if rows <= block else torch.randint(0, block, (rows,))
-    page_ids = torch.arange(rows) % pages if rows > block else page_ids   # distinct (page, slot) per row
+    # a distinct (page, slot) per row: distinct slots where a block has room for every row, else distinct pages
+    if rows <= block:
+        page_ids, slots = torch.randint(0, pages, (rows,), generator=gen), torch.randperm(block, generator=gen)[:rows]
+    else:
+        page_ids, slots = torch.arange(rows) % pages, torch.randint(0, block, (rows,), generator=gen)
     expected_view = _arena(pages, block, kv_heads, dim)
     qk = _rope(qkv[:, :(heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), cos, signed_sin)
     v = qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim)
