@@ -11,7 +11,8 @@ import pytest
 
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import ConfidenceLibrary
-from eval.simulate.cost_model import (BatchShape, LinearCostModel, TableCostModel, batch_shape, features, fit_linear,
+from eval.simulate.cost_model import (BatchShape, LinearCostModel, TableCostModel, after_idle_term, batch_shape,
+                                      busy_period_positions, features, fit_linear, fit_steps,
                                       plan_shapes)
 from eval.simulate.executor import SimExecutor
 from eval.simulate.fleet import FrontRouter, PlacementError, parse_placement
@@ -169,20 +170,69 @@ def test_a_batch_riding_in_a_larger_forward_costs_its_ride_overlap_share(tmp_pat
     assert [old_model.batch_s(s) for s in plan_shapes(merged, family)] == pytest.approx([2e-3, 1e-3])
 
 
-def test_linear_fit_recovers_known_coefficients():
-    truth = {"s": (0.002, 0.001, 0.0005, 0.0001, 0.0), "l": (0.004, 0.002, 0.001, 0.0002, 0.0)}
+def known_steps(truth: dict) -> list:
     observations = []
     for member in ("s", "l"):
         for rows in (1, 2, 4, 8):
             for context in (10, 100, 500):
-                for prefill in (0, 32, 128):
-                    shape = BatchShape(member, (context,) * rows, ((prefill, 0),) if prefill else ())
+                for prefill in (0, 32, 128, (32, 64)):
+                    chunks = ((prefill, 0),) if isinstance(prefill, int) and prefill else \
+                        tuple((n, 0) for n in prefill) if prefill else ()
+                    shape = BatchShape(member, (context,) * rows, chunks)
                     observations.append(([shape], sum(c * f for c, f in zip(truth[member], features(shape)))))
-    fitted = fit_linear(observations, ["s", "l"])
+    return observations
+
+
+def test_linear_fit_recovers_known_coefficients():
+    truth = {"s": (0.002, 0.001, 0.0005, 0.0001, 0.0, 0.0007), "l": (0.004, 0.002, 0.001, 0.0002, 0.0, 0.0011)}
+    fitted = fit_linear(known_steps(truth), ["s", "l"])
     for member in truth:
         assert fitted[member] == pytest.approx(truth[member], abs=1e-9)
     model = LinearCostModel(fitted, 0.001, "test")
     assert LinearCostModel.from_dict(model.to_dict()).batch_s(BatchShape("l", (100,), ())) == pytest.approx(0.0061)
+    # a prefill chunk pays its fixed cost once per chunk; a fit from before the term (five coefficients) prices it 0
+    two_chunks = BatchShape("l", (), ((32, 0), (64, 0)))
+    assert model.batch_s(two_chunks) == pytest.approx(0.004 + 96 * 0.0002 + 2 * 0.0011)
+    assert LinearCostModel({"l": truth["l"][:5]}, 0.0, "old").batch_s(two_chunks) == pytest.approx(0.004 + 96 * 0.0002)
+
+
+def test_after_idle_term_is_fitted_and_priced_by_the_executor():
+    truth = {"s": (0.002, 0.001, 0.0005, 0.0001, 0.0, 0.0007), "l": (0.004, 0.002, 0.001, 0.0002, 0.0, 0.0011)}
+    observations = known_steps(truth)
+    # one engine's timeline: steps back to back, with an idle gap of 0.2 s before every sixth one
+    starts, t = [], 0.0
+    for i, (_, seconds) in enumerate(observations):
+        t += 0.2 if i % 6 == 0 else 0.0001
+        starts.append(t)
+        t += seconds
+    positions = busy_period_positions(starts, [s for _, s in observations])
+    assert positions[0] == (math.inf, 0) and positions[1] == (math.inf, 1) and positions[6][1] == 0
+    assert positions[6][0] == pytest.approx(0.2)
+    decay, tau = 0.5, 0.02                   # both on the fit's grid
+    slowed = [(shapes, seconds + 0.003 * after_idle_term(idle, since, decay, tau))
+              for (shapes, seconds), (idle, since) in zip(observations, positions)]
+    coefficients, after_idle = fit_steps(slowed, ["s", "l"], positions)
+    assert after_idle == pytest.approx((0.003, decay, tau))
+    assert coefficients["l"] == pytest.approx(truth["l"], abs=1e-9)
+    assert fit_steps(observations, ["s", "l"], positions)[1] is None      # no such cost: no term
+    model = LinearCostModel(coefficients, 0.0, "test", after_idle=after_idle)
+    assert LinearCostModel.from_dict(model.to_dict()).after_idle == pytest.approx(after_idle)
+
+    # the executor adds it by the idle gaps its clock shows: the first step counts as after a long idle
+    family = nested_family()
+    clock = VirtualClock()
+    executor = SimExecutor(family, 64, 1024, model, library(members=("s", "m", "l")), vocab_size=50)
+    executor.attach_clock(clock)
+    plan = StepPlan(batches=[MemberBatch("l", [chunk("a", 9, 1)])])
+    plain = executor.step_s(plan)
+    expected_extra = [0.003, 0.0015, 0.00075]
+    for extra in expected_extra:
+        executor.execute(plan)
+        assert executor.last_step_s == pytest.approx(plain + extra)
+        clock.advance_to(clock() + executor.last_step_s)            # back to back
+    clock.advance_to(clock() + 0.02)                                 # 20 ms idle: 1 - e^-1 of the full term
+    executor.execute(plan)
+    assert executor.last_step_s == pytest.approx(plain + 0.003 * (1 - math.exp(-1)))
 
 
 # ----------------------------------------------------------------------------- simulated executor

@@ -5,7 +5,7 @@ import pytest
 from eval.simulate.cost_model import BatchShape, LinearCostModel
 from eval.simulate.validate import fit, probe_of, probe_scaled, scaled
 
-COEF = {"a": (0.002, 0.0001, 0.0005, 0.00002, 0.003), "b": (0.004, 0.0002, 0.001, 0.00004, 0.006)}
+COEF = {"a": (0.002, 0.0001, 0.0005, 0.00002, 0.003, 0.0004), "b": (0.004, 0.0002, 0.001, 0.00004, 0.006, 0.0009)}
 
 
 def _step(member: str, decodes: int, context: int, prefill: int) -> tuple[list[BatchShape], float]:

@@ -7,6 +7,7 @@ A step runs one batch per member (the core's StepPlan); how member batches combi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,7 +81,9 @@ class CostModel(Protocol):
 
     saves_overlap: whether copies of evicted pages to the host tier run beside the step's compute (a GPU engine's
     own copy stream, as TensorRT-LLM's KV cache transfer manager offloads) instead of before it (the local engine
-    copies in its step loop)."""
+    copies in its step loop).
+    A model may also price the steps that follow an idle engine (after_idle_s(idle seconds, steps since the
+    wake-up) -> extra seconds; LinearCostModel fits one); the simulated executor asks when the model has it."""
 
     name: str
     saves_overlap: bool
@@ -92,6 +95,38 @@ class CostModel(Protocol):
     def copy_s(self, num_bytes: int) -> float: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+# A gap longer than this between the end of one step and the start of the next ends a busy period: the local
+# engine's back-to-back steps are 0.1-0.2 ms apart (schedule and update), a wait for work at least 10 ms.
+IDLE_GAP_S = 1e-3
+
+
+def busy_period_positions(starts_s: list[float], seconds: list[float]) -> list[tuple[float, int]]:
+    """Per step of one engine's timeline: (idle seconds before its busy period, steps since that period began).
+    The first step counts as after a long idle (a replay starts after warm-up and probes)."""
+    out: list[tuple[float, int]] = []
+    idle, since = math.inf, 0
+    busy_until: float | None = None
+    for start, duration in zip(starts_s, seconds):
+        if busy_until is None or start - busy_until > IDLE_GAP_S:
+            idle, since = (math.inf if busy_until is None else start - busy_until), 0
+        else:
+            since += 1
+        out.append((idle, since))
+        busy_until = start + duration
+    return out
+
+
+AFTER_IDLE_MAX_STEPS = 30          # past this many steps after a wake-up the term is 0 (decay^30 is nothing)
+
+
+def after_idle_term(idle_s: float, since: int, decay: float, tau_s: float) -> float:
+    """The shape of the after-idle cost, per unit of its size: saturating in the idle time, decaying with the
+    steps since the engine woke up."""
+    if since > AFTER_IDLE_MAX_STEPS:
+        return 0.0
+    return (1.0 - math.exp(-idle_s / tau_s)) * decay ** since
 
 
 class TableCostModel:
@@ -140,28 +175,46 @@ class TableCostModel:
 
 # ----------------------------------------------------------------------------- fitted linear model
 FIT_FORMAT = "mfs-step-fit/1"
-FEATURES = ("forward", "decodes", "decode_context_k", "prefill_tokens", "prefill_attention_m")
+FEATURES = ("forward", "decodes", "decode_context_k", "prefill_tokens", "prefill_attention_m", "prefill_chunks")
 
 
 def features(shape: BatchShape) -> tuple[float, ...]:
-    """Per member batch: 1 when it runs its own forward (0 when merged into a larger member's), decode rows, their summed context (thousands of tokens), prefill tokens,
-    prefill attention work (new tokens x tokens attended, millions)."""
+    """Per member batch: 1 when it runs its own forward (0 when merged into a larger member's), decode rows, their
+    summed context (thousands of tokens), prefill tokens, prefill attention work (new tokens x tokens attended,
+    millions), prefill chunks (each pays the prefill path's fixed cost: its causal mask, its page writes; fits
+    without it, from before session 30, have five coefficients and price it 0)."""
     return (1.0 if shape.own_forward else 0.0, float(len(shape.decode_contexts)), sum(shape.decode_contexts) / 1e3,
-            float(sum(n for n, _ in shape.prefills)), sum(n * (p + n / 2) for n, p in shape.prefills) / 1e6)
+            float(sum(n for n, _ in shape.prefills)), sum(n * (p + n / 2) for n, p in shape.prefills) / 1e6,
+            float(len(shape.prefills)))
 
 
 class LinearCostModel:
     """batch_s = layer_fraction * sum_k coef[member][k] * features_k (seconds), fitted by least squares on step
-    durations observed in a real run (eval.simulate.validate); overhead = the run's mean gap between steps."""
+    durations observed in a real run (eval.simulate.validate); overhead = the run's mean gap between steps.
+
+    after_idle = (extra_s, decay, tau_s), when fitted: a step costs extra_s * (1 - exp(-idle / tau_s)) * decay^k
+    more when it is the k-th step (from 0) after the engine sat idle for `idle` seconds. On the CPU a step right
+    after 50-500 ms of idling ran 2-2.5 ms slower and the next few 0.2-0.9 ms (session 30, one request after each
+    idle gap, the engine otherwise quiet): caches gone cold and the intra-op threads asleep. It is what makes a
+    light load's TTFT longer than its steps' shapes say."""
 
     def __init__(self, coefficients: dict[str, tuple[float, ...]], overhead_s: float, source: str,
-                 copy_gb_s: float = 5.0, name: str = "measured") -> None:
+                 copy_gb_s: float = 5.0, name: str = "measured",
+                 after_idle: tuple[float, float, float] | None = None) -> None:
         self.coefficients = {m: tuple(c) for m, c in coefficients.items()}
         self.overhead_s = overhead_s
         self.source = source
         self.copy_gb_s = copy_gb_s
         self.name = name
+        self.after_idle = tuple(after_idle) if after_idle else None
         self.saves_overlap = False          # the local engine copies tier pages in its step loop
+
+    def after_idle_s(self, idle_s: float, since: int) -> float:
+        """Extra seconds of the `since`-th step after `idle_s` seconds of idling (0 without the term)."""
+        if self.after_idle is None:
+            return 0.0
+        extra, decay, tau = self.after_idle
+        return extra * after_idle_term(idle_s, since, decay, tau)
 
     def batch_s(self, shape: BatchShape) -> float:
         coef = self.coefficients[shape.member]
@@ -174,42 +227,78 @@ class LinearCostModel:
         return num_bytes / (self.copy_gb_s * 1e9)
 
     def describe(self) -> dict[str, Any]:
+        after_idle = None
+        if self.after_idle is not None:
+            extra, decay, tau = self.after_idle
+            after_idle = {"extra_ms": extra * 1e3, "decay": decay, "tau_ms": tau * 1e3}
         return {"name": self.name, "source": self.source, "gpu": None, "backend": "local",
                 "step_overhead_ms": self.overhead_s * 1e3, "features": list(FEATURES),
-                "coefficients_s": {m: list(c) for m, c in self.coefficients.items()}}
+                "coefficients_s": {m: list(c) for m, c in self.coefficients.items()}, "after_idle": after_idle}
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FIT_FORMAT, **self.describe(), "copy_gb_s": self.copy_gb_s}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LinearCostModel":
+        idle = data.get("after_idle")
+        after_idle = (idle["extra_ms"] / 1e3, idle["decay"], idle["tau_ms"] / 1e3) if idle else None
         return cls({m: tuple(c) for m, c in data["coefficients_s"].items()}, data["step_overhead_ms"] / 1e3,
-                   data["source"], data.get("copy_gb_s", 5.0))
+                   data["source"], data.get("copy_gb_s", 5.0), after_idle=after_idle)
 
 
 def fit_linear(observations: list[tuple[list[BatchShape], float]], members: list[str]) -> dict[str, tuple[float, ...]]:
     """Least squares of step seconds on per-member features (a step's time = the sum of its member batches);
     coefficients forced non-negative by dropping negative ones and refitting (a cost cannot be negative)."""
+    return fit_steps(observations, members)[0]
+
+
+# The after-idle term's shape is searched on this grid (its size is fitted with the coefficients at each point)
+AFTER_IDLE_DECAYS = (0.2, 0.35, 0.5, 0.65, 0.8)
+AFTER_IDLE_TAUS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+
+
+def fit_steps(observations: list[tuple[list[BatchShape], float]], members: list[str],
+              positions: list[tuple[float, int]] | None = None
+              ) -> tuple[dict[str, tuple[float, ...]], tuple[float, float, float] | None]:
+    """fit_linear, and with `positions` (busy_period_positions of every observation, aligned) the after-idle term
+    too: its shape (decay, tau) chosen on a grid by the least squared error, its size fitted with the rest. The
+    term is left out (None) unless it is at least a microsecond and cuts the squared error by at least 1%."""
     import numpy as np
 
     width = len(FEATURES)
-    columns = {(m, k) for m in members for k in range(width)}
-    while True:
-        order = sorted(columns)
-        index = {c: i for i, c in enumerate(order)}
-        x = np.zeros((len(observations), len(order)))
-        y = np.array([seconds for _, seconds in observations])
-        for row, (shapes, _) in enumerate(observations):
-            for shape in shapes:
-                for k, value in enumerate(features(shape)):
-                    if (shape.member, k) in index:
-                        x[row, index[(shape.member, k)]] += value * shape.layer_fraction
-        used = x.any(axis=0)
-        solution = np.zeros(len(order))
-        if used.any():
-            solution[used] = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
-        negative = {order[i] for i in range(len(order)) if solution[i] < 0}
-        if not negative:
-            break
-        columns -= negative
-    return {m: tuple(float(solution[index[(m, k)]]) if (m, k) in index else 0.0 for k in range(width)) for m in members}
+    order = sorted((m, k) for m in members for k in range(width))
+    index = {c: i for i, c in enumerate(order)}
+    base = np.zeros((len(observations), len(order)))
+    y = np.array([seconds for _, seconds in observations])
+    for row, (shapes, _) in enumerate(observations):
+        for shape in shapes:
+            for k, value in enumerate(features(shape)):
+                base[row, index[(shape.member, k)]] += value * shape.layer_fraction
+
+    def solve(extra: Any) -> tuple[dict[str, tuple[float, ...]], float, float]:
+        x = base if extra is None else np.column_stack([base, extra])
+        names: list[Any] = list(order) + ([] if extra is None else ["after_idle"])
+        columns = set(range(len(names)))
+        while True:
+            keep = sorted(c for c in columns if x[:, c].any())
+            solution = np.zeros(len(names))
+            if keep:
+                solution[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+            negative = {c for c in keep if solution[c] < 0}
+            if not negative:
+                break
+            columns -= negative
+        error = float(np.sum((x @ solution - y) ** 2))
+        coefficients = {m: tuple(float(solution[index[(m, k)]]) for k in range(width)) for m in members}
+        return coefficients, (float(solution[-1]) if extra is not None else 0.0), error
+
+    best = plain = solve(None)
+    term: tuple[float, float, float] | None = None
+    if positions is not None and len(positions) == len(observations):
+        for decay in AFTER_IDLE_DECAYS:
+            for tau in AFTER_IDLE_TAUS_S:
+                extra = np.array([after_idle_term(idle, since, decay, tau) for idle, since in positions])
+                fitted = solve(extra)
+                if fitted[1] >= 1e-6 and fitted[2] < min(best[2], 0.99 * plain[2]):
+                    best, term = fitted, (fitted[1], decay, tau)
+    return best[0], term

@@ -38,6 +38,7 @@ class SimNode:
         self.family = self.serving.family
         self.scheduler = self.serving.scheduler
         self.executor = make_executor(self.family, self.serving.pool.num_pages, config.pool.page_bytes)
+        self.executor.attach_clock(clock)       # it sees the idle gaps between its steps
         self.serving._executor = self.executor
         self.busy = False
         self.num_in_flight = 0          # requests submitted and not finished (the front router's load)

@@ -31,7 +31,7 @@ from typing import Any
 
 from eval.bench import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
 from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
-from eval.simulate.cost_model import LinearCostModel, fit_linear, plan_shapes
+from eval.simulate.cost_model import LinearCostModel, busy_period_positions, fit_steps, plan_shapes
 from eval.simulate.fleet import Placement
 from eval.simulate.setup import SimSetup
 from eval.step_profile import BACK_TO_BACK_S
@@ -112,25 +112,33 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
         out["systems"][name] = metrics   # summarize() already carries ttft_p90_s
         gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
         out["steps"][name] = {"observations": [(shapes, seconds) for _, seconds, shapes in log],
+                              "starts_s": [started for started, _, _ in log],      # for the after-idle term
                               "gaps_s": [g for g in gaps if 0 <= g < BACK_TO_BACK_S]}
     write_library(records_all, conf_path, family.name, note)
     return out
 
 
 def fit(real: dict[float, dict], rates: list[float], members: list[str], system: str | None = None) -> LinearCostModel:
-    """Fitted to the steps of the given rates' runs (of one system's run only when `system` is given)."""
+    """Fitted to the steps of the given rates' runs (of one system's run only when `system` is given), with the
+    after-idle term where every run recorded its steps' start times (runs saved before session 30 did not)."""
     observations, gaps = [], []
+    positions: list[tuple[float, int]] | None = []
     for rate in rates:
         for name, steps in real[rate]["steps"].items():
             if system is not None and name != system:
                 continue
             observations += steps["observations"]
             gaps += steps["gaps_s"]
-    coefficients = fit_linear(observations, members)
+            starts = steps.get("starts_s")
+            if starts is None or positions is None:
+                positions = None
+            else:
+                positions += busy_period_positions(starts, [seconds for _, seconds in steps["observations"]])
+    coefficients, after_idle = fit_steps(observations, members, positions)
     overhead = sum(gaps) / len(gaps) if gaps else 0.0
     whose = f"{system}'s run" if system else "real bench runs"
     return LinearCostModel(coefficients, overhead, f"fitted to {len(observations)} steps of {whose} at rates "
-                                                   f"{', '.join(map(str, rates))} on this machine")
+                                                   f"{', '.join(map(str, rates))} on this machine", after_idle=after_idle)
 
 
 def probe_of(real_rate: dict, system: str) -> float | None:
@@ -144,9 +152,10 @@ def probe_of(real_rate: dict, system: str) -> float | None:
 
 def scaled(cost: LinearCostModel, factor: float) -> LinearCostModel:
     """The same cost model on a machine `factor` times slower (every coefficient and the loop overhead)."""
+    idle = cost.after_idle
     return LinearCostModel({m: tuple(c * factor for c in coef) for m, coef in cost.coefficients.items()},
                            cost.overhead_s * factor, f"{cost.source}, x{factor:.3f} by the machine probe",
-                           cost.copy_gb_s)
+                           cost.copy_gb_s, after_idle=(idle[0] * factor, idle[1], idle[2]) if idle else None)
 
 
 def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, systems: tuple[str, ...],
