@@ -11,9 +11,9 @@ import pytest
 
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import ConfidenceLibrary
-from eval.simulate.cost_model import (BatchShape, LinearCostModel, TableCostModel, after_idle_term, batch_shape,
-                                      busy_period_positions, features, fit_linear, fit_steps,
-                                      plan_shapes)
+from eval.simulate.cost_model import (BatchShape, LinearCostModel, TableCostModel, after_idle_term,
+                                      after_prefill_term, batch_shape, features, fit_linear, fit_steps, plan_shapes,
+                                      prefill_tokens_of, step_histories)
 from eval.simulate.executor import SimExecutor
 from eval.simulate.fleet import FrontRouter, PlacementError, parse_placement
 from eval.simulate.step_table import Grid2D, MemberCosts, StepTable, StepTableError, load_table, save_table
@@ -196,7 +196,7 @@ def test_linear_fit_recovers_known_coefficients():
     assert LinearCostModel({"l": truth["l"][:5]}, 0.0, "old").batch_s(two_chunks) == pytest.approx(0.004 + 96 * 0.0002)
 
 
-def test_after_idle_term_is_fitted_and_priced_by_the_executor():
+def test_history_terms_are_fitted_and_priced_by_the_executor():
     truth = {"s": (0.002, 0.001, 0.0005, 0.0001, 0.0, 0.0007), "l": (0.004, 0.002, 0.001, 0.0002, 0.0, 0.0011)}
     observations = known_steps(truth)
     # one engine's timeline: steps back to back, with an idle gap of 0.2 s before every sixth one
@@ -205,33 +205,41 @@ def test_after_idle_term_is_fitted_and_priced_by_the_executor():
         t += 0.2 if i % 6 == 0 else 0.0001
         starts.append(t)
         t += seconds
-    positions = busy_period_positions(starts, [s for _, s in observations])
-    assert positions[0] == (math.inf, 0) and positions[1] == (math.inf, 1) and positions[6][1] == 0
-    assert positions[6][0] == pytest.approx(0.2)
-    decay, tau = 0.5, 0.02                   # both on the fit's grid
-    slowed = [(shapes, seconds + 0.003 * after_idle_term(idle, since, decay, tau))
-              for (shapes, seconds), (idle, since) in zip(observations, positions)]
-    coefficients, after_idle = fit_steps(slowed, ["s", "l"], positions)
-    assert after_idle == pytest.approx((0.003, decay, tau))
+    histories = step_histories(starts, observations)
+    assert histories[0][:2] == (math.inf, 0) and histories[1][:2] == (math.inf, 1) and histories[6][1] == 0
+    assert histories[6][0] == pytest.approx(0.2)
+    for i, (idle, since_wake, since_prefill, tokens) in enumerate(histories):
+        # the prefill this step looks back on: the latest earlier step of its busy period that held one
+        earlier = [j for j in range(i - since_wake, i) if prefill_tokens_of(observations[j][0])]
+        assert since_prefill == (i - earlier[-1] if earlier else 0)
+        assert tokens == (prefill_tokens_of(observations[earlier[-1]][0]) if earlier else 0)
+    idle_shape, prefill_shape = (0.5, 0.02), 0.45                  # on the fit's grids
+    slowed = [(shapes, seconds + 0.003 * after_idle_term(h[0], h[1], *idle_shape)
+               + 2e-6 * after_prefill_term(h[2], h[3], prefill_shape))
+              for (shapes, seconds), h in zip(observations, histories)]
+    coefficients, (after_idle, after_prefill) = fit_steps(slowed, ["s", "l"], histories)
+    assert after_idle == pytest.approx((0.003, *idle_shape)) and after_prefill == pytest.approx((2e-6, prefill_shape))
     assert coefficients["l"] == pytest.approx(truth["l"], abs=1e-9)
-    assert fit_steps(observations, ["s", "l"], positions)[1] is None      # no such cost: no term
-    model = LinearCostModel(coefficients, 0.0, "test", after_idle=after_idle)
-    assert LinearCostModel.from_dict(model.to_dict()).after_idle == pytest.approx(after_idle)
+    assert fit_steps(observations, ["s", "l"], histories)[1] == (None, None)      # no such costs: no terms
+    model = LinearCostModel(coefficients, 0.0, "test", after_idle=after_idle, after_prefill=after_prefill)
+    again = LinearCostModel.from_dict(model.to_dict())
+    assert again.after_idle == pytest.approx(after_idle) and again.after_prefill == pytest.approx(after_prefill)
 
-    # the executor adds it by the idle gaps its clock shows: the first step counts as after a long idle
+    # the executor adds them by the gaps its clock shows: the first step counts as after a long idle
     family = nested_family()
     clock = VirtualClock()
     executor = SimExecutor(family, 64, 1024, model, library(members=("s", "m", "l")), vocab_size=50)
     executor.attach_clock(clock)
-    plan = StepPlan(batches=[MemberBatch("l", [chunk("a", 9, 1)])])
-    plain = executor.step_s(plan)
-    expected_extra = [0.003, 0.0015, 0.00075]
-    for extra in expected_extra:
+    decode = StepPlan(batches=[MemberBatch("l", [chunk("a", 9, 1)])])
+    prefill = StepPlan(batches=[MemberBatch("l", [chunk("b", 0, 8)])])
+    plain = executor.step_s(decode)
+    for plan, extra in ((decode, 0.003), (decode, 0.0015), (prefill, 0.00075), (decode, 0.000375 + 8 * 2e-6),
+                        (decode, 0.0001875 + 8 * 2e-6 * 0.45)):
         executor.execute(plan)
-        assert executor.last_step_s == pytest.approx(plain + extra)
-        clock.advance_to(clock() + executor.last_step_s)            # back to back
-    clock.advance_to(clock() + 0.02)                                 # 20 ms idle: 1 - e^-1 of the full term
-    executor.execute(plan)
+        assert executor.last_step_s == pytest.approx(executor.step_s(plan) + extra)
+        clock.advance_to(clock() + executor.last_step_s)              # back to back
+    clock.advance_to(clock() + 0.02)                                   # 20 ms idle: 1 - e^-1 of the full term
+    executor.execute(decode)
     assert executor.last_step_s == pytest.approx(plain + 0.003 * (1 - math.exp(-1)))
 
 

@@ -82,8 +82,9 @@ class CostModel(Protocol):
     saves_overlap: whether copies of evicted pages to the host tier run beside the step's compute (a GPU engine's
     own copy stream, as TensorRT-LLM's KV cache transfer manager offloads) instead of before it (the local engine
     copies in its step loop).
-    A model may also price the steps that follow an idle engine (after_idle_s(idle seconds, steps since the
-    wake-up) -> extra seconds; LinearCostModel fits one); the simulated executor asks when the model has it."""
+    A model may also price what a step costs beyond its shape by the engine's recent history
+    (history_s(*StepHistory) -> extra seconds; LinearCostModel fits it); the simulated executor asks when the
+    model has it."""
 
     name: str
     saves_overlap: bool
@@ -100,33 +101,73 @@ class CostModel(Protocol):
 # A gap longer than this between the end of one step and the start of the next ends a busy period: the local
 # engine's back-to-back steps are 0.1-0.2 ms apart (schedule and update), a wait for work at least 10 ms.
 IDLE_GAP_S = 1e-3
+HISTORY_MAX_STEPS = 30             # past this many steps a history term is 0 (decay^30 is nothing)
+
+# (idle seconds before the busy period (inf: none before it), steps of the busy period before this one,
+#  steps since the last step that held a prefill (0: none in this busy period), that step's prefill tokens)
+StepHistory = tuple[float, int, int, int]
 
 
-def busy_period_positions(starts_s: list[float], seconds: list[float]) -> list[tuple[float, int]]:
-    """Per step of one engine's timeline: (idle seconds before its busy period, steps since that period began).
-    The first step counts as after a long idle (a replay starts after warm-up and probes)."""
-    out: list[tuple[float, int]] = []
-    idle, since = math.inf, 0
-    busy_until: float | None = None
-    for start, duration in zip(starts_s, seconds):
-        if busy_until is None or start - busy_until > IDLE_GAP_S:
-            idle, since = (math.inf if busy_until is None else start - busy_until), 0
+class HistoryTracker:
+    """Where each step of one engine stands in its recent history: what the after-idle and after-prefill terms
+    read. The same bookkeeping for a real run's timeline (step_histories) and the simulated executor."""
+
+    __slots__ = ("busy_until", "idle_s", "since_wake", "since_prefill", "prefill_tokens", "previous_prefill")
+
+    def __init__(self) -> None:
+        self.busy_until = -1.0             # when the last step ended (< 0: no step yet)
+        self.idle_s = math.inf
+        self.since_wake = 0
+        self.since_prefill = 0
+        self.prefill_tokens = 0
+        self.previous_prefill = 0          # prefill tokens of the step before this one
+
+    def start(self, now: float, prefill_tokens: int) -> StepHistory:
+        """A step starts at `now` holding `prefill_tokens` prefill tokens: its history."""
+        if self.busy_until < 0 or now - self.busy_until > IDLE_GAP_S:
+            self.idle_s = math.inf if self.busy_until < 0 else now - self.busy_until
+            self.since_wake = self.since_prefill = self.prefill_tokens = 0
         else:
-            since += 1
-        out.append((idle, since))
-        busy_until = start + duration
+            self.since_wake += 1
+            if self.previous_prefill:
+                self.since_prefill, self.prefill_tokens = 1, self.previous_prefill
+            elif self.since_prefill:
+                self.since_prefill += 1
+        self.previous_prefill = prefill_tokens
+        return (self.idle_s, self.since_wake, self.since_prefill, self.prefill_tokens)
+
+    def end(self, end_s: float) -> None:
+        self.busy_until = end_s
+
+
+def prefill_tokens_of(shapes: list[BatchShape]) -> int:
+    return sum(n for shape in shapes for n, _ in shape.prefills)
+
+
+def step_histories(starts_s: list[float], observations: list[tuple[list[BatchShape], float]]) -> list[StepHistory]:
+    """The history of every step of one engine's real timeline (a replay starts after warm-up and probes: its
+    first step counts as after a long idle)."""
+    tracker, out = HistoryTracker(), []
+    for start, (shapes, seconds) in zip(starts_s, observations):
+        out.append(tracker.start(start, prefill_tokens_of(shapes)))
+        tracker.end(start + seconds)
     return out
 
 
-AFTER_IDLE_MAX_STEPS = 30          # past this many steps after a wake-up the term is 0 (decay^30 is nothing)
-
-
-def after_idle_term(idle_s: float, since: int, decay: float, tau_s: float) -> float:
-    """The shape of the after-idle cost, per unit of its size: saturating in the idle time, decaying with the
-    steps since the engine woke up."""
-    if since > AFTER_IDLE_MAX_STEPS:
+def after_idle_term(idle_s: float, since_wake: int, decay: float, tau_s: float) -> float:
+    """The after-idle cost's shape, per unit of its size: saturating in the idle time, decaying with the steps
+    since the engine woke up."""
+    if since_wake > HISTORY_MAX_STEPS:
         return 0.0
-    return (1.0 - math.exp(-idle_s / tau_s)) * decay ** since
+    return (1.0 - math.exp(-idle_s / tau_s)) * decay ** since_wake
+
+
+def after_prefill_term(since_prefill: int, prefill_tokens: int, decay: float) -> float:
+    """The after-prefill cost's shape, per unit of its size (seconds per prefill token): the prefill's tokens,
+    decaying with the steps since it."""
+    if not since_prefill or since_prefill > HISTORY_MAX_STEPS:
+        return 0.0
+    return prefill_tokens * decay ** (since_prefill - 1)
 
 
 class TableCostModel:
@@ -192,29 +233,38 @@ class LinearCostModel:
     """batch_s = layer_fraction * sum_k coef[member][k] * features_k (seconds), fitted by least squares on step
     durations observed in a real run (eval.simulate.validate); overhead = the run's mean gap between steps.
 
-    after_idle = (extra_s, decay, tau_s), when fitted: a step costs extra_s * (1 - exp(-idle / tau_s)) * decay^k
-    more when it is the k-th step (from 0) after the engine sat idle for `idle` seconds. On the CPU a step right
-    after 50-500 ms of idling ran 2-2.5 ms slower and the next few 0.2-0.9 ms (session 30, one request after each
-    idle gap, the engine otherwise quiet): caches gone cold and the intra-op threads asleep. It is what makes a
-    light load's TTFT longer than its steps' shapes say."""
+    Two history terms, when fitted (eval.simulate.validate fits them from the real steps' start times):
+    after_idle = (extra_s, decay, tau_s): the k-th step (from 0) after the engine sat idle for `idle` seconds
+    costs extra_s * (1 - exp(-idle / tau_s)) * decay^k more; after_prefill = (s_per_token, decay): the k-th step
+    (from 1) after a step that held P prefill tokens costs s_per_token * P * decay^(k-1) more. On the CPU (session
+    30, one request at a time on an otherwise quiet engine) a step right after 50-500 ms of idling ran 2-2.5 ms
+    slower and the next few 0.2-0.9 ms; the decode steps after a 40 / 200 / 400-token prefill ran 0.3 / 1.7 / 2.6
+    ms slower, then 0.2 / 0.8 / 1.2 ms (neither malloc's trimming nor AVX-512 clocks: caches, most likely). They
+    are what makes a light load's TTFT longer than its steps' shapes say."""
 
     def __init__(self, coefficients: dict[str, tuple[float, ...]], overhead_s: float, source: str,
                  copy_gb_s: float = 5.0, name: str = "measured",
-                 after_idle: tuple[float, float, float] | None = None) -> None:
+                 after_idle: tuple[float, float, float] | None = None,
+                 after_prefill: tuple[float, float] | None = None) -> None:
         self.coefficients = {m: tuple(c) for m, c in coefficients.items()}
         self.overhead_s = overhead_s
         self.source = source
         self.copy_gb_s = copy_gb_s
         self.name = name
         self.after_idle = tuple(after_idle) if after_idle else None
+        self.after_prefill = tuple(after_prefill) if after_prefill else None
         self.saves_overlap = False          # the local engine copies tier pages in its step loop
 
-    def after_idle_s(self, idle_s: float, since: int) -> float:
-        """Extra seconds of the `since`-th step after `idle_s` seconds of idling (0 without the term)."""
-        if self.after_idle is None:
-            return 0.0
-        extra, decay, tau = self.after_idle
-        return extra * after_idle_term(idle_s, since, decay, tau)
+    def history_s(self, idle_s: float, since_wake: int, since_prefill: int, prefill_tokens: int) -> float:
+        """Extra seconds of a step by its history (0 without the terms)."""
+        extra = 0.0
+        if self.after_idle is not None:
+            size, decay, tau = self.after_idle
+            extra += size * after_idle_term(idle_s, since_wake, decay, tau)
+        if self.after_prefill is not None:
+            per_token, decay = self.after_prefill
+            extra += per_token * after_prefill_term(since_prefill, prefill_tokens, decay)
+        return extra
 
     def batch_s(self, shape: BatchShape) -> float:
         coef = self.coefficients[shape.member]
@@ -227,23 +277,28 @@ class LinearCostModel:
         return num_bytes / (self.copy_gb_s * 1e9)
 
     def describe(self) -> dict[str, Any]:
-        after_idle = None
+        idle = prefill = None
         if self.after_idle is not None:
             extra, decay, tau = self.after_idle
-            after_idle = {"extra_ms": extra * 1e3, "decay": decay, "tau_ms": tau * 1e3}
+            idle = {"extra_ms": extra * 1e3, "decay": decay, "tau_ms": tau * 1e3}
+        if self.after_prefill is not None:
+            per_token, decay = self.after_prefill
+            prefill = {"us_per_prefill_token": per_token * 1e6, "decay": decay}
         return {"name": self.name, "source": self.source, "gpu": None, "backend": "local",
                 "step_overhead_ms": self.overhead_s * 1e3, "features": list(FEATURES),
-                "coefficients_s": {m: list(c) for m, c in self.coefficients.items()}, "after_idle": after_idle}
+                "coefficients_s": {m: list(c) for m, c in self.coefficients.items()}, "after_idle": idle,
+                "after_prefill": prefill}
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FIT_FORMAT, **self.describe(), "copy_gb_s": self.copy_gb_s}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LinearCostModel":
-        idle = data.get("after_idle")
-        after_idle = (idle["extra_ms"] / 1e3, idle["decay"], idle["tau_ms"] / 1e3) if idle else None
+        idle, prefill = data.get("after_idle"), data.get("after_prefill")
         return cls({m: tuple(c) for m, c in data["coefficients_s"].items()}, data["step_overhead_ms"] / 1e3,
-                   data["source"], data.get("copy_gb_s", 5.0), after_idle=after_idle)
+                   data["source"], data.get("copy_gb_s", 5.0),
+                   after_idle=(idle["extra_ms"] / 1e3, idle["decay"], idle["tau_ms"] / 1e3) if idle else None,
+                   after_prefill=(prefill["us_per_prefill_token"] / 1e6, prefill["decay"]) if prefill else None)
 
 
 def fit_linear(observations: list[tuple[list[BatchShape], float]], members: list[str]) -> dict[str, tuple[float, ...]]:
@@ -252,17 +307,20 @@ def fit_linear(observations: list[tuple[list[BatchShape], float]], members: list
     return fit_steps(observations, members)[0]
 
 
-# The after-idle term's shape is searched on this grid (its size is fitted with the coefficients at each point)
+# The history terms' shapes are searched on these grids (their sizes are fitted with the coefficients at each point)
 AFTER_IDLE_DECAYS = (0.2, 0.35, 0.5, 0.65, 0.8)
 AFTER_IDLE_TAUS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+AFTER_PREFILL_DECAYS = (0.3, 0.45, 0.6, 0.75)
+
+HistoryTerms = tuple[tuple[float, float, float] | None, tuple[float, float] | None]
 
 
 def fit_steps(observations: list[tuple[list[BatchShape], float]], members: list[str],
-              positions: list[tuple[float, int]] | None = None
-              ) -> tuple[dict[str, tuple[float, ...]], tuple[float, float, float] | None]:
-    """fit_linear, and with `positions` (busy_period_positions of every observation, aligned) the after-idle term
-    too: its shape (decay, tau) chosen on a grid by the least squared error, its size fitted with the rest. The
-    term is left out (None) unless it is at least a microsecond and cuts the squared error by at least 1%."""
+              histories: list[StepHistory] | None = None) -> tuple[dict[str, tuple[float, ...]], HistoryTerms]:
+    """fit_linear, and with `histories` (step_histories of every observation, aligned) the history terms too:
+    their shapes chosen on the grids by the least squared error, their sizes fitted with the rest. The pair is
+    (after_idle, after_prefill); a term is left out (None) when its size is not positive, and both unless they
+    cut the squared error by at least 1% and by at least a microsecond squared per step."""
     import numpy as np
 
     width = len(FEATURES)
@@ -275,13 +333,12 @@ def fit_steps(observations: list[tuple[list[BatchShape], float]], members: list[
             for k, value in enumerate(features(shape)):
                 base[row, index[(shape.member, k)]] += value * shape.layer_fraction
 
-    def solve(extra: Any) -> tuple[dict[str, tuple[float, ...]], float, float]:
-        x = base if extra is None else np.column_stack([base, extra])
-        names: list[Any] = list(order) + ([] if extra is None else ["after_idle"])
-        columns = set(range(len(names)))
+    def solve(extra: list[Any]) -> tuple[dict[str, tuple[float, ...]], list[float], float]:
+        x = np.column_stack([base, *extra]) if extra else base
+        columns = set(range(x.shape[1]))
         while True:
             keep = sorted(c for c in columns if x[:, c].any())
-            solution = np.zeros(len(names))
+            solution = np.zeros(x.shape[1])
             if keep:
                 solution[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
             negative = {c for c in keep if solution[c] < 0}
@@ -290,15 +347,21 @@ def fit_steps(observations: list[tuple[list[BatchShape], float]], members: list[
             columns -= negative
         error = float(np.sum((x @ solution - y) ** 2))
         coefficients = {m: tuple(float(solution[index[(m, k)]]) for k in range(width)) for m in members}
-        return coefficients, (float(solution[-1]) if extra is not None else 0.0), error
+        return coefficients, [float(v) for v in solution[len(order):]], error
 
-    best = plain = solve(None)
-    term: tuple[float, float, float] | None = None
-    if positions is not None and len(positions) == len(observations):
-        for decay in AFTER_IDLE_DECAYS:
-            for tau in AFTER_IDLE_TAUS_S:
-                extra = np.array([after_idle_term(idle, since, decay, tau) for idle, since in positions])
-                fitted = solve(extra)
-                if fitted[1] >= 1e-6 and fitted[2] < min(best[2], 0.99 * plain[2]):
-                    best, term = fitted, (fitted[1], decay, tau)
-    return best[0], term
+    plain = solve([])
+    if not histories or len(histories) != len(observations):
+        return plain[0], (None, None)
+    best, terms = plain, (None, None)
+    prefill_columns = {d: np.array([after_prefill_term(h[2], h[3], d) for h in histories]) for d in AFTER_PREFILL_DECAYS}
+    for decay in AFTER_IDLE_DECAYS:
+        for tau in AFTER_IDLE_TAUS_S:
+            idle_column = np.array([after_idle_term(h[0], h[1], decay, tau) for h in histories])
+            for prefill_decay, prefill_column in prefill_columns.items():
+                fitted = solve([idle_column, prefill_column])
+                if fitted[2] < min(best[2], 0.99 * plain[2]) and plain[2] - fitted[2] > 1e-12 * len(y):
+                    idle_size, prefill_size = fitted[1]
+                    best = fitted
+                    terms = ((idle_size, decay, tau) if idle_size > 0 else None,
+                             (prefill_size, prefill_decay) if prefill_size > 0 else None)
+    return best[0], terms

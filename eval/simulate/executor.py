@@ -5,7 +5,8 @@ Durations: the cost model's fixed per-step overhead, plus the member batches (on
 members share a device, side by side when each has its own), plus the tier copies made before the step: loads
 (host -> arena) always on the step's path, saves (arena -> host) too unless the cost model says they run beside
 the compute (saves_overlap: a GPU engine's copy stream), where only what outlasts the compute adds; plus, when
-the cost model prices it and the node gave a clock, what a step right after the engine sat idle costs extra.
+the cost model prices them and the node gave a clock, what a step costs extra right after the engine sat idle
+or after a prefill (cost_model.HistoryTracker).
 Tokens: a seeded stream, token = hash(request key, position), the same in every system; or, when a real run's
 replies are given (the validation replays its own real runs), that run's reply token at that position, so a
 closed-loop session's next prompt is the real one and the router reads the same text. Confidences: the
@@ -19,7 +20,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 
 from eval.simulate.confidence import ConfidenceLibrary
-from eval.simulate.cost_model import IDLE_GAP_S, CostModel, plan_shapes
+from eval.simulate.cost_model import CostModel, HistoryTracker, plan_shapes, prefill_tokens_of
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan, tuple_new
 
@@ -47,15 +48,14 @@ class SimExecutor:
         self.last_step_s = 0.0
         self.num_steps = 0
         self.busy_s = 0.0
-        # the after-idle term: priced only by a cost model that has one, and only once a clock is attached
-        self._after_idle: Callable[[float, int], float] | None = getattr(cost, "after_idle_s", None)
+        # the history terms (after idle, after a prefill): priced only by a cost model that has them, and only
+        # once a clock is attached
+        self._history_s: Callable[[float, int, int, int], float] | None = getattr(cost, "history_s", None)
         self._clock: Callable[[], float] | None = None
-        self._busy_until = -1.0                 # when the last step ended (< 0: no step yet)
-        self._idle_s = math.inf                 # idle time before the current busy period
-        self._since_wake = 0                    # steps of the current busy period before this one
+        self._history = HistoryTracker()
 
     def attach_clock(self, clock: Callable[[], float]) -> None:
-        """The node's virtual clock: lets the executor see idle gaps between its steps (the after-idle term)."""
+        """The node's virtual clock: lets the executor see the idle gaps between its steps (history terms)."""
         self._clock = clock
 
     def key_of(self, request_id: str) -> str:
@@ -81,23 +81,15 @@ class SimExecutor:
         body = max(compute, saves) if self.cost.saves_overlap else compute + saves
         return self.cost.step_overhead_s() + body + loads
 
-    def _after_idle_s(self) -> float:
-        """Extra seconds for the step starting now, by how long the engine was idle before its busy period."""
-        if self._after_idle is None or self._clock is None:
-            return 0.0
-        now = self._clock()
-        if self._busy_until < 0 or now - self._busy_until > IDLE_GAP_S:
-            self._idle_s = math.inf if self._busy_until < 0 else now - self._busy_until
-            self._since_wake = 0
-        else:
-            self._since_wake += 1
-        return self._after_idle(self._idle_s, self._since_wake)
-
     def execute(self, plan: StepPlan) -> list[SampledToken]:
         self.release(plan.released_requests)
-        self.last_step_s = self.step_s(plan) + self._after_idle_s()
-        if self._clock is not None:
-            self._busy_until = self._clock() + self.last_step_s
+        self.last_step_s = self.step_s(plan)
+        if self._history_s is not None and self._clock is not None:
+            now = self._clock()
+            idle_s, since_wake, since_prefill, tokens = self._history.start(
+                now, prefill_tokens_of(plan_shapes(plan, self.family)))
+            self.last_step_s += self._history_s(idle_s, since_wake, since_prefill, tokens)
+            self._history.end(now + self.last_step_s)
         self._save_bytes = self._load_bytes = 0
         self.num_steps += 1
         self.busy_s += self.last_step_s

@@ -31,7 +31,7 @@ from typing import Any
 
 from eval.bench import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
 from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
-from eval.simulate.cost_model import LinearCostModel, busy_period_positions, fit_steps, plan_shapes
+from eval.simulate.cost_model import LinearCostModel, StepHistory, fit_steps, plan_shapes, step_histories
 from eval.simulate.fleet import Placement
 from eval.simulate.setup import SimSetup
 from eval.step_profile import BACK_TO_BACK_S
@@ -120,9 +120,9 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
 
 def fit(real: dict[float, dict], rates: list[float], members: list[str], system: str | None = None) -> LinearCostModel:
     """Fitted to the steps of the given rates' runs (of one system's run only when `system` is given), with the
-    after-idle term where every run recorded its steps' start times (runs saved before session 30 did not)."""
+    history terms where every run recorded its steps' start times (runs saved before session 30 did not)."""
     observations, gaps = [], []
-    positions: list[tuple[float, int]] | None = []
+    histories: list[StepHistory] | None = []
     for rate in rates:
         for name, steps in real[rate]["steps"].items():
             if system is not None and name != system:
@@ -130,15 +130,16 @@ def fit(real: dict[float, dict], rates: list[float], members: list[str], system:
             observations += steps["observations"]
             gaps += steps["gaps_s"]
             starts = steps.get("starts_s")
-            if starts is None or positions is None:
-                positions = None
+            if starts is None or histories is None:
+                histories = None
             else:
-                positions += busy_period_positions(starts, [seconds for _, seconds in steps["observations"]])
-    coefficients, after_idle = fit_steps(observations, members, positions)
+                histories += step_histories(starts, steps["observations"])
+    coefficients, (after_idle, after_prefill) = fit_steps(observations, members, histories)
     overhead = sum(gaps) / len(gaps) if gaps else 0.0
     whose = f"{system}'s run" if system else "real bench runs"
     return LinearCostModel(coefficients, overhead, f"fitted to {len(observations)} steps of {whose} at rates "
-                                                   f"{', '.join(map(str, rates))} on this machine", after_idle=after_idle)
+                                                   f"{', '.join(map(str, rates))} on this machine", after_idle=after_idle,
+                           after_prefill=after_prefill)
 
 
 def probe_of(real_rate: dict, system: str) -> float | None:
@@ -152,10 +153,11 @@ def probe_of(real_rate: dict, system: str) -> float | None:
 
 def scaled(cost: LinearCostModel, factor: float) -> LinearCostModel:
     """The same cost model on a machine `factor` times slower (every coefficient and the loop overhead)."""
-    idle = cost.after_idle
+    idle, prefill = cost.after_idle, cost.after_prefill
     return LinearCostModel({m: tuple(c * factor for c in coef) for m, coef in cost.coefficients.items()},
                            cost.overhead_s * factor, f"{cost.source}, x{factor:.3f} by the machine probe",
-                           cost.copy_gb_s, after_idle=(idle[0] * factor, idle[1], idle[2]) if idle else None)
+                           cost.copy_gb_s, after_idle=(idle[0] * factor, idle[1], idle[2]) if idle else None,
+                           after_prefill=(prefill[0] * factor, prefill[1]) if prefill else None)
 
 
 def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, systems: tuple[str, ...],
