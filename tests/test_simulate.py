@@ -412,6 +412,37 @@ def test_one_session_timeline_is_exactly_the_fake_costs():
     assert run.counters["requests"]["tiny-s"]["finished"] == 2
 
 
+class EdgeCost(FakeCost):
+    """FakeCost with a serving edge: IN_S from the client to the scheduler, OUT_S from a step to the client."""
+
+    def request_path_s(self) -> tuple[float, float]:
+        return IN_S, OUT_S
+
+
+IN_S, OUT_S = 0.003, 0.002
+
+
+def test_the_serving_edge_delays_the_way_in_and_every_output_on_the_way_out():
+    from eval.simulate.driver import simulate
+    from eval.simulate.node import SimNode
+
+    config = tiny_config(**{"router.complexity_thresholds": [1.0, 1.0]})
+
+    def make_nodes(clock, events, on_output):
+        def make_executor(family, num_pages, page_bytes):
+            return SimExecutor(family, num_pages, page_bytes, EdgeCost(), library(), vocab_size=4096)
+        return [SimNode("n0", config, None, clock, events, make_executor, on_output)]
+    turns = [(PROMPT, 3, 0.0), (PROMPT + list(range(30, 40)), 2, 2.0)]
+    first, second = simulate("t", make_nodes, trace_of([turns], [1.0])).records
+    step_prefill, step_decode = OVERHEAD_S + PREFILL_S, OVERHEAD_S + DECODE_S
+    assert first.send_s == 1.0
+    assert first.ttft_s == pytest.approx(IN_S + step_prefill + OUT_S)
+    assert first.e2e_s == pytest.approx(IN_S + step_prefill + 2 * step_decode + OUT_S)
+    assert first.tpot_s == pytest.approx(step_decode)                   # every output is late by the same
+    assert second.send_s == pytest.approx(first.finish_s + 2.0)         # the client's think time starts on receipt
+    assert second.e2e_s == pytest.approx(IN_S + step_prefill + step_decode + OUT_S)
+
+
 def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
     """The replay runs with the cyclic collector off (driver.no_full_collections): sound only if what its
     steps and requests create is freed by reference counting alone. With the collector off, nothing of the

@@ -81,3 +81,21 @@ def test_each_system_replays_its_own_recorded_confidences(monkeypatch, tmp_path)
     settings = replace(BenchSettings.quick_defaults(), systems=("mfs", "baseline"))
     validate.simulate_rate(settings, {"split": None, "trace": None}, LinearCostModel(COEF, 0.0, "x"), shared)
     assert seen == {"mfs": "shared", "baseline": "baseline's own"}
+
+
+def test_request_path_maps_the_replay_clock_onto_the_engines():
+    from types import SimpleNamespace
+
+    from eval.simulate.validate import request_path_of
+
+    # the replay started at monotonic 100.0: a request sent at 2.0 (replay clock) arrived at 102.0 (monotonic)
+    records = [SimpleNamespace(session_id="s0", turn_index=0, send_s=2.0, finish_s=2.5),
+               SimpleNamespace(session_id="s1", turn_index=1, send_s=3.0, finish_s=None)]    # never finished
+    edges = {"mfs-s0-t0": [102.0, 102.0004, 102.4997], "mfs-s1-t1": [103.0, 103.0005, None]}
+    path = request_path_of(records, edges, "mfs")
+    assert path["in_s"] == pytest.approx([0.0004]) and path["out_s"] == pytest.approx([0.0003])
+    real = {1.0: {"steps": {"mfs": {**_run(1.0), "request_path": {"in_s": [0.1, 0.3, 0.2], "out_s": [0.05]}}}}}
+    model = fit(real, [1.0], ["a", "b"])
+    assert model.request_path_s() == pytest.approx((0.2, 0.05))
+    assert LinearCostModel.from_dict(model.to_dict()).request_path_s() == pytest.approx((0.2, 0.05))
+    assert fit({1.0: {"steps": {"mfs": _run(1.0)}}}, [1.0], ["a", "b"]).request_path_s() == (0.0, 0.0)

@@ -84,7 +84,8 @@ class CostModel(Protocol):
     copies in its step loop).
     A model may also price what a step costs beyond its shape by the engine's recent history
     (history_s(*StepHistory) -> extra seconds; LinearCostModel fits it); the simulated executor asks when the
-    model has it."""
+    model has it. And the serving edge's latency outside the steps (request_path_s() -> (in, out): from the
+    client's call to the scheduler, and from a step's outputs to the client); the simulation's driver asks."""
 
     name: str
     saves_overlap: bool
@@ -240,12 +241,17 @@ class LinearCostModel:
     30, one request at a time on an otherwise quiet engine) a step right after 50-500 ms of idling ran 2-2.5 ms
     slower and the next few 0.2-0.9 ms; the decode steps after a 40 / 200 / 400-token prefill ran 0.3 / 1.7 / 2.6
     ms slower, then 0.2 / 0.8 / 1.2 ms (neither malloc's trimming nor AVX-512 clocks: caches, most likely). They
-    are what makes a light load's TTFT longer than its steps' shapes say."""
+    are what makes a light load's TTFT longer than its steps' shapes say.
+
+    path_s = (in, out): the serving edge's latency outside the steps, measured on the real runs: from the client's
+    call to the request entering the scheduler, and from the engine handing a step's output over to the client
+    receiving it (the bench's in-process client: ~0.5 and ~0.3 ms on the CPU)."""
 
     def __init__(self, coefficients: dict[str, tuple[float, ...]], overhead_s: float, source: str,
                  copy_gb_s: float = 5.0, name: str = "measured",
                  after_idle: tuple[float, float, float] | None = None,
-                 after_prefill: tuple[float, float] | None = None) -> None:
+                 after_prefill: tuple[float, float] | None = None,
+                 path_s: tuple[float, float] = (0.0, 0.0)) -> None:
         self.coefficients = {m: tuple(c) for m, c in coefficients.items()}
         self.overhead_s = overhead_s
         self.source = source
@@ -253,7 +259,11 @@ class LinearCostModel:
         self.name = name
         self.after_idle = tuple(after_idle) if after_idle else None
         self.after_prefill = tuple(after_prefill) if after_prefill else None
+        self.path_s = (float(path_s[0]), float(path_s[1]))
         self.saves_overlap = False          # the local engine copies tier pages in its step loop
+
+    def request_path_s(self) -> tuple[float, float]:
+        return self.path_s
 
     def history_s(self, idle_s: float, since_wake: int, since_prefill: int, prefill_tokens: int) -> float:
         """Extra seconds of a step by its history (0 without the terms)."""
@@ -287,7 +297,7 @@ class LinearCostModel:
         return {"name": self.name, "source": self.source, "gpu": None, "backend": "local",
                 "step_overhead_ms": self.overhead_s * 1e3, "features": list(FEATURES),
                 "coefficients_s": {m: list(c) for m, c in self.coefficients.items()}, "after_idle": idle,
-                "after_prefill": prefill}
+                "after_prefill": prefill, "request_path_ms": {"in": self.path_s[0] * 1e3, "out": self.path_s[1] * 1e3}}
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FIT_FORMAT, **self.describe(), "copy_gb_s": self.copy_gb_s}
@@ -295,10 +305,12 @@ class LinearCostModel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LinearCostModel":
         idle, prefill = data.get("after_idle"), data.get("after_prefill")
+        path = data.get("request_path_ms") or {}
         return cls({m: tuple(c) for m, c in data["coefficients_s"].items()}, data["step_overhead_ms"] / 1e3,
                    data["source"], data.get("copy_gb_s", 5.0),
                    after_idle=(idle["extra_ms"] / 1e3, idle["decay"], idle["tau_ms"] / 1e3) if idle else None,
-                   after_prefill=(prefill["us_per_prefill_token"] / 1e6, prefill["decay"]) if prefill else None)
+                   after_prefill=(prefill["us_per_prefill_token"] / 1e6, prefill["decay"]) if prefill else None,
+                   path_s=(path.get("in", 0.0) / 1e3, path.get("out", 0.0) / 1e3))
 
 
 def fit_linear(observations: list[tuple[list[BatchShape], float]], members: list[str]) -> dict[str, tuple[float, ...]]:

@@ -5,7 +5,9 @@ the previous one finished plus its think time, its prompt built by eval.workload
 the reply this system generated goes back); every request is greedy with ignore_eos and max_tokens = the
 trace's reply length; a refused request is recorded and, with closed history, ends its session. Records are the
 bench's RequestRecords filled by the bench's own record_output, so eval.metrics_calc.summarize gives the same
-metrics block.
+metrics block. Where the cost model prices the serving edge (request_path_s: the measured CPU model), a request
+reaches the scheduler that long after the client sent it, and the client sees each output that long after the
+step that made it.
 """
 from __future__ import annotations
 
@@ -87,11 +89,14 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
     samples: list[dict] = []
     remaining = [len(trace.sessions)]
 
+    path_in_s = path_out_s = 0.0
+
     def on_output(out: RequestOutput, now: float) -> None:
         entry = pending.get(out.request_id)
         if entry is None:
             return
         record, index, k = entry
+        now += path_out_s
         record_output(record, out, now)
         if out.finished:
             record.output_tokens = len(record.output_token_ids)
@@ -99,6 +104,9 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
             next_turn(index, k, now)
 
     nodes = make_nodes(clock, events, on_output)
+    request_path = getattr(nodes[0].executor.cost, "request_path_s", None) if nodes else None
+    if request_path is not None:
+        path_in_s, path_out_s = request_path()
     router = FrontRouter(len(nodes))
     history = trace.spec.history
     previous: dict[int, RequestRecord] = {}           # session index -> its last turn's record
@@ -133,13 +141,19 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
         node = nodes[router.route(session.session_id, request.prompt_token_ids, [n.num_in_flight for n in nodes])]
         node.executor.request_keys[request.request_id] = request_key(session.session_id, k)
         pending[request.request_id] = (record, index, k)
+        if path_in_s > 0:
+            events.push(now + path_in_s, lambda: submit(node, request, record, index, k))
+        else:
+            submit(node, request, record, index, k)
+
+    def submit(node: SimNode, request: Request, record: RequestRecord, index: int, k: int) -> None:
         try:
             node.submit(request)
         except MFSError as exc:          # refused (invalid for the pool, queue full): recorded
             record.error = f"{type(exc).__name__}: {exc}"
             del pending[request.request_id]
             node.executor.request_keys.pop(request.request_id, None)
-            next_turn(index, k, now)
+            next_turn(index, k, clock() + path_out_s)
 
     def sample() -> None:
         samples.append({"t_s": clock(), "stats": {"pages": _sum_pages([n.scheduler.pages_snapshot() for n in nodes])}})
@@ -159,7 +173,7 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
                  router_decisions=dict(router.decisions))
     # send and next_turn refer to each other (a cycle through their closures, holding the nodes and the trace):
     # emptied here, the replay's state goes with the last reference to it, not at some later full collection.
-    del send, next_turn
+    del send, next_turn, submit
     if keep_nodes is not None:
         keep_nodes.extend(nodes)
     return run

@@ -42,10 +42,13 @@ TARGET_ERROR = 0.15
 VARIANTS = ("held_out", "held_out_scaled", "in_sample", "same_run", "own_steps")
 
 
-def _instrument(log: list):
-    """run_system's instrument hook: every execute() appended as (start, seconds, [BatchShape])."""
+def _instrument(log: list, edges: dict | None = None):
+    """run_system's instrument hook: every execute() appended as (start, seconds, [BatchShape]); and, with
+    `edges`, per request id [its arrival (the client's call), when it entered the scheduler, when the engine
+    handed its last output over] (time.monotonic())."""
     def attach(engine):
         execute = engine._executor.execute
+        add_request = engine.core.add_request
 
         def timed(plan):
             started = time.perf_counter()
@@ -55,10 +58,39 @@ def _instrument(log: list):
             return out
         engine._executor.execute = timed
 
+        def stamped_add(request, sink):
+            entry = [request.arrival_s, time.monotonic(), None]
+
+            def stamped_sink(item):
+                if getattr(item, "finished", False):
+                    entry[2] = time.monotonic()
+                sink(item)
+            if edges is not None:
+                edges[request.request_id] = entry
+            add_request(request, stamped_sink)
+        engine.core.add_request = stamped_add
+
         def detach():
             engine._executor.execute = execute
+            engine.core.add_request = add_request
         return detach
     return attach
+
+
+def request_path_of(records: list, edges: dict, tag: str) -> dict[str, list[float]]:
+    """Per finished request of one real run: seconds from the client's call to the scheduler (in) and from the
+    engine handing the last output over to the client recording it (out). A record's times are on the replay's
+    clock and the edges on time.monotonic(): a request's arrival_s (monotonic) and send_s (replay clock) were
+    taken together, so their difference maps one clock onto the other."""
+    inbound, outbound = [], []
+    for record in records:
+        entry = edges.get(f"{tag}-{record.session_id}-t{record.turn_index}")
+        if entry is None or record.finish_s is None or entry[2] is None:
+            continue
+        arrival, added, handed = entry
+        inbound.append(added - arrival)
+        outbound.append(record.finish_s + (arrival - record.send_s) - handed)
+    return {"in_s": inbound, "out_s": outbound}
 
 
 def machine_probe_ms(repeats: int = 5) -> list[float]:
@@ -97,8 +129,10 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
     note = f"validation rate {settings.rate} seed {settings.seed}"
     for name in settings.systems:
         log: list = []
+        edges: dict = {}
         before = machine_probe_ms()
-        records, metrics = asyncio.run(run_real(name, config_for(name, settings, split), trace, instrument=_instrument(log)))
+        records, metrics = asyncio.run(run_real(name, config_for(name, settings, split), trace,
+                                                instrument=_instrument(log, edges)))
         out["probe_ms"][name] = {"before": before, "after": machine_probe_ms()}
         records_all += records
         # Each system's own confidences as well: the same request decoded on the same member in another system's
@@ -112,8 +146,9 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
         out["systems"][name] = metrics   # summarize() already carries ttft_p90_s
         gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
         out["steps"][name] = {"observations": [(shapes, seconds) for _, seconds, shapes in log],
-                              "starts_s": [started for started, _, _ in log],      # for the after-idle term
-                              "gaps_s": [g for g in gaps if 0 <= g < BACK_TO_BACK_S]}
+                              "starts_s": [started for started, _, _ in log],      # for the history terms
+                              "gaps_s": [g for g in gaps if 0 <= g < BACK_TO_BACK_S],
+                              "request_path": request_path_of(records, edges, name)}
     write_library(records_all, conf_path, family.name, note)
     return out
 
@@ -122,6 +157,8 @@ def fit(real: dict[float, dict], rates: list[float], members: list[str], system:
     """Fitted to the steps of the given rates' runs (of one system's run only when `system` is given), with the
     history terms where every run recorded its steps' start times (runs saved before session 30 did not)."""
     observations, gaps = [], []
+    path_in: list[float] = []
+    path_out: list[float] = []
     histories: list[StepHistory] | None = []
     for rate in rates:
         for name, steps in real[rate]["steps"].items():
@@ -129,6 +166,9 @@ def fit(real: dict[float, dict], rates: list[float], members: list[str], system:
                 continue
             observations += steps["observations"]
             gaps += steps["gaps_s"]
+            path = steps.get("request_path") or {}
+            path_in += path.get("in_s", [])
+            path_out += path.get("out_s", [])
             starts = steps.get("starts_s")
             if starts is None or histories is None:
                 histories = None
@@ -139,7 +179,13 @@ def fit(real: dict[float, dict], rates: list[float], members: list[str], system:
     whose = f"{system}'s run" if system else "real bench runs"
     return LinearCostModel(coefficients, overhead, f"fitted to {len(observations)} steps of {whose} at rates "
                                                    f"{', '.join(map(str, rates))} on this machine", after_idle=after_idle,
-                           after_prefill=after_prefill)
+                           after_prefill=after_prefill, path_s=(_median(path_in), _median(path_out)))
+
+
+def _median(values: list[float]) -> float:
+    """The median (0 for none: runs saved before session 30 did not time the serving edge)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def probe_of(real_rate: dict, system: str) -> float | None:
@@ -157,7 +203,8 @@ def scaled(cost: LinearCostModel, factor: float) -> LinearCostModel:
     return LinearCostModel({m: tuple(c * factor for c in coef) for m, coef in cost.coefficients.items()},
                            cost.overhead_s * factor, f"{cost.source}, x{factor:.3f} by the machine probe",
                            cost.copy_gb_s, after_idle=(idle[0] * factor, idle[1], idle[2]) if idle else None,
-                           after_prefill=(prefill[0] * factor, prefill[1]) if prefill else None)
+                           after_prefill=(prefill[0] * factor, prefill[1]) if prefill else None,
+                           path_s=(cost.path_s[0] * factor, cost.path_s[1] * factor))
 
 
 def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, systems: tuple[str, ...],
