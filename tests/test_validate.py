@@ -99,3 +99,22 @@ def test_request_path_maps_the_replay_clock_onto_the_engines():
     assert model.request_path_s() == pytest.approx((0.2, 0.05))
     assert LinearCostModel.from_dict(model.to_dict()).request_path_s() == pytest.approx((0.2, 0.05))
     assert fit({1.0: {"steps": {"mfs": _run(1.0)}}}, [1.0], ["a", "b"]).request_path_s() == (0.0, 0.0)
+
+
+def test_calibrated_scales_by_the_runs_own_one_request_decode_steps():
+    from eval.simulate.validate import calibrated
+
+    def run(seconds_a: float, extra: int = 0) -> dict:
+        solo = [([BatchShape("a", (100,), ())], seconds_a)] * (30 + extra)
+        pair = [([BatchShape("a", (100, 100), ())], 1.0)] * 5        # two rows: not a one-request step
+        return {"observations": solo + pair, "gaps_s": []}
+    real = {0.5: {"steps": {"mfs": run(0.002), "baseline": run(0.002)}},
+            1.0: {"steps": {"mfs": run(0.003), "baseline": run(0.004)}}}
+    model = LinearCostModel(COEF, 0.001, "x")
+    per_system = calibrated(real, [0.5], 1.0, ("mfs", "baseline"), model)
+    shape = BatchShape("b", (300,), ())
+    assert per_system["mfs"].batch_s(shape) == pytest.approx(1.5 * model.batch_s(shape))
+    assert per_system["baseline"].overhead_s == pytest.approx(2 * 0.001)
+    assert "a's one-request decode steps" in per_system["baseline"].source
+    too_few = {0.5: real[0.5], 1.0: {"steps": {"mfs": {"observations": run(0.003)["observations"][:10], "gaps_s": []}}}}
+    assert calibrated(too_few, [0.5], 1.0, ("mfs",), model) is None

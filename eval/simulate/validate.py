@@ -1,9 +1,12 @@
 """Validation: the CPU bench's load curve run for real and in simulation on the same traces, and the errors.
 
 For each rate: one trace (the bench's), run by `mfs bench`'s own run_system for every system with the engine's
-execute() timed (shapes and seconds of every step, and the gaps between back-to-back steps), and the replies'
+execute() timed (shapes, start and seconds of every step, the gaps between back-to-back steps, and each request's
+way in and out of the engine), and the replies'
 per-token confidences recorded. Then a linear cost model is fitted to the observed steps of the OTHER rates
-(leave-one-rate-out: the simulated rate's own steps never set its costs), to every rate's steps (in_sample), and
+(leave-one-rate-out: the simulated rate's own steps never set its costs; held_out_calibrated scales that fit by
+one number, the run's own one-request decode steps against the fit runs', i.e. the machine's speed during the
+run), to every rate's steps (in_sample), and
 to that rate's runs' steps (same_run: on a shared machine the cost of a step drifts between runs), and to each
 system's own run only (own_steps: this VM's speed drifts by up to 2x within a minute, so even two systems run one
 after the other at one rate see different machines; this variant isolates how well the simulated core reproduces
@@ -39,7 +42,7 @@ from eval.step_profile import BACK_TO_BACK_S
 METRICS = (("mean_token_latency_s", "mean token latency"), ("ttft_p50_s", "TTFT p50"), ("ttft_p90_s", "TTFT p90"),
            ("tpot_p50_s", "TPOT p50"), ("throughput_tok_s", "throughput"))
 TARGET_ERROR = 0.15
-VARIANTS = ("held_out", "held_out_scaled", "in_sample", "same_run", "own_steps")
+VARIANTS = ("held_out", "held_out_scaled", "held_out_calibrated", "in_sample", "same_run", "own_steps")
 
 
 def _instrument(log: list, edges: dict | None = None):
@@ -197,11 +200,11 @@ def probe_of(real_rate: dict, system: str) -> float | None:
     return values[len(values) // 2]
 
 
-def scaled(cost: LinearCostModel, factor: float) -> LinearCostModel:
+def scaled(cost: LinearCostModel, factor: float, why: str = "by the machine probe") -> LinearCostModel:
     """The same cost model on a machine `factor` times slower (every coefficient and the loop overhead)."""
     idle, prefill = cost.after_idle, cost.after_prefill
     return LinearCostModel({m: tuple(c * factor for c in coef) for m, coef in cost.coefficients.items()},
-                           cost.overhead_s * factor, f"{cost.source}, x{factor:.3f} by the machine probe",
+                           cost.overhead_s * factor, f"{cost.source}, x{factor:.3f} {why}",
                            cost.copy_gb_s, after_idle=(idle[0] * factor, idle[1], idle[2]) if idle else None,
                            after_prefill=(prefill[0] * factor, prefill[1]) if prefill else None,
                            path_s=(cost.path_s[0] * factor, cost.path_s[1] * factor))
@@ -215,6 +218,38 @@ def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, s
         return None
     reference = sum(fitted_on) / len(fitted_on)
     return {n: scaled(cost, probe_of(real[rate], n) / reference) for n in systems}
+
+
+def solo_decode_steps_s(steps: dict) -> dict[str, list[float]]:
+    """Per member, the seconds of a run's steps that were that member decoding one request alone."""
+    out: dict[str, list[float]] = {}
+    for shapes, seconds in steps["observations"]:
+        if len(shapes) == 1 and not shapes[0].prefills and len(shapes[0].decode_contexts) == 1:
+            out.setdefault(shapes[0].member, []).append(seconds)
+    return out
+
+
+def calibrated(real: dict[float, dict], fit_rates: list[float], rate: float, systems: tuple[str, ...],
+               cost: LinearCostModel) -> dict[str, LinearCostModel] | None:
+    """Per system: `cost` (fitted on fit_rates' runs) scaled by one number taken from that run's own steps: the
+    median of its one-request decode steps of the member that has most of them, over the same median in the fit
+    runs. The machine's speed during the run, measured where the probes around it miss it (this VM drifts by
+    30-50% between runs minutes apart); everything else about the costs still comes from the other rates."""
+    out = {}
+    for name in systems:
+        own = solo_decode_steps_s(real[rate]["steps"][name])
+        reference: dict[str, list[float]] = {}
+        for r in fit_rates:
+            for steps in real[r]["steps"].values():
+                for member, values in solo_decode_steps_s(steps).items():
+                    reference.setdefault(member, []).extend(values)
+        common = [m for m in own if len(own[m]) >= 20 and len(reference.get(m, [])) >= 20]
+        if not common:
+            return None
+        member = max(common, key=lambda m: len(own[m]))
+        out[name] = scaled(cost, _median(own[member]) / _median(reference[member]),
+                           f"by {member}'s one-request decode steps in this run")
+    return out
 
 
 def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostModel | dict[str, LinearCostModel],
@@ -304,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         same_run = fit(runs, [rate], members)
         own_steps = {name: fit(runs, [rate], members, system=name) for name in systems}
         held_out_scaled = probe_scaled(runs, others, rate, systems, held_out)
+        held_out_calibrated = calibrated(runs, others, rate, systems, held_out)
         conf = work / f"confidences_r{rate}.json"
 
         def variant(cost: LinearCostModel | dict[str, LinearCostModel]) -> dict[str, Any]:
@@ -316,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                               "machine_probe_ms": real_rate.get("probe_ms")}
         if held_out_scaled is not None:
             results[str(rate)]["held_out_scaled"] = variant(held_out_scaled)
+        if held_out_calibrated is not None:
+            results[str(rate)]["held_out_calibrated"] = variant(held_out_calibrated)
     def worst_of(variant: str) -> float | None:
         return max((abs(n["mean_token_latency_s"]) for r in results.values() if variant in r
                     for n in r[variant]["errors"].values() if n["mean_token_latency_s"] is not None), default=None)
