@@ -364,7 +364,8 @@ def fit_steps(observations: list[tuple[list[BatchShape], float]], members: list[
     plain = solve([])
     if not histories or len(histories) != len(observations):
         return plain[0], (None, None)
-    best, terms = plain, (None, None)
+    best = plain
+    terms: HistoryTerms = (None, None)
     prefill_columns = {d: np.array([after_prefill_term(h[2], h[3], d) for h in histories]) for d in AFTER_PREFILL_DECAYS}
     for decay in AFTER_IDLE_DECAYS:
         for tau in AFTER_IDLE_TAUS_S:
