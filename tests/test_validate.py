@@ -118,3 +118,36 @@ def test_calibrated_scales_by_the_runs_own_one_request_decode_steps():
     assert "a's one-request decode steps" in per_system["baseline"].source
     too_few = {0.5: real[0.5], 1.0: {"steps": {"mfs": {"observations": run(0.003)["observations"][:10], "gaps_s": []}}}}
     assert calibrated(too_few, [0.5], 1.0, ("mfs",), model) is None
+
+
+def test_table_held_out_scales_the_offline_table_by_the_fit_runs_median_ratio():
+    from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
+    from eval.simulate.validate import table_held_out
+
+    grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))       # 1 ms at one row, 2 ms at eight
+    table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid)})
+    one, eight = BatchShape("a", (100,), ()), BatchShape("a", (100,) * 8, ())
+    steps = [([one], 0.0012), ([one], 0.0013), ([eight], 0.0025)]           # real / table: 1.2, 1.3, 1.25
+    real = {0.5: {"steps": {"mfs": {"observations": steps, "gaps_s": []}}}}
+    model = table_held_out(table, real, [0.5], 0.0004)
+    assert model.batch_s(one) == pytest.approx(0.00125) and model.batch_s(eight) == pytest.approx(0.0025)
+    assert model.step_overhead_s() == pytest.approx(0.0004)
+    assert table.member("a").decode_ms(8, 100) == 2.0                        # the table itself unchanged
+
+
+def test_table_calibrated_takes_the_level_from_the_run_and_the_serving_terms_from_the_fit():
+    from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
+    from eval.simulate.validate import table_calibrated
+
+    grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))
+    table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid)})
+    one, eight = BatchShape("a", (100,), ()), BatchShape("a", (100,) * 8, ())
+    run = {"steps": {"mfs": {"observations": [([one], 0.0015)] * 25 + [([eight], 0.009)] * 5, "gaps_s": []}}}
+    serving = LinearCostModel(COEF, 0.0003, "fit", after_idle=(0.002, 0.5, 0.01), path_s=(0.0001, 0.0002))
+    model = table_calibrated(table, run, ("mfs",), serving)["mfs"]
+    assert model.batch_s(one) == pytest.approx(0.0015) and model.batch_s(eight) == pytest.approx(0.003)  # the grid's shape
+    assert model.step_overhead_s() == pytest.approx(0.0003)
+    assert model.history_s(float("inf"), 0, 0, 0) == pytest.approx(0.002)
+    assert model.request_path_s() == (0.0001, 0.0002)
+    assert table_calibrated(table, {"steps": {"mfs": {"observations": [([one], 0.0015)] * 5, "gaps_s": []}}},
+                            ("mfs",), serving) is None                      # too few one-request steps to say

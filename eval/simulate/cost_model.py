@@ -215,6 +215,27 @@ class TableCostModel:
                 "notes": list(self.table.notes)}
 
 
+class TableWithServingTerms(TableCostModel):
+    """A step table (the engine timed alone, on a grid of batch sizes) with what only real serving shows taken from
+    a model fitted to real runs: the history terms (after idle, after a prefill) and the serving edge. The
+    validation's table_calibrated variant; a plain TableCostModel has neither, so the executor skips them."""
+
+    def __init__(self, table: StepTable, serving: "LinearCostModel", name: str = "table+serving") -> None:
+        super().__init__(table, name)
+        self.serving = serving
+
+    def history_s(self, idle_s: float, since_wake: int, since_prefill: int, prefill_tokens: int) -> float:
+        return self.serving.history_s(idle_s, since_wake, since_prefill, prefill_tokens)
+
+    def request_path_s(self) -> tuple[float, float]:
+        return self.serving.request_path_s()
+
+    def describe(self) -> dict[str, Any]:
+        serving = self.serving.describe()
+        return {**super().describe(), "serving_terms_from": serving["source"], "after_idle": serving["after_idle"],
+                "after_prefill": serving["after_prefill"], "request_path_ms": serving["request_path_ms"]}
+
+
 # ----------------------------------------------------------------------------- fitted linear model
 FIT_FORMAT = "mfs-step-fit/1"
 FEATURES = ("forward", "decodes", "decode_context_k", "prefill_tokens", "prefill_attention_m", "prefill_chunks")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,14 @@ class StepTable:
     step_overhead_ms: float = 0.0        # the serving loop's cost per step outside the forward
     copy_gb_s: float = 25.0              # arena <-> host tier copy bandwidth
     notes: list[str] = field(default_factory=list)
+
+    def scaled(self, factor: float, note: str) -> "StepTable":
+        """The same table on a machine `factor` times slower: every decode and prefill time times factor."""
+        def grid(g: Grid2D) -> Grid2D:
+            return Grid2D(g.xs, g.ys, tuple(tuple(v * factor for v in row) for row in g.values))
+        members = {n: replace(m, decode_ms=grid(m.decode_ms), prefill_ms=grid(m.prefill_ms))
+                   for n, m in self.members.items()}
+        return replace(self, members=members, notes=[*self.notes, note])
 
     def member(self, name: str) -> MemberCosts:
         try:

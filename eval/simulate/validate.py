@@ -6,7 +6,9 @@ way in and out of the engine), and the replies'
 per-token confidences recorded. Then a linear cost model is fitted to the observed steps of the OTHER rates
 (leave-one-rate-out: the simulated rate's own steps never set its costs; held_out_calibrated scales that fit by
 one number, the run's own one-request decode steps against the fit runs', i.e. the machine's speed during the
-run), to every rate's steps (in_sample), and
+run; table_held_out is the step table of this machine timed offline (eval.simulate.measure, batch sizes 1-32)
+scaled by the other rates' median real / table; table_calibrated that table at the run's own speed with the
+history terms and serving edge fitted on the other rates), to every rate's steps (in_sample), and
 to that rate's runs' steps (same_run: on a shared machine the cost of a step drifts between runs), and to each
 system's own run only (own_steps: this VM's speed drifts by up to 2x within a minute, so even two systems run one
 after the other at one rate see different machines; this variant isolates how well the simulated core reproduces
@@ -34,7 +36,9 @@ from typing import Any
 
 from eval.bench import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
 from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
-from eval.simulate.cost_model import LinearCostModel, StepHistory, fit_steps, plan_shapes, step_histories
+from eval.simulate.cost_model import (CostModel, LinearCostModel, StepHistory, TableCostModel, TableWithServingTerms,
+                                      fit_steps, plan_shapes, step_histories)
+from eval.simulate.step_table import StepTable, load_table
 from eval.simulate.fleet import Placement
 from eval.simulate.setup import SimSetup
 from eval.step_profile import BACK_TO_BACK_S
@@ -42,7 +46,8 @@ from eval.step_profile import BACK_TO_BACK_S
 METRICS = (("mean_token_latency_s", "mean token latency"), ("ttft_p50_s", "TTFT p50"), ("ttft_p90_s", "TTFT p90"),
            ("tpot_p50_s", "TPOT p50"), ("throughput_tok_s", "throughput"))
 TARGET_ERROR = 0.15
-VARIANTS = ("held_out", "held_out_scaled", "held_out_calibrated", "in_sample", "same_run", "own_steps")
+VARIANTS = ("held_out", "held_out_scaled", "held_out_calibrated", "table_held_out", "table_calibrated", "in_sample",
+            "same_run", "own_steps")
 
 
 def _instrument(log: list, edges: dict | None = None):
@@ -252,7 +257,47 @@ def calibrated(real: dict[float, dict], fit_rates: list[float], rate: float, sys
     return out
 
 
-def simulate_rate(settings: BenchSettings, real_rate: dict, cost: LinearCostModel | dict[str, LinearCostModel],
+def table_held_out(table: StepTable, real: dict[float, dict], fit_rates: list[float], overhead_s: float
+                   ) -> TableCostModel:
+    """The step table timed offline on this machine (eval.simulate.measure: every member's decode and prefill on a
+    grid of batch sizes and contexts), scaled by one number: the median of real / table over every step of the
+    fit runs (the serving loop's contention that an engine timed alone does not see), with the fit runs' gap
+    between steps. Its batch-size dependence comes from the grid, not from the runs' mostly small batches."""
+    model = TableCostModel(table)
+    ratios = sorted(seconds / predicted for r in fit_rates for steps in real[r]["steps"].values()
+                    for shapes, seconds in steps["observations"]
+                    if (predicted := sum(model.batch_s(shape) for shape in shapes)) > 0)
+    factor = ratios[len(ratios) // 2] if ratios else 1.0
+    scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table over {len(ratios)} steps of the runs at "
+                                        f"{', '.join(map(str, fit_rates))}")
+    return TableCostModel(replace(scaled_table, step_overhead_ms=overhead_s * 1e3), name="table_held_out")
+
+
+def table_calibrated(table: StepTable, real_rate: dict, systems: tuple[str, ...], serving: LinearCostModel
+                     ) -> dict[str, TableWithServingTerms] | None:
+    """Per system: the step table timed offline on this machine, scaled to the machine's speed during that run (the
+    median real / table of its one-request decode steps: one number from the run), with the serving loop's gap,
+    the history terms and the serving edge of `serving` (fitted on the other rates' runs). The shape of every cost
+    (batch size, context, prefill) comes from the offline grid, the level from the run, the serving terms from
+    other runs: on this VM, whose speed moves 30-50% between runs minutes apart, the variant that separates the
+    simulated core's fidelity from the machine's drift with the least taken from the run itself."""
+    model = TableCostModel(table)
+    out = {}
+    for name in systems:
+        ratios = sorted(seconds / model.batch_s(shapes[0]) for shapes, seconds in real_rate["steps"][name]["observations"]
+                        if len(shapes) == 1 and not shapes[0].prefills and len(shapes[0].decode_contexts) == 1
+                        and model.batch_s(shapes[0]) > 0)
+        if len(ratios) < 20:
+            return None
+        factor = ratios[len(ratios) // 2]
+        scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table of the run's {len(ratios)} one-request "
+                                            "decode steps")
+        out[name] = TableWithServingTerms(replace(scaled_table, step_overhead_ms=serving.overhead_s * 1e3), serving,
+                                          name="table_calibrated")
+    return out
+
+
+def simulate_rate(settings: BenchSettings, real_rate: dict, cost: CostModel | dict[str, Any],
                   conf_path: Path, replay_replies: bool = False) -> dict[str, Any]:
     """Every system simulated on `cost` (one model, or one per system), replaying each system's real replies when
     the run saved them and replay_replies (else the seeded token stream)."""
@@ -288,6 +333,19 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
             "simulated": {n: {k: sim[n].get(k) for k, _ in METRICS} for n in sim}}
 
 
+def step_table_for(path: str | None, work: Path, family: str) -> StepTable:
+    """The given step table, else the one in the work dir, else one timed now (about 12 s on the tiny family)."""
+    if path:
+        return load_table(path)
+    saved = work / "step_table.json"
+    if not saved.is_file():
+        from eval.simulate.measure import measure_table
+        from eval.simulate.step_table import save_table
+
+        save_table(measure_table(family), saved)
+    return load_table(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.simulate.validate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="0.5,1,2")
@@ -306,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="validation.json")
     parser.add_argument("--save-fit", default=None, metavar="FILE", help="write the fit over every rate (mfs-step-fit/1)")
     parser.add_argument("--reuse", action="store_true", help="reuse the real runs saved in --work-dir by an earlier call")
+    parser.add_argument("--step-table", default=None, metavar="FILE",
+                        help="the step table of this machine for the table_held_out variant (default: timed now with "
+                             "eval.simulate.measure into --work-dir, or the one an earlier call left there)")
     parser.add_argument("--token-stream", choices=("replay", "hash"), default="hash",
                         help="hash (default): the seeded token stream mfs simulate uses everywhere; replay: the "
                              "simulated replies are the real run's own (runs saved before session 22 have none)")
@@ -317,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = tuple(s for s in args.systems.split(",") if s)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    table = step_table_for(args.step_table, work, base.family)     # this machine's engine, timed alone, first
     real, results = {}, {}
     for rate in rates:
         settings = replace(base, rate=rate, seed=args.seed, systems=systems, score_quality=False, progress=False)
@@ -340,20 +402,25 @@ def main(argv: list[str] | None = None) -> int:
         own_steps = {name: fit(runs, [rate], members, system=name) for name in systems}
         held_out_scaled = probe_scaled(runs, others, rate, systems, held_out)
         held_out_calibrated = calibrated(runs, others, rate, systems, held_out)
+        table_model = table_held_out(table, runs, others, held_out.overhead_s)
+        table_cal = table_calibrated(table, real_rate, systems, held_out)
         conf = work / f"confidences_r{rate}.json"
 
-        def variant(cost: LinearCostModel | dict[str, LinearCostModel]) -> dict[str, Any]:
+        def variant(cost: CostModel | dict[str, Any]) -> dict[str, Any]:
             """One cost model's simulation of this rate against the real run, with the model it used."""
-            described = cost.describe() if isinstance(cost, LinearCostModel) else {n: m.describe() for n, m in cost.items()}
+            described = {n: m.describe() for n, m in cost.items()} if isinstance(cost, dict) else cost.describe()
             return {**compare(real_rate["systems"], simulate_rate(settings, real_rate, cost, conf, replay)),
                     "cost_model": described}
-        results[str(rate)] = {"held_out": variant(held_out), "in_sample": variant(in_sample),
+        results[str(rate)] = {"held_out": variant(held_out), "table_held_out": variant(table_model),
+                              "in_sample": variant(in_sample),
                               "same_run": variant(same_run), "own_steps": variant(own_steps),
                               "machine_probe_ms": real_rate.get("probe_ms")}
         if held_out_scaled is not None:
             results[str(rate)]["held_out_scaled"] = variant(held_out_scaled)
         if held_out_calibrated is not None:
             results[str(rate)]["held_out_calibrated"] = variant(held_out_calibrated)
+        if table_cal is not None:
+            results[str(rate)]["table_calibrated"] = variant(table_cal)
     def worst_of(variant: str) -> float | None:
         return max((abs(n["mean_token_latency_s"]) for r in results.values() if variant in r
                     for n in r[variant]["errors"].values() if n["mean_token_latency_s"] is not None), default=None)
