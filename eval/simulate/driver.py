@@ -171,8 +171,8 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
                  num_events=events.num_events, wall_s=time.perf_counter() - started,
                  cpu_s=time.process_time() - cpu_started,
                  router_decisions=dict(router.decisions))
-    # send and next_turn refer to each other (a cycle through their closures, holding the nodes and the trace):
-    # emptied here, the replay's state goes with the last reference to it, not at some later full collection.
+    # send, submit and next_turn refer to each other (a cycle through their closures, holding the nodes and the
+    # trace): emptied here, the replay's state goes with the last reference to it, not at some later full collection.
     del send, next_turn, submit
     if keep_nodes is not None:
         keep_nodes.extend(nodes)
