@@ -260,13 +260,14 @@ class LinearCostModel:
     costs extra_s * (1 - exp(-idle / tau_s)) * decay^k more; after_prefill = (s_per_token, decay): the k-th step
     (from 1) after a step that held P prefill tokens costs s_per_token * P * decay^(k-1) more. On the CPU (session
     30, one request at a time on an otherwise quiet engine) a step right after 50-500 ms of idling ran 2-2.5 ms
-    slower and the next few 0.2-0.9 ms; the decode steps after a 40 / 200 / 400-token prefill ran 0.3 / 1.7 / 2.6
-    ms slower, then 0.2 / 0.8 / 1.2 ms (neither malloc's trimming nor AVX-512 clocks: caches, most likely). They
-    are what makes a light load's TTFT longer than its steps' shapes say.
+    slower than after 0.5 ms, and the next one 0.7-0.9 ms; with one request decoding at 1.8-1.9 ms a step, the
+    steps after a 40 / 200 / 400-token prefill beside it took 2.52 / 3.88 / 4.79 ms (the new request's first
+    decode among them), then 2.07 / 2.67 / 3.03 ms (neither malloc's trimming nor AVX-512 clocks: caches, most
+    likely). docs/BENCHMARKS.md 8.1, "Session 30".
 
     path_s = (in, out): the serving edge's latency outside the steps, measured on the real runs: from the client's
     call to the request entering the scheduler, and from the engine handing a step's output over to the client
-    receiving it (the bench's in-process client: ~0.5 and ~0.3 ms on the CPU)."""
+    receiving it (the bench's in-process client: ~0.03 and ~0.2 ms on the CPU)."""
 
     def __init__(self, coefficients: dict[str, tuple[float, ...]], overhead_s: float, source: str,
                  copy_gb_s: float = 5.0, name: str = "measured",

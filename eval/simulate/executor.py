@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 
 from eval.simulate.confidence import ConfidenceLibrary
-from eval.simulate.cost_model import CostModel, HistoryTracker, plan_shapes, prefill_tokens_of
+from eval.simulate.cost_model import BatchShape, CostModel, HistoryTracker, plan_shapes, prefill_tokens_of
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan, tuple_new
 
@@ -75,7 +75,10 @@ class SimExecutor:
 
     def step_s(self, plan: StepPlan) -> float:
         """What the plan costs (also the tier copies made since the last step)."""
-        costs = [self.cost.batch_s(shape) for shape in plan_shapes(plan, self.family)]
+        return self._step_s(plan_shapes(plan, self.family))
+
+    def _step_s(self, shapes: list[BatchShape]) -> float:
+        costs = [self.cost.batch_s(shape) for shape in shapes]
         compute = (max(costs) if self.members_in_parallel else sum(costs)) if costs else 0.0
         saves, loads = self.cost.copy_s(self._save_bytes), self.cost.copy_s(self._load_bytes)
         body = max(compute, saves) if self.cost.saves_overlap else compute + saves
@@ -83,11 +86,11 @@ class SimExecutor:
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
         self.release(plan.released_requests)
-        self.last_step_s = self.step_s(plan)
+        shapes = plan_shapes(plan, self.family)
+        self.last_step_s = self._step_s(shapes)
         if self._history_s is not None and self._clock is not None:
             now = self._clock()
-            idle_s, since_wake, since_prefill, tokens = self._history.start(
-                now, prefill_tokens_of(plan_shapes(plan, self.family)))
+            idle_s, since_wake, since_prefill, tokens = self._history.start(now, prefill_tokens_of(shapes))
             self.last_step_s += self._history_s(idle_s, since_wake, since_prefill, tokens)
             self._history.end(now + self.last_step_s)
         self._save_bytes = self._load_bytes = 0

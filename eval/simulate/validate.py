@@ -36,9 +36,9 @@ from typing import Any
 
 from eval.bench import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
 from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
-from eval.simulate.cost_model import (CostModel, LinearCostModel, StepHistory, TableCostModel, TableWithServingTerms,
+from eval.simulate.cost_model import (BatchShape, CostModel, LinearCostModel, StepHistory, TableCostModel, TableWithServingTerms,
                                       fit_steps, plan_shapes, step_histories)
-from eval.simulate.step_table import StepTable, load_table
+from eval.simulate.step_table import StepTable, load_table, save_table
 from eval.simulate.fleet import Placement
 from eval.simulate.setup import SimSetup
 from eval.step_profile import BACK_TO_BACK_S
@@ -201,8 +201,7 @@ def probe_of(real_rate: dict, system: str) -> float | None:
     probe = real_rate.get("probe_ms", {}).get(system)
     if not probe:
         return None
-    values = sorted(probe["before"] + probe["after"])
-    return values[len(values) // 2]
+    return _median(probe["before"] + probe["after"])
 
 
 def scaled(cost: LinearCostModel, factor: float, why: str = "by the machine probe") -> LinearCostModel:
@@ -225,12 +224,17 @@ def probe_scaled(real: dict[float, dict], fit_rates: list[float], rate: float, s
     return {n: scaled(cost, probe_of(real[rate], n) / reference) for n in systems}
 
 
+def one_request_decode_steps(steps: dict) -> list[tuple[BatchShape, float]]:
+    """A run's steps that were one member decoding one request alone: (its shape, seconds)."""
+    return [(shapes[0], seconds) for shapes, seconds in steps["observations"]
+            if len(shapes) == 1 and not shapes[0].prefills and len(shapes[0].decode_contexts) == 1]
+
+
 def solo_decode_steps_s(steps: dict) -> dict[str, list[float]]:
-    """Per member, the seconds of a run's steps that were that member decoding one request alone."""
+    """Per member, the seconds of a run's one-request decode steps."""
     out: dict[str, list[float]] = {}
-    for shapes, seconds in steps["observations"]:
-        if len(shapes) == 1 and not shapes[0].prefills and len(shapes[0].decode_contexts) == 1:
-            out.setdefault(shapes[0].member, []).append(seconds)
+    for shape, seconds in one_request_decode_steps(steps):
+        out.setdefault(shape.member, []).append(seconds)
     return out
 
 
@@ -264,10 +268,10 @@ def table_held_out(table: StepTable, real: dict[float, dict], fit_rates: list[fl
     fit runs (the serving loop's contention that an engine timed alone does not see), with the fit runs' gap
     between steps. Its batch-size dependence comes from the grid, not from the runs' mostly small batches."""
     model = TableCostModel(table)
-    ratios = sorted(seconds / predicted for r in fit_rates for steps in real[r]["steps"].values()
-                    for shapes, seconds in steps["observations"]
-                    if (predicted := sum(model.batch_s(shape) for shape in shapes)) > 0)
-    factor = ratios[len(ratios) // 2] if ratios else 1.0
+    ratios = [seconds / predicted for r in fit_rates for steps in real[r]["steps"].values()
+              for shapes, seconds in steps["observations"]
+              if (predicted := sum(model.batch_s(shape) for shape in shapes)) > 0]
+    factor = _median(ratios) or 1.0
     scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table over {len(ratios)} steps of the runs at "
                                         f"{', '.join(map(str, fit_rates))}")
     return TableCostModel(replace(scaled_table, step_overhead_ms=overhead_s * 1e3), name="table_held_out")
@@ -284,12 +288,11 @@ def table_calibrated(table: StepTable, real_rate: dict, systems: tuple[str, ...]
     model = TableCostModel(table)
     out = {}
     for name in systems:
-        ratios = sorted(seconds / model.batch_s(shapes[0]) for shapes, seconds in real_rate["steps"][name]["observations"]
-                        if len(shapes) == 1 and not shapes[0].prefills and len(shapes[0].decode_contexts) == 1
-                        and model.batch_s(shapes[0]) > 0)
+        ratios = [seconds / predicted for shape, seconds in one_request_decode_steps(real_rate["steps"][name])
+                  if (predicted := model.batch_s(shape)) > 0]
         if len(ratios) < 20:
             return None
-        factor = ratios[len(ratios) // 2]
+        factor = _median(ratios)
         scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table of the run's {len(ratios)} one-request "
                                             "decode steps")
         out[name] = TableWithServingTerms(replace(scaled_table, step_overhead_ms=serving.overhead_s * 1e3), serving,
@@ -340,7 +343,6 @@ def step_table_for(path: str | None, work: Path, family: str) -> StepTable:
     saved = work / "step_table.json"
     if not saved.is_file():
         from eval.simulate.measure import measure_table
-        from eval.simulate.step_table import save_table
 
         save_table(measure_table(family), saved)
     return load_table(saved)
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-fit", default=None, metavar="FILE", help="write the fit over every rate (mfs-step-fit/1)")
     parser.add_argument("--reuse", action="store_true", help="reuse the real runs saved in --work-dir by an earlier call")
     parser.add_argument("--step-table", default=None, metavar="FILE",
-                        help="the step table of this machine for the table_held_out variant (default: timed now with "
+                        help="the step table of this machine for the table_held_out and table_calibrated variants (default: timed now with "
                              "eval.simulate.measure into --work-dir, or the one an earlier call left there)")
     parser.add_argument("--token-stream", choices=("replay", "hash"), default="hash",
                         help="hash (default): the seeded token stream mfs simulate uses everywhere; replay: the "
