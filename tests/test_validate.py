@@ -151,3 +151,27 @@ def test_table_calibrated_takes_the_level_from_the_run_and_the_serving_terms_fro
     assert model.request_path_s() == (0.0001, 0.0002)
     assert table_calibrated(table, {"steps": {"mfs": {"observations": [([one], 0.0015)] * 5, "gaps_s": []}}},
                             ("mfs",), serving) is None                      # too few one-request steps to say
+
+
+def test_table_held_out_serving_takes_level_and_prefill_extra_from_the_fit_runs_only():
+    from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
+    from eval.simulate.validate import table_held_out_serving
+
+    grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))      # 1 ms at one row (or token), 2 at eight
+    table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid, mix_overlap=0.0)})
+    one, eight = BatchShape("a", (100,), ()), BatchShape("a", (100,) * 8, ())
+    prefill = BatchShape("a", (), ((8, 0),))                                   # 2 ms in the table
+    # fit run: one-request decodes at 1.5x the table, prefill steps 0.6 ms over 1.5x (3.6 ms), back to back
+    fit_run = {"observations": [([one], 0.0015)] * 25 + [([prefill], 0.0036)] * 5, "gaps_s": [],
+               "starts_s": [i * 0.004 for i in range(30)]}
+    simulated_run = {"observations": [([one], 0.009)] * 25, "gaps_s": []}      # 6x: must not move the model
+    real = {0.5: {"steps": {"mfs": fit_run}}, 1.0: {"steps": {"mfs": simulated_run}}}
+    serving = LinearCostModel(COEF, 0.0003, "fit", path_s=(0.0001, 0.0002))
+    model = table_held_out_serving(table, real, [0.5], serving)
+    assert model.batch_s(one) == pytest.approx(0.0015) and model.batch_s(eight) == pytest.approx(0.003)
+    assert model.prefill_extra_s == pytest.approx(0.0006)
+    assert model.batch_s(prefill) == pytest.approx(0.0036) and model.batch_s(one) == pytest.approx(0.0015)
+    assert model.step_overhead_s() == pytest.approx(0.0003) and model.request_path_s() == (0.0001, 0.0002)
+    assert model.describe()["prefill_extra_ms"] == pytest.approx(0.6)
+    few = {0.5: {"steps": {"mfs": {"observations": [([one], 0.0015)] * 5, "gaps_s": []}}}}
+    assert table_held_out_serving(table, few, [0.5], serving) is None         # too few one-request steps to say

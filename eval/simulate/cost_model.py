@@ -217,12 +217,21 @@ class TableCostModel:
 
 class TableWithServingTerms(TableCostModel):
     """A step table (the engine timed alone, on a grid of batch sizes) with what only real serving shows taken from
-    a model fitted to real runs: the history terms (after idle, after a prefill) and the serving edge. The
-    validation's table_calibrated variant; a plain TableCostModel has neither, so the executor skips them."""
+    a model fitted to real runs: the history terms (after idle, after a prefill), the serving edge and, when given,
+    prefill_extra_s: what a member batch holding a prefill chunk costs in serving beyond its table price (the
+    engine timed alone prices decode steps within 1% but prefill steps 0.3-1.4 ms low, about the same for 16 and
+    200 tokens; BENCHMARKS 8.1, session 31). The validation's table_calibrated and table_held_out_serving
+    variants; a plain TableCostModel has none of these, so the executor skips them."""
 
-    def __init__(self, table: StepTable, serving: "LinearCostModel", name: str = "table+serving") -> None:
+    def __init__(self, table: StepTable, serving: "LinearCostModel", name: str = "table+serving",
+                 prefill_extra_s: float = 0.0) -> None:
         super().__init__(table, name)
         self.serving = serving
+        self.prefill_extra_s = prefill_extra_s
+
+    def batch_s(self, shape: BatchShape) -> float:
+        seconds = super().batch_s(shape)
+        return seconds + self.prefill_extra_s if shape.prefills else seconds
 
     def history_s(self, idle_s: float, since_wake: int, since_prefill: int, prefill_tokens: int) -> float:
         return self.serving.history_s(idle_s, since_wake, since_prefill, prefill_tokens)
@@ -233,7 +242,8 @@ class TableWithServingTerms(TableCostModel):
     def describe(self) -> dict[str, Any]:
         serving = self.serving.describe()
         return {**super().describe(), "serving_terms_from": serving["source"], "after_idle": serving["after_idle"],
-                "after_prefill": serving["after_prefill"], "request_path_ms": serving["request_path_ms"]}
+                "after_prefill": serving["after_prefill"], "request_path_ms": serving["request_path_ms"],
+                "prefill_extra_ms": self.prefill_extra_s * 1e3}
 
 
 # ----------------------------------------------------------------------------- fitted linear model
