@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import pickle
 import sys
 import time
@@ -281,6 +280,15 @@ def table_held_out(table: StepTable, real: dict[float, dict], fit_rates: list[fl
     return TableCostModel(replace(scaled_table, step_overhead_ms=overhead_s * 1e3), name="table_held_out")
 
 
+def decode_level(table: StepTable, runs: list[dict]) -> tuple[float, int] | None:
+    """The machine's speed in these runs against the offline table: the median real / table of their one-request
+    decode steps, and how many there were (None for fewer than 20: too few to say)."""
+    model = TableCostModel(table)
+    ratios = [seconds / predicted for steps in runs for shape, seconds in one_request_decode_steps(steps)
+              if (predicted := model.batch_s(shape)) > 0]
+    return (_median(ratios), len(ratios)) if len(ratios) >= 20 else None
+
+
 def table_calibrated(table: StepTable, real_rate: dict, systems: tuple[str, ...], serving: LinearCostModel
                      ) -> dict[str, TableWithServingTerms] | None:
     """Per system: the step table timed offline on this machine, scaled to the machine's speed during that run (the
@@ -289,15 +297,13 @@ def table_calibrated(table: StepTable, real_rate: dict, systems: tuple[str, ...]
     (batch size, context, prefill) comes from the offline grid, the level from the run, the serving terms from
     other runs: on this VM, whose speed moves 30-50% between runs minutes apart, the variant that separates the
     simulated core's fidelity from the machine's drift with the least taken from the run itself."""
-    model = TableCostModel(table)
     out = {}
     for name in systems:
-        ratios = [seconds / predicted for shape, seconds in one_request_decode_steps(real_rate["steps"][name])
-                  if (predicted := model.batch_s(shape)) > 0]
-        if len(ratios) < 20:
+        level = decode_level(table, [real_rate["steps"][name]])
+        if level is None:
             return None
-        factor = _median(ratios)
-        scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table of the run's {len(ratios)} one-request "
+        factor, count = level
+        scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table of the run's {count} one-request "
                                             "decode steps")
         out[name] = TableWithServingTerms(replace(scaled_table, step_overhead_ms=serving.overhead_s * 1e3), serving,
                                           name="table_calibrated")
@@ -312,31 +318,31 @@ def prefill_serving_extra_s(model: TableWithServingTerms, real: dict[float, dict
     extras = []
     for rate in fit_rates:
         for steps in real[rate]["steps"].values():
-            starts = steps.get("starts_s")
-            histories = (step_histories(starts, steps["observations"]) if starts is not None
-                         else [(math.inf, 1, 0, 0)] * len(steps["observations"]))
-            for (shapes, seconds), history in zip(steps["observations"], histories):
+            starts = steps.get("starts_s")      # runs saved before session 30 have no timeline: no history terms
+            histories = step_histories(starts, steps["observations"]) if starts is not None else None
+            for index, (shapes, seconds) in enumerate(steps["observations"]):
                 with_prefill = sum(1 for shape in shapes if shape.prefills)
-                if with_prefill:
-                    priced = sum(model.batch_s(shape) for shape in shapes) - with_prefill * model.prefill_extra_s
-                    extras.append((seconds - priced - model.history_s(*history)) / with_prefill)
+                if not with_prefill:
+                    continue
+                priced = sum(model.batch_s(shape) for shape in shapes) - with_prefill * model.prefill_extra_s
+                if histories is not None:
+                    priced += model.history_s(*histories[index])
+                extras.append((seconds - priced) / with_prefill)
     return max(0.0, _median(extras))
 
 
 def table_held_out_serving(table: StepTable, real: dict[float, dict], fit_rates: list[float],
                            serving: LinearCostModel) -> TableWithServingTerms | None:
-    """Nothing from the simulated run: the step table timed offline at the fit runs' speed (the median real / table
-    of their one-request decode steps), the gap, history terms and serving edge of `serving` (fitted on the fit
-    runs) and the fit runs' prefill_serving_extra_s. table_calibrated with its one number taken from other runs,
-    and the prefill steps priced as serving runs them (prefill_serving_extra_s of the fit runs)."""
-    model = TableCostModel(table)
-    ratios = [seconds / predicted for rate in fit_rates for steps in real[rate]["steps"].values()
-              for shape, seconds in one_request_decode_steps(steps) if (predicted := model.batch_s(shape)) > 0]
-    if len(ratios) < 20:
+    """Nothing from the simulated run: the step table timed offline at the fit runs' speed (decode_level of their
+    runs), with the gap, history terms and serving edge of `serving` (fitted on the fit runs) and their
+    prefill_serving_extra_s. table_calibrated with its one number taken from other runs, and the prefill steps
+    priced as serving runs them."""
+    level = decode_level(table, [steps for rate in fit_rates for steps in real[rate]["steps"].values()])
+    if level is None:
         return None
-    factor = _median(ratios)
-    scaled_table = replace(table.scaled(factor, f"x{factor:.3f}: median real / table of {len(ratios)} one-request "
-                                                f"decode steps at {', '.join(map(str, fit_rates))}"),
+    factor, count = level
+    scaled_table = replace(table.scaled(factor, f"x{factor:.3f}: median real / table of {count} one-request decode "
+                                                f"steps at {', '.join(map(str, fit_rates))}"),
                            step_overhead_ms=serving.overhead_s * 1e3)
     out = TableWithServingTerms(scaled_table, serving, name="table_held_out_serving")
     out.prefill_extra_s = prefill_serving_extra_s(out, real, fit_rates)
@@ -412,9 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-table", default=None, metavar="FILE",
                         help="the step table of this machine for the table_held_out and table_calibrated variants (default: timed now with "
                              "eval.simulate.measure into --work-dir, or the one an earlier call left there)")
-    parser.add_argument("--token-stream", choices=("replay", "hash"), default="hash",
-                        help="hash (default): the seeded token stream mfs simulate uses everywhere; replay: the "
-                             "simulated replies are the real run's own (runs saved before session 22 have none)")
+    parser.add_argument("--token-stream", choices=("replay", "hash"), default="replay",
+                        help="replay (default since session 31): the simulated replies are the real run's own, so each "
+                             "closed-loop turn's prompt, and the routing that reads it, is the real one (runs saved "
+                             "before session 22 have none and fall back to hash); hash: the seeded token stream mfs "
+                             "simulate uses where no real run exists (a workload difference on top of the model's: "
+                             "up to 25%% on trace seed 1, docs/BENCHMARKS.md 8.1)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
