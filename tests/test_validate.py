@@ -1,5 +1,7 @@
 """The validation's pure parts: the linear fit recovers known costs, per-system fits see only that system's
 steps, and the machine-probe scaling multiplies every cost by the probe ratio."""
+import math
+
 import pytest
 
 from eval.simulate.cost_model import BatchShape, LinearCostModel
@@ -161,9 +163,10 @@ def test_table_held_out_serving_takes_level_and_prefill_extra_from_the_fit_runs_
     table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid, mix_overlap=0.0)})
     one, eight = BatchShape("a", (100,), ()), BatchShape("a", (100,) * 8, ())
     prefill = BatchShape("a", (), ((8, 0),))                                   # 2 ms in the table
-    # fit run: one-request decodes at 1.5x the table, prefill steps 0.6 ms over 1.5x (3.6 ms), back to back
+    # fit run: one-request decodes at 1.5x the table, prefill steps 0.6 ms over 1.5x (3.6 ms); every step starts
+    # 5 ms after the one before, so each follows an idle gap (1.4 ms after a prefill step, 3.5 after a decode)
     fit_run = {"observations": [([one], 0.0015)] * 25 + [([prefill], 0.0036)] * 5, "gaps_s": [],
-               "starts_s": [i * 0.004 for i in range(30)]}
+               "starts_s": [i * 0.005 for i in range(30)]}
     simulated_run = {"observations": [([one], 0.009)] * 25, "gaps_s": []}      # 6x: must not move the model
     real = {0.5: {"steps": {"mfs": fit_run}}, 1.0: {"steps": {"mfs": simulated_run}}}
     serving = LinearCostModel(COEF, 0.0003, "fit", path_s=(0.0001, 0.0002))
@@ -173,5 +176,9 @@ def test_table_held_out_serving_takes_level_and_prefill_extra_from_the_fit_runs_
     assert model.batch_s(prefill) == pytest.approx(0.0036) and model.batch_s(one) == pytest.approx(0.0015)
     assert model.step_overhead_s() == pytest.approx(0.0003) and model.request_path_s() == (0.0001, 0.0002)
     assert model.describe()["prefill_extra_ms"] == pytest.approx(0.6)
+    # the history terms the fit carries are not counted twice (the median prefill step follows a 1.4 ms idle gap)
+    with_idle = LinearCostModel(COEF, 0.0003, "fit", after_idle=(0.0002, 0.5, 0.001))
+    idle_cost = 0.0002 * (1 - math.exp(-0.0014 / 0.001))
+    assert table_held_out_serving(table, real, [0.5], with_idle).prefill_extra_s == pytest.approx(0.0006 - idle_cost)
     few = {0.5: {"steps": {"mfs": {"observations": [([one], 0.0015)] * 5, "gaps_s": []}}}}
     assert table_held_out_serving(table, few, [0.5], serving) is None         # too few one-request steps to say

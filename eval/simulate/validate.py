@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-fit", default=None, metavar="FILE", help="write the fit over every rate (mfs-step-fit/1)")
     parser.add_argument("--reuse", action="store_true", help="reuse the real runs saved in --work-dir by an earlier call")
     parser.add_argument("--step-table", default=None, metavar="FILE",
-                        help="the step table of this machine for the table_held_out and table_calibrated variants (default: timed now with "
+                        help="the step table of this machine for the table_* variants (default: timed now with "
                              "eval.simulate.measure into --work-dir, or the one an earlier call left there)")
     parser.add_argument("--token-stream", choices=("replay", "hash"), default="replay",
                         help="replay (default since session 31): the simulated replies are the real run's own, so each "
