@@ -219,7 +219,7 @@ class TableWithServingTerms(TableCostModel):
     """A step table (the engine timed alone, on a grid of batch sizes) with what only real serving shows taken from
     a model fitted to real runs: the history terms (after idle, after a prefill), the serving edge and, when given,
     prefill_extra_s: what a member batch holding a prefill chunk costs in serving beyond its table price (the
-    engine timed alone prices decode steps within 1% but prefill steps 0.3-1.4 ms low, about the same for 16 and
+    engine timed alone prices decode steps within 1% but prefill steps 0.15-1.4 ms low, about the same for 16 and
     200 tokens; BENCHMARKS 8.1, session 31). The validation's table_calibrated and table_held_out_serving
     variants; a plain TableCostModel has none of these, so the executor skips them."""
 

@@ -313,7 +313,7 @@ def table_calibrated(table: StepTable, real_rate: dict, systems: tuple[str, ...]
 def prefill_serving_extra_s(model: TableWithServingTerms, real: dict[float, dict], fit_rates: list[float]) -> float:
     """What a member batch holding a prefill chunk costs in serving beyond its price in `model`: the median over the
     fit runs' steps that hold one of (real - the step's price, history terms included) per such batch. The engine
-    timed alone prices decode steps within 1% in serving but prefill steps 0.3-1.4 ms low, about as much for 16
+    timed alone prices decode steps within 1% in serving but prefill steps 0.15-1.4 ms low, about as much for 16
     tokens as for 200: a fixed amount, not a factor (session 31)."""
     extras = []
     for rate in fit_rates:
