@@ -182,3 +182,24 @@ def test_table_held_out_serving_takes_level_and_prefill_extra_from_the_fit_runs_
     assert table_held_out_serving(table, real, [0.5], with_idle).prefill_extra_s == pytest.approx(0.0006 - idle_cost)
     few = {0.5: {"steps": {"mfs": {"observations": [([one], 0.0015)] * 5, "gaps_s": []}}}}
     assert table_held_out_serving(table, few, [0.5], serving) is None         # too few one-request steps to say
+
+
+def test_ttft_parts_cut_a_first_token_at_the_scheduler_the_first_step_and_the_sampling_step():
+    from eval.metrics_calc import RequestRecord
+    from eval.simulate.ttft_parts import ttft_parts
+
+    # replay clock = monotonic - 100; the request arrives at monotonic 100.010 (replay 0.010)
+    record = RequestRecord(session_id="s1", turn_index=0, send_s=0.010, first_token_s=0.020, finish_s=0.05,
+                           prompt_tokens=40, cached_tokens=0, output_tokens=3)
+    late = RequestRecord(session_id="s2", turn_index=0, send_s=0.0, first_token_s=None, finish_s=None,
+                         prompt_tokens=5, cached_tokens=0, output_tokens=0)              # no first token: left out
+    steps = [(100.0105, 100.0125, [("other", True)]),
+             (100.0130, 100.0160, [("mfs-s1-t0", False), ("other", True)]),             # first chunk, no sample
+             (100.0161, 100.0185, [("mfs-s1-t0", True)]),                                # samples its first token
+             (100.0190, 100.0200, [("mfs-s1-t0", True)])]
+    edges = {"mfs-s1-t0": (100.010, 100.0101), "mfs-s2-t0": (100.0, 100.0)}
+    parts = ttft_parts([record, late], steps, edges, "mfs")
+    assert parts["ttft"] == [pytest.approx(0.010)]
+    assert parts["in"] == [pytest.approx(0.0001)] and parts["queue"] == [pytest.approx(0.0029)]
+    assert parts["steps"] == [pytest.approx(0.0055)] and parts["out"] == [pytest.approx(0.0015)]
+    assert sum(parts[p][0] for p in ("in", "queue", "steps", "out")) == pytest.approx(parts["ttft"][0])
