@@ -264,6 +264,11 @@ def calibrated(real: dict[float, dict], fit_rates: list[float], rate: float, sys
     return out
 
 
+def at_level(table: StepTable, factor: float, note: str, overhead_s: float) -> StepTable:
+    """The offline table `factor` times slower (the note says why), with `overhead_s` between steps."""
+    return replace(table.scaled(factor, note), step_overhead_ms=overhead_s * 1e3)
+
+
 def table_held_out(table: StepTable, real: dict[float, dict], fit_rates: list[float], overhead_s: float
                    ) -> TableCostModel:
     """The step table timed offline on this machine (eval.simulate.measure: every member's decode and prefill on a
@@ -275,9 +280,8 @@ def table_held_out(table: StepTable, real: dict[float, dict], fit_rates: list[fl
               for shapes, seconds in steps["observations"]
               if (predicted := sum(model.batch_s(shape) for shape in shapes)) > 0]
     factor = _median(ratios) or 1.0
-    scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table over {len(ratios)} steps of the runs at "
-                                        f"{', '.join(map(str, fit_rates))}")
-    return TableCostModel(replace(scaled_table, step_overhead_ms=overhead_s * 1e3), name="table_held_out")
+    note = f"x{factor:.3f}: median real / table over {len(ratios)} steps of the runs at {', '.join(map(str, fit_rates))}"
+    return TableCostModel(at_level(table, factor, note, overhead_s), name="table_held_out")
 
 
 def decode_level(table: StepTable, runs: list[dict]) -> tuple[float, int] | None:
@@ -303,15 +307,15 @@ def table_calibrated(table: StepTable, real_rate: dict, systems: tuple[str, ...]
         if level is None:
             return None
         factor, count = level
-        scaled_table = table.scaled(factor, f"x{factor:.3f}: median real / table of the run's {count} one-request "
-                                            "decode steps")
-        out[name] = TableWithServingTerms(replace(scaled_table, step_overhead_ms=serving.overhead_s * 1e3), serving,
+        note = f"x{factor:.3f}: median real / table of the run's {count} one-request decode steps"
+        out[name] = TableWithServingTerms(at_level(table, factor, note, serving.overhead_s), serving,
                                           name="table_calibrated")
     return out
 
 
 def prefill_serving_extra_s(model: TableWithServingTerms, real: dict[float, dict], fit_rates: list[float]) -> float:
-    """What a member batch holding a prefill chunk costs in serving beyond its price in `model`: the median over the
+    """What a member batch holding a prefill chunk costs in serving beyond its price in `model` (built without such
+    an extra): the median over the
     fit runs' steps that hold one of (real - the step's price, history terms included) per such batch. The engine
     timed alone prices decode steps within 1% in serving but prefill steps 0.15-1.4 ms low, about as much for 16
     tokens as for 200: a fixed amount, not a factor (session 31)."""
@@ -324,7 +328,7 @@ def prefill_serving_extra_s(model: TableWithServingTerms, real: dict[float, dict
                 with_prefill = sum(1 for shape in shapes if shape.prefills)
                 if not with_prefill:
                     continue
-                priced = sum(model.batch_s(shape) for shape in shapes) - with_prefill * model.prefill_extra_s
+                priced = sum(model.batch_s(shape) for shape in shapes)
                 if histories is not None:
                     priced += model.history_s(*histories[index])
                 extras.append((seconds - priced) / with_prefill)
@@ -341,12 +345,10 @@ def table_held_out_serving(table: StepTable, real: dict[float, dict], fit_rates:
     if level is None:
         return None
     factor, count = level
-    scaled_table = replace(table.scaled(factor, f"x{factor:.3f}: median real / table of {count} one-request decode "
-                                                f"steps at {', '.join(map(str, fit_rates))}"),
-                           step_overhead_ms=serving.overhead_s * 1e3)
-    out = TableWithServingTerms(scaled_table, serving, name="table_held_out_serving")
-    out.prefill_extra_s = prefill_serving_extra_s(out, real, fit_rates)
-    return out
+    note = f"x{factor:.3f}: median real / table of {count} one-request decode steps at {', '.join(map(str, fit_rates))}"
+    scaled_table = at_level(table, factor, note, serving.overhead_s)
+    extra_s = prefill_serving_extra_s(TableWithServingTerms(scaled_table, serving), real, fit_rates)
+    return TableWithServingTerms(scaled_table, serving, name="table_held_out_serving", prefill_extra_s=extra_s)
 
 
 def simulate_rate(settings: BenchSettings, real_rate: dict, cost: CostModel | dict[str, Any],
