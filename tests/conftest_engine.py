@@ -85,6 +85,29 @@ def nested_pair(config_factory, small_layers: int, large_layers: int, seed: int 
     return small, large
 
 
+def nested_family_on_disk(root: Path, config_factory, depths: dict[str, int], other_norm: bool = False,
+                          prepare=None) -> Path:
+    """A family small to large (depths: member -> layers) where every member is the largest one's lower layers
+    (same embeddings, norm, head). other_norm gives the smallest member its own final norm, which the lineages
+    do not see; prepare(large) may change the largest model before the smaller ones are cut from it."""
+    names = list(depths)
+    large = build_model(config_factory(num_layers=depths[names[-1]]), seed=0)
+    if prepare is not None:
+        prepare(large)
+    members = []
+    for name in names[:-1]:
+        depth = depths[name]
+        model = build_model(config_factory(num_layers=depth), seed=depth)
+        state = {k: v for k, v in large.state_dict().items()
+                 if not k.startswith("model.layers.") or int(k.split(".")[2]) < depth}
+        model.load_state_dict(state, strict=False)
+        if other_norm and name == names[0]:
+            with torch.no_grad():
+                model.model.norm.weight.mul_(1.5)
+        members.append((name, model))
+    return write_family(root, members + [(names[-1], large)])
+
+
 class PageCounter:
     """The tests' stand-in for the ledger: hands out fresh page ids."""
 

@@ -137,6 +137,8 @@ def test_system_knobs():
     assert (mfs.scheduler.member_interleave, cfg["mfs_interleave"].scheduler.member_interleave) == \
         ("lockstep", "cost_weighted")
     assert cfg["mfs_interleave"].pool.static_split is None and cfg["mfs_interleave"].router.use_affinity
+    # self-speculation is an option: only mfs_spec drafts; the baseline's deployments share no layers to draft on
+    assert [cfg[n].scheduler.self_speculation_tokens for n in ("mfs", "baseline", "mfs_spec")] == [0, 0, 1]
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
 

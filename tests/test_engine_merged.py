@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest_engine import PageCounter, build_model, llama_config, qwen2_config, write_family
+from conftest_engine import PageCounter, build_model, llama_config, nested_family_on_disk, qwen2_config, write_family
 from engines.local.executor import LocalExecutor
 from engines.local.model import PagedCausalLM
 from orchestrator.core.family import load_family
@@ -37,21 +37,7 @@ def _prompt(length: int, offset: int = 0) -> list[int]:
 def _nested_family(root, config_factory, other_norm: bool = False):
     """s, m, l: s and m are l's lower layers (same embeddings, norm, head); other_norm gives s its own final
     norm, which the lineages do not see."""
-    large = build_model(config_factory(num_layers=DEPTHS["l"]), seed=0)
-    members = []
-    for name, depth in DEPTHS.items():
-        if name == "l":
-            members.append((name, large))
-            continue
-        model = build_model(config_factory(num_layers=depth), seed=depth)
-        state = {k: v for k, v in large.state_dict().items()
-                 if not k.startswith("model.layers.") or int(k.split(".")[2]) < depth}
-        model.load_state_dict(state, strict=False)
-        if other_norm and name == "s":
-            with torch.no_grad():
-                model.model.norm.weight.mul_(1.5)
-        members.append((name, model))
-    return write_family(root, members)
+    return nested_family_on_disk(root, config_factory, DEPTHS, other_norm=other_norm)
 
 
 @pytest.fixture(scope="module", params=[llama_config, qwen2_config], ids=["llama", "qwen2"])

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
 from orchestrator.core.family import FamilySpec, MemberSpec
-from orchestrator.core.types import PageId, RequestId, SampledToken, SeqChunk, StepPlan
+from orchestrator.core.types import MemberBatch, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 from engines.local.arena import KVArena
 from engines.local.checkpoint import TORCH_DTYPES, LayerWeights, load_checkpoint
@@ -16,6 +17,7 @@ from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
+from engines.local.speculation import Drafted, accepted, draft, rows_of, speculating
 
 
 def nests_in(small: PagedCausalLM, large: PagedCausalLM) -> bool:
@@ -113,6 +115,10 @@ class LocalExecutor:
         if merge_nested:
             self.nested_pairs = {(a.name, b.name) for a in family.members for b in family.members
                                  if a.num_layers < b.num_layers and nests_in(self.models[a.name], self.models[b.name])}
+        # member -> the smallest member nested in it: its drafter for self-speculation (engines/local/speculation.py)
+        self.drafters: dict[str, PagedCausalLM] = {}
+        for small, large in sorted(self.nested_pairs, key=lambda p: self.models[p[0]].config.num_layers, reverse=True):
+            self.drafters[large] = self.models[small]
 
     def model(self, member_name: str) -> PagedCausalLM:
         return self.models[member_name]
@@ -129,6 +135,12 @@ class LocalExecutor:
         per batch, returns tokens in chunk order across batches."""
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
+        drafted = self._draft(batches)
+        if drafted:                                               # each drafting chunk becomes 1 + k one-token rows
+            rows = {(d.batch, d.index): d.tokens for d in drafted}
+            batches = [replace(b, chunks=[r for i, c in enumerate(b.chunks)
+                                          for r in (rows_of(c, rows[(n, i)]) if (n, i) in rows else (c,))])
+                       for n, b in enumerate(batches)]
         logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_chunks, vocab]
         for host, indices in merge_groups([self.models[b.member].member for b in batches], self.nested_pairs):
             chunks = [c for i in indices for c in batches[i].chunks]
@@ -144,7 +156,34 @@ class LocalExecutor:
             sampling_chunks = [c for c in batch.chunks if c.sample]
             eos = self.models[batch.member].member.eos_token_ids
             sampled.extend(self.sampler.sample(logits[i], sampling_chunks, eos))
-        return sampled
+        return self._accept(sampled, drafted) if drafted else sampled
+
+    def _draft(self, batches: list[MemberBatch]) -> list[Drafted]:
+        """Drafts for every chunk that asks and whose member has a drafter, one drafter pass per position."""
+        jobs: dict[str, list[tuple[int, int, SeqChunk]]] = {}     # drafter -> its chunks
+        for n, batch in enumerate(batches):
+            drafter = self.drafters.get(batch.member)
+            if drafter is not None:
+                jobs.setdefault(drafter.member.name, []).extend(
+                    (n, i, chunk) for i, chunk in enumerate(batch.chunks) if speculating(chunk))
+        return [d for name, job in jobs.items() if job for d in draft(self.models[name], self.arena, job)]
+
+    @staticmethod
+    def _accept(sampled: list[SampledToken], drafted: list[Drafted]) -> list[SampledToken]:
+        """The rows' tokens back to one run per chunk: a drafting chunk keeps its accepted prefix. A request has
+        one chunk per step, and its rows are consecutive in the sampled list (expanded in place)."""
+        drafts = {d.request_id: d.tokens for d in drafted}
+        kept: list[SampledToken] = []
+        t = 0
+        while t < len(sampled):
+            tokens = drafts.get(sampled[t].request_id)
+            if tokens is None:
+                kept.append(sampled[t])
+                t += 1
+            else:
+                kept.extend(accepted(sampled[t:t + 1 + len(tokens)], tokens))
+                t += 1 + len(tokens)
+        return kept
 
     def _forward(self, model: PagedCausalLM, chunks: list[SeqChunk], exits: list[int]) -> torch.Tensor:
         """One forward, or (parallel_forwards) two over the chunks' first and second part at once: torch's ops
@@ -152,6 +191,10 @@ class LocalExecutor:
         step belong to different requests and write disjoint page slots, so the halves never touch the same
         bytes; the logits come back in chunk order."""
         split = split_point(chunks) if self._helper is not None else 0
+        while 0 < split < len(chunks) and chunks[split].request_id == chunks[split - 1].request_id:
+            split += 1          # a drafting request's rows read each other's K/V: one half has them all
+        if split == len(chunks):
+            split = 0
         if split == 0:
             return model.forward(self.arena, chunks, exits=exits)
         second = self._helper.submit(model.forward, self.arena, chunks[split:], exits=exits[split:])

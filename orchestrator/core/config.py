@@ -64,6 +64,11 @@ class SchedulerConfig:
     queue_order: str = "fcfs"             # fcfs | shortest_first (fresh requests by expected remaining decode)
     member_interleave: str = "lockstep"   # lockstep | cost_weighted (cheap members step more often: interleave.py)
     member_step_costs: dict[str, float] | None = None   # relative forward cost per member (None: weight bytes)
+    # Nested families: a greedy decode on a member with a smaller member nested in it drafts this many tokens
+    # per step on the smallest one's layers and checks them in the same step (0 = off), while at most
+    # self_speculation_max_decodes requests decode: beyond that the checks cost more than they save (docs/CONFIG.md)
+    self_speculation_tokens: int = 0
+    self_speculation_max_decodes: int = 2
     # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
     # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
     # orchestrator/core/deployments.py
@@ -181,6 +186,8 @@ class MFSConfig:
                f"must be fcfs or shortest_first, got {sched.queue_order!r}")
         _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
                "scheduler.decode_step_token_budget", "must be positive or null")
+        _check(0 <= sched.self_speculation_tokens <= 8, "scheduler.self_speculation_tokens", "must be in [0, 8]")
+        _check(sched.self_speculation_max_decodes >= 1, "scheduler.self_speculation_max_decodes", "must be >= 1")
         _check(sched.member_floor_share is None or 0 < sched.member_floor_share <= 1, "scheduler.member_floor_share",
                "must be in (0, 1] or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")

@@ -71,6 +71,11 @@ class Scheduler:
         self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
         self._last_busy_schedule_s: float | None = None
         self.escalation_rates = EscalationRates()        # per member: how often its requests escalate out
+        # members a smaller member nests in (same lineages for its layers): their greedy decodes can self-speculate
+        self._speculates = {m.name for m in family.members if config.scheduler.self_speculation_tokens > 0
+                            and any(d.num_layers < m.num_layers and family.shared_depth(d.name, m.name) == d.num_layers
+                                    for d in family.members)}
+        self._step_drafts = 0                            # self-speculation this step (set with the decode slots)
         mode = config.scheduler.member_interleave
         self._interleave = MemberInterleave(mode, member_costs(family, config.scheduler.member_step_costs)
                                             if mode != "lockstep" else {n: 1.0 for n in family.member_names})
@@ -295,12 +300,16 @@ class Scheduler:
         preempted = False
         running = self._running
         preallocate, grow = self.config.scheduler.preallocate_blocks, self.kv.grow
+        cfg = self.config.scheduler
+        self._step_drafts = cfg.self_speculation_tokens if self._speculates and sum(
+            s.is_decoding() for s in running.values()) <= cfg.self_speculation_max_decodes else 0
         for seq in list(running.values()):
             if seq.request_id not in running or not seq.is_decoding():
                 continue
             kv = seq.kv
             assert kv is not None       # a running request holds pages
-            if preallocate and grow(kv, len(seq.token_ids) + 1):
+            drafts = self._draft_tokens(seq)
+            if preallocate and grow(kv, len(seq.token_ids) + 1 + drafts):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not grow(kv, len(seq.token_ids)):
                 victim = min((s for s in self._running.values() if self.demand.in_partition(s, seq.member)),
@@ -311,7 +320,20 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
+            else:
+                if drafts:
+                    grow(kv, len(seq.token_ids) + drafts)   # slots for drafted tokens: only if free, never a preemption
         return preempted
+
+    def _draft_tokens(self, seq: Sequence) -> int:
+        """Tokens a decoding request may draft this step: greedy, on a member something nests in, and never
+        past its max_tokens or its member's context (so its slots stay inside its reserved demand)."""
+        if (not self._step_drafts or seq.member not in self._speculates or seq.request.sampling.temperature > 0
+                or seq.is_warmup):
+            return 0
+        sampling = seq.request.sampling
+        room = min(sampling.max_tokens - seq.num_generated, self._token_rules[seq.member][2] - len(seq.token_ids))
+        return max(0, min(self._step_drafts, room - 1))
 
     def _preempt(self, seq: Sequence, now_s: float, plan: StepPlan | None = None) -> None:
         """Pages go back (full blocks stay cached under their keys), the request waits at the queue front
@@ -545,8 +567,13 @@ class Scheduler:
                 continue        # its member sits this step out; its pages and slot stay
             if seq.is_decoding():
                 pos = len(seq.token_ids) - 1
-                batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True))
-                budget -= 1
+                kv = seq.kv
+                assert kv is not None
+                # as many drafts as allowed and slotted (_ensure_decode_slots grew the tables if pages were free)
+                drafts = min(self._draft_tokens(seq), len(kv.block_tables[0]) * kv.tokens_per_block - pos - 1)
+                batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True,
+                                                                      drafts=max(0, drafts)))
+                budget -= 1 + max(0, drafts)
             else:
                 prefills.append(seq)
         for seq in prefills:
@@ -562,10 +589,10 @@ class Scheduler:
         if batches:
             self.stats.on_member_steps(batches)
 
-    def _chunk(self, seq: Sequence, start: int, end: int, sample: bool) -> SeqChunk:
+    def _chunk(self, seq: Sequence, start: int, end: int, sample: bool, drafts: int = 0) -> SeqChunk:
         kv = seq.kv
         assert kv is not None
-        blocks_needed = -(-end // kv.tokens_per_block)
+        blocks_needed = -(-(end + drafts) // kv.tokens_per_block)
         start_layer = seq.shared_depth if start < seq.shared_until_tokens else 0
         residual_in = None
         if start_layer:
@@ -576,7 +603,8 @@ class Scheduler:
         tables, residual_out = kv.tables_upto(blocks_needed)
         return SeqChunk(request_id=seq.request_id, token_ids=seq.token_ids[start:end], start_pos=start,
                         block_tables=tables, sample=sample, sampling=seq.request.sampling, start_layer=start_layer,
-                        residual_table=residual_in, residual_table_out=residual_out, num_generated=seq.num_generated)
+                        residual_table=residual_in, residual_table_out=residual_out, num_generated=seq.num_generated,
+                        draft_tokens=drafts)
 
     def drop_failed_loads(self, plan: StepPlan, failed_pages: list[PageId], now_s: float) -> StepPlan:
         """A tier block failed its checksum: forget it and recompute the affected requests."""
@@ -629,6 +657,13 @@ class Scheduler:
                 outputs.append(output)
         for member, n in generated.items():
             self.stats.on_tokens(member, generated_tokens=n)
+        for batch in plan.batches:
+            for chunk in batch.chunks:
+                seq = running.get(chunk.request_id) if chunk.draft_tokens else None
+                if seq is not None and seq.member == batch.member and seq.kv is not None:
+                    # accepted drafts: their KV was written in this step, so every position but the newest is computed
+                    seq.num_computed_tokens = len(seq.token_ids) - 1
+                    self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
         return outputs
 
     def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
