@@ -47,8 +47,8 @@ def _generate(core: EngineCore, requests: dict[str, tuple[str, int]], temperatur
         got[rid] = []
         prompt = [(7 * i + 3 * n + 5) % 250 + 3 for i in range(9 + 4 * n)]
         core.add_request(Request(request_id=RequestId(rid), prompt_token_ids=prompt,
-                                 sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
-                                                         seed=1),
+                                 sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                         temperature=temperature, seed=1),
                                  arrival_s=0.0, pinned_member=MemberName(member)),
                          lambda out, rid=rid: got[rid].extend(out.new_token_ids))
     for _ in range(500):

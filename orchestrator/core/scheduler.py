@@ -567,13 +567,15 @@ class Scheduler:
                 continue        # its member sits this step out; its pages and slot stay
             if seq.is_decoding():
                 pos = len(seq.token_ids) - 1
-                kv = seq.kv
-                assert kv is not None
-                # as many drafts as allowed and slotted (_ensure_decode_slots grew the tables if pages were free)
-                drafts = min(self._draft_tokens(seq), len(kv.block_tables[0]) * kv.tokens_per_block - pos - 1)
-                batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True,
-                                                                      drafts=max(0, drafts)))
-                budget -= 1 + max(0, drafts)
+                drafts = 0
+                if self._step_drafts:
+                    kv = seq.kv
+                    assert kv is not None
+                    # as many as allowed and slotted (_ensure_decode_slots grew the tables if pages were free)
+                    slots = len(kv.block_tables[0]) * kv.tokens_per_block - pos - 1
+                    drafts = max(0, min(self._draft_tokens(seq), slots))
+                batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True, drafts=drafts))
+                budget -= 1 + drafts
             else:
                 prefills.append(seq)
         for seq in prefills:
@@ -657,13 +659,14 @@ class Scheduler:
                 outputs.append(output)
         for member, n in generated.items():
             self.stats.on_tokens(member, generated_tokens=n)
-        for batch in plan.batches:
-            for chunk in batch.chunks:
-                seq = running.get(chunk.request_id) if chunk.draft_tokens else None
-                if seq is not None and seq.member == batch.member and seq.kv is not None:
-                    # accepted drafts: their KV was written in this step, so every position but the newest is computed
-                    seq.num_computed_tokens = len(seq.token_ids) - 1
-                    self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
+        if self._step_drafts:
+            for batch in plan.batches:
+                for chunk in batch.chunks:
+                    seq = running.get(chunk.request_id) if chunk.draft_tokens else None
+                    if seq is not None and seq.member == batch.member and seq.kv is not None:
+                        # accepted drafts' KV was written in this step: every position but the newest is computed
+                        seq.num_computed_tokens = len(seq.token_ids) - 1
+                        self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
         return outputs
 
     def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
