@@ -107,9 +107,9 @@ def record_output(record: RequestRecord, out: RequestOutput, now: float) -> None
             record.error = out.finish_reason.value
 
 
-def pinned_request(request_id: str, member: str, max_tokens: int) -> Request:
-    """A short greedy request that runs on `member` only (warm-up and decode probes)."""
-    return Request(request_id=RequestId(request_id), prompt_token_ids=[1, 7, 8, 9],
+def pinned_request(request_id: str, member: str, max_tokens: int, prompt: list[int] | None = None) -> Request:
+    """A greedy request that runs on `member` only (warm-up and decode probes: a short fixed prompt)."""
+    return Request(request_id=RequestId(request_id), prompt_token_ids=[1, 7, 8, 9] if prompt is None else prompt,
                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                    arrival_s=time.monotonic(), pinned_member=member)
 

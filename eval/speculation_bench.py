@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 from engines.local.executor import LocalExecutor
+from eval.driver import pinned_request
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import load_config
 from orchestrator.core.engine_core import EngineCore
 from orchestrator.core.family import load_family
-from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 from orchestrator.serve.tokenizer import FamilyTokenizer
 from orchestrator.sharegpt import iter_conversations
 
@@ -46,9 +46,7 @@ def run(family_name: str, member: str, prompts: list[list[int]], concurrency: in
     def submit() -> None:
         index, prompt = pending.pop(0)
         tokens[index] = []
-        core.add_request(Request(request_id=RequestId(f"r{index}"), prompt_token_ids=prompt,
-                                 sampling=SamplingParams(max_tokens=new_tokens, ignore_eos=True),
-                                 arrival_s=time.monotonic(), pinned_member=MemberName(member)),
+        core.add_request(pinned_request(f"r{index}", member, new_tokens, prompt),
                          lambda out, index=index: tokens[index].extend(out.new_token_ids))
 
     began, steps = time.perf_counter(), 0

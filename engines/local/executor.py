@@ -17,7 +17,7 @@ from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
-from engines.local.speculation import Drafted, accepted, draft, rows_of, speculating
+from engines.local.speculation import accepted, draft, rows_of, speculating
 
 
 def nests_in(small: PagedCausalLM, large: PagedCausalLM) -> bool:
@@ -135,12 +135,11 @@ class LocalExecutor:
         per batch, returns tokens in chunk order across batches."""
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
-        drafted = self._draft(batches)
+        drafted = self._draft(batches)                            # request -> its drafts (one chunk a request)
         if drafted:                                               # each drafting chunk becomes 1 + k one-token rows
-            rows = {(d.batch, d.index): d.tokens for d in drafted}
-            batches = [replace(b, chunks=[r for i, c in enumerate(b.chunks)
-                                          for r in (rows_of(c, rows[(n, i)]) if (n, i) in rows else (c,))])
-                       for n, b in enumerate(batches)]
+            batches = [replace(b, chunks=[r for c in b.chunks for r in (rows_of(c, drafted[c.request_id])
+                                                                        if c.request_id in drafted else (c,))])
+                       for b in batches]
         logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_chunks, vocab]
         for host, indices in merge_groups([self.models[b.member].member for b in batches], self.nested_pairs):
             chunks = [c for i in indices for c in batches[i].chunks]
@@ -158,25 +157,24 @@ class LocalExecutor:
             sampled.extend(self.sampler.sample(logits[i], sampling_chunks, eos))
         return self._accept(sampled, drafted) if drafted else sampled
 
-    def _draft(self, batches: list[MemberBatch]) -> list[Drafted]:
+    def _draft(self, batches: list[MemberBatch]) -> dict[RequestId, list[int]]:
         """Drafts for every chunk that asks and whose member has a drafter, one drafter pass per position."""
-        jobs: dict[str, list[tuple[int, int, SeqChunk]]] = {}     # drafter -> its chunks
-        for n, batch in enumerate(batches):
+        jobs: dict[str, list[SeqChunk]] = {}                      # drafter -> its chunks
+        for batch in batches:
             drafter = self.drafters.get(batch.member)
             if drafter is not None:
-                jobs.setdefault(drafter.member.name, []).extend(
-                    (n, i, chunk) for i, chunk in enumerate(batch.chunks) if speculating(chunk))
-        return [d for name, job in jobs.items() if job for d in draft(self.models[name], self.arena, job)]
+                jobs.setdefault(drafter.member.name, []).extend(c for c in batch.chunks if speculating(c))
+        return {rid: tokens for name, chunks in jobs.items() if chunks
+                for rid, tokens in draft(self.models[name], self.arena, chunks).items()}
 
     @staticmethod
-    def _accept(sampled: list[SampledToken], drafted: list[Drafted]) -> list[SampledToken]:
+    def _accept(sampled: list[SampledToken], drafted: dict[RequestId, list[int]]) -> list[SampledToken]:
         """The rows' tokens back to one run per chunk: a drafting chunk keeps its accepted prefix. A request has
         one chunk per step, and its rows are consecutive in the sampled list (expanded in place)."""
-        drafts = {d.request_id: d.tokens for d in drafted}
         kept: list[SampledToken] = []
         t = 0
         while t < len(sampled):
-            tokens = drafts.get(sampled[t].request_id)
+            tokens = drafted.get(sampled[t].request_id)
             if tokens is None:
                 kept.append(sampled[t])
                 t += 1

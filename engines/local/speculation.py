@@ -11,22 +11,12 @@ core does not count as computed; the next step writes those positions again. The
 greedy tokens: speculation changes the cost of a step, never its output."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from orchestrator.core.types import SampledToken, SeqChunk
+from orchestrator.core.types import RequestId, SampledToken, SeqChunk
 
 from engines.local.arena import KVArena
 from engines.local.model import PagedCausalLM
-
-
-@dataclass(slots=True)
-class Drafted:
-    """One speculating chunk: where it sits in its batch and the tokens its drafter proposed."""
-
-    batch: int
-    index: int
-    request_id: str
-    tokens: list[int]
 
 
 def speculating(chunk: SeqChunk) -> bool:
@@ -34,21 +24,19 @@ def speculating(chunk: SeqChunk) -> bool:
         and chunk.sampling.temperature == 0
 
 
-def draft(drafter: PagedCausalLM, arena: KVArena, jobs: list[tuple[int, int, SeqChunk]]) -> list[Drafted]:
-    """Runs the drafter over every (batch, index, chunk) at once, one pass per drafted position; a chunk
-    stops drafting after its own draft_tokens."""
+def draft(drafter: PagedCausalLM, arena: KVArena, chunks: list[SeqChunk]) -> dict[RequestId, list[int]]:
+    """Runs the drafter over every chunk at once, one pass per drafted position (a chunk stops after its own
+    draft_tokens); returns each request's proposed tokens."""
     depth = drafter.config.num_layers
-    drafted = [Drafted(b, i, c.request_id, []) for b, i, c in jobs]
-    last = [c.token_ids[0] for _, _, c in jobs]
-    for step in range(max(c.draft_tokens for _, _, c in jobs)):
-        active = [n for n, (_, _, c) in enumerate(jobs) if c.draft_tokens > step]
-        chunks = [SeqChunk(request_id=jobs[n][2].request_id, token_ids=[last[n]], start_pos=jobs[n][2].start_pos + step,
-                           block_tables=jobs[n][2].block_tables[:depth], sample=True, sampling=jobs[n][2].sampling)
-                  for n in active]
-        proposals = drafter.forward(arena, chunks).argmax(dim=-1).tolist()
-        for n, token in zip(active, proposals):
-            drafted[n].tokens.append(token)
-            last[n] = token
+    drafted: dict[RequestId, list[int]] = {c.request_id: [] for c in chunks}
+    for step in range(max(c.draft_tokens for c in chunks)):
+        active = [c for c in chunks if c.draft_tokens > step]
+        rows = [SeqChunk(request_id=c.request_id, token_ids=[(drafted[c.request_id] or c.token_ids)[-1]],
+                         start_pos=c.start_pos + step, block_tables=c.block_tables[:depth], sample=True,
+                         sampling=c.sampling)
+                for c in active]
+        for chunk, token in zip(active, drafter.forward(arena, rows).argmax(dim=-1).tolist()):
+            drafted[chunk.request_id].append(token)
     return drafted
 
 
@@ -67,9 +55,3 @@ def accepted(tokens: list[SampledToken], drafts: list[int]) -> list[SampledToken
             break
         kept.append(tokens[j + 1])
     return kept
-
-
-def drafter_for(member_layers: int, nested: list[PagedCausalLM]) -> PagedCausalLM | None:
-    """The smallest model nested in a member (the cheapest drafter), or None."""
-    smaller = [m for m in nested if m.config.num_layers < member_layers]
-    return min(smaller, key=lambda m: m.config.num_layers) if smaller else None
