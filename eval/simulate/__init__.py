@@ -14,7 +14,6 @@ fleet.py        placements (colocated, per-member, fleet:N) and the front router
 setup.py        the family, cost model, memory -> pages and GPU settings a simulation runs on
 driver.py       replays a bench trace through the nodes in virtual time -> the bench's records
 cli.py          `mfs simulate` arguments, the result JSON (the bench schema plus `simulated`)
-validate.py     the CPU bench's curve run for real and simulated on the same traces, and the errors
 
 With MFS_COMPILED_CORE set to an up-to-date build (`make compile-core`), executor, clock, node, fleet,
 confidence and cost_model come from it, as the core's hot modules do (orchestrator/core/compiled.py).

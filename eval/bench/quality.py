@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eval.metrics_calc import RequestRecord, mean
+from eval.bench.metrics import RequestRecord, mean
 from orchestrator.core.family import FamilySpec
 
 
