@@ -33,7 +33,7 @@ from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_set
 from eval.simulate.step_table import StepTableError
 from eval.systems import needs_split, system_config
 from eval.bench.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
-from orchestrator.core import compiled
+from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
