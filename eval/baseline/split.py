@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from eval.baseline.split_search import SplitSimulator, search_report, search_split, sim_sessions
-from eval.systems import StaticSplit, pages_rule, proportional_split
+from eval.systems import StaticSplit, proportional_split
 from eval.bench.workloads import Trace
 from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_layout import KVLayout
 
 # (fractions, rate) -> (config, records, metrics): the bench's real replay of the baseline on a split
 PilotRunner = Callable[[dict[str, float], float], tuple[Any, list, dict[str, Any]]]
@@ -103,9 +104,9 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
     from orchestrator.core.router import Router
 
     router = Router(family, config.router)
-    pages_for_tokens, tokens_per_block = pages_rule(family, config, settings.kv_pages)
-    simulator = SplitSimulator(family.member_names, pages_for_tokens, settings.kv_pages,
-                               metrics["solo_decode_step_s"], {m: tokens_per_block(m) for m in family.member_names},
+    layout = KVLayout.for_config(family, config)       # the scheduler's own pages rule for the baseline's config
+    simulator = SplitSimulator(family.member_names, layout.pages_for_tokens, settings.kv_pages,
+                               metrics["solo_decode_step_s"], {m: layout.tokens_per_block(m) for m in family.member_names},
                                max_running=config.scheduler.max_running_requests,
                                max_batch_tokens=config.scheduler.max_batch_tokens,
                                prefill_chunk_tokens=config.scheduler.prefill_chunk_tokens,
