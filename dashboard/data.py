@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 LATENCY_METRICS = {"TTFT": "mfs_ttft_seconds", "TPOT": "mfs_tpot_seconds", "E2E": "mfs_e2e_seconds"}
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
-KV_STATES = ("free", "used", "cached", "host", "disk")
 SYSTEM_NUMBER_FIELDS = (
     "mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s",
     "e2e_p99_s", "throughput_tok_s", "prefix_hit_rate", "escalation_rate", "preemptions",

@@ -12,7 +12,7 @@ import pytest
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import ConfidenceLibrary
 from eval.simulate.cost_model import (BatchShape, LinearCostModel, TableCostModel, after_idle_term,
-                                      after_prefill_term, batch_shape, features, fit_linear, fit_steps, plan_shapes,
+                                      after_prefill_term, batch_shape, features, fit_steps, plan_shapes,
                                       prefill_tokens_of, step_histories)
 from eval.simulate.executor import SimExecutor
 from eval.simulate.fleet import FrontRouter, PlacementError, parse_placement
@@ -185,7 +185,7 @@ def known_steps(truth: dict) -> list:
 
 def test_linear_fit_recovers_known_coefficients():
     truth = {"s": (0.002, 0.001, 0.0005, 0.0001, 0.0, 0.0007), "l": (0.004, 0.002, 0.001, 0.0002, 0.0, 0.0011)}
-    fitted = fit_linear(known_steps(truth), ["s", "l"])
+    fitted, _ = fit_steps(known_steps(truth), ["s", "l"])
     for member in truth:
         assert fitted[member] == pytest.approx(truth[member], abs=1e-9)
     model = LinearCostModel(fitted, 0.001, "test")

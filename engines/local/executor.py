@@ -123,9 +123,6 @@ class LocalExecutor:
     def model(self, member_name: str) -> PagedCausalLM:
         return self.models[member_name]
 
-    def member_context_tokens(self, member_name: str) -> int:
-        return self.family.member(member_name).context_tokens
-
     def tokens_per_block(self, member_name: str) -> int:
         return self.models[member_name].block_tokens(self.arena)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.core.events import percentile
@@ -204,7 +204,3 @@ def reduction(system: float | None, baseline: float | None) -> float | None:
     if system is None or not baseline:
         return None
     return 1.0 - system / baseline
-
-
-def record_to_dict(r: RequestRecord) -> dict[str, Any]:
-    return asdict(r)

@@ -345,12 +345,6 @@ class LinearCostModel:
                    path_s=(path.get("in", 0.0) / 1e3, path.get("out", 0.0) / 1e3))
 
 
-def fit_linear(observations: list[tuple[list[BatchShape], float]], members: list[str]) -> dict[str, tuple[float, ...]]:
-    """Least squares of step seconds on per-member features (a step's time = the sum of its member batches);
-    coefficients forced non-negative by dropping negative ones and refitting (a cost cannot be negative)."""
-    return fit_steps(observations, members)[0]
-
-
 # The history terms' shapes are searched on these grids (their sizes are fitted with the coefficients at each point)
 AFTER_IDLE_DECAYS = (0.2, 0.35, 0.5, 0.65, 0.8)
 AFTER_IDLE_TAUS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
@@ -361,7 +355,9 @@ HistoryTerms = tuple[tuple[float, float, float] | None, tuple[float, float] | No
 
 def fit_steps(observations: list[tuple[list[BatchShape], float]], members: list[str],
               histories: list[StepHistory] | None = None) -> tuple[dict[str, tuple[float, ...]], HistoryTerms]:
-    """fit_linear, and with `histories` (step_histories of every observation, aligned) the history terms too:
+    """Least squares of step seconds on per-member features (a step's time = the sum of its member batches),
+    coefficients forced non-negative by dropping negative ones and refitting (a cost cannot be negative); with
+    `histories` (step_histories of every observation, aligned) the history terms too:
     their shapes chosen on the grids by the least squared error, their sizes fitted with the rest. The pair is
     (after_idle, after_prefill); a term is left out (None) when its size is not positive, and both unless they
     cut the squared error by at least 1% and by at least a microsecond squared per step."""

@@ -9,7 +9,6 @@ from orchestrator.core.config import RouterConfig, RouterWeights
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.types import MemberName, Profile, Request, RouteDecision
 
-COMPONENTS = ("complexity", "affinity", "load", "session", "pressure")
 SESSION_BONUS_INDEPENDENT = 0.2   # router.session_bonus: null means this for independent families, 0 for nested
 
 
