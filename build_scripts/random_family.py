@@ -1,5 +1,5 @@
-"""Writes a family of real layer shapes with random weights: timing runs (the simulator's validation on a GPU,
-issue 14) need the shapes of a real family, not its weights, and nothing may be downloaded.
+"""Writes a family of real layer shapes with random weights: timing runs (the simulator's validation on a GPU)
+need the shapes of a real family, not its weights, and nothing may be downloaded.
 
 Each member is a Hugging Face checkpoint folder holding config.json (the shapes, plus `mfs_random_weights`:
 seed and spread) and the shipped tokenizer's files; no weight file. The local engine draws every tensor from

@@ -126,8 +126,8 @@ def test_system_knobs():
     nls = cfg["no_layer_sharing"]
     assert not nls.pool.cross_member_sharing and not nls.escalation.reuse_shared_layers
     assert nls.pool.static_split is None and nls.router.use_affinity
-    # Issue 13: the baseline keeps the pre-issue scheduler policies (independent vLLM-style servers);
-    # mfs_pre13 is MFS with them and the pre-issue routing; mfs gets the new defaults.
+    # The baseline keeps the policies of independent vLLM-style servers; mfs_pre13 is MFS with them and
+    # their routing; mfs gets the defaults.
     for name in ("baseline", "mfs_pre13"):
         sched = cfg[name].scheduler
         assert (sched.decode_reservation, sched.aging_steps, sched.victim_order, sched.decode_step_token_budget) == \

@@ -182,7 +182,7 @@ def test_half_precision_close_to_fp32(nested, dtype):
 
 def test_attention_accepts_a_strided_sdpa_output(setup, monkeypatch):
     """CUDA's fused attention kernels return [seqs, heads, rows, dim] laid out as [seqs, rows, heads, dim];
-    the engine must reshape it, not view it (a .view here failed the first step on a GPU, 2026-11-30)."""
+    the engine must reshape it, not view it (a .view fails the first step on a GPU)."""
     import engines.local.attention as attention
 
     real = attention.F.scaled_dot_product_attention

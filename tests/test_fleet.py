@@ -85,7 +85,7 @@ def fleet(tmp_path_factory):
                                        "engine": {"device": "cpu", "num_threads": 1},
                                        "scheduler": {"request_timeout_s": 120},
                                        # a replica keeps a session on its member (nested families default to
-                                       # 0 since issue 13); this file checks the fleet's stickiness, so exact
+                                       # 0); this file checks the fleet's stickiness, so exact
                                        # turn-2 hits need the member fixed too
                                        "router": {"session_bonus": 0.2}}))
     port = free_port_block(NUM_PORTS)

@@ -1,4 +1,4 @@
-"""Issue 13: the global scheduler under load, exact states over the fakes (fake clock: 0.01 s per step).
+"""The global scheduler under load, exact states over the fakes (fake clock: 0.01 s per step).
 
 Starvation and aging, demand reservation, victim order, escalated requests protected, no admission in a
 preempting step, swap vs recompute, escalation pins, stall-aware prefill budget, delay-aware downgrade.
@@ -33,9 +33,8 @@ def _starvation(stop_step: int = 270, **overrides) -> Harness:
     return h
 
 
-def test_pre_issue_policy_starves_the_large_member_until_the_small_stream_stops():
-    # Reproduction (the pre-issue-13 code on main gives the same 272): per-member head-of-line bypass
-    # lets every freed page go to the small stream.
+def test_block_reserve_without_aging_starves_the_large_member_until_the_small_stream_stops():
+    # Per-member head-of-line bypass lets every freed page go to the small stream.
     h = _starvation(**{"scheduler.aging_steps": None, "scheduler.decode_reservation": "block"})
     assert _admitted_step(h, "big") == 272
     assert _admitted_step(_starvation(stop_step=330, **{"scheduler.aging_steps": None}), "big") == 335
@@ -247,7 +246,7 @@ def test_the_reservation_bound_and_the_delay_inputs_match_their_definitions():
                  - len(s.token_ids)) + 1) for s in running]
 
 
-# ----------------------------------------------------------------------------- reservation bugs (2026-12-01)
+# ----------------------------------------------------------------------------- reservation edge cases
 HANDOVER_PROMPT = list(range(40, 52))      # 12 tokens: 3 blocks of 4
 
 

@@ -50,7 +50,7 @@ class LedgerMachine(RuleBasedStateMachine):
         pool, scheduler = self.h.pool, self.h.scheduler
         pool.check_invariants()
         held = Counter(p for seq in scheduler._running.values() for p in seq.kv.all_pages())
-        # Issue 13: an escalated request keeps its source pages pinned while it waits for the target.
+        # An escalated request keeps its source pages pinned while it waits for the target.
         held.update(p for queue in scheduler._waiting.values() for seq in queue if seq.pinned_kv is not None
                     for p in seq.pinned_kv.all_pages())
         for page in range(pool.num_pages):
@@ -73,7 +73,7 @@ LedgerMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=
 TestLedger = LedgerMachine.TestCase
 
 
-# ----------------------------------------------------------------------------- issue 13: reservation
+# ----------------------------------------------------------------------------- reservation
 class ReservationMachine(RuleBasedStateMachine):
     """Under page pressure with escalation and priorities. `exact` requests have fixed lengths
     (ignore_eos): their remaining decode pages are reserved exactly, so no running request may ever be

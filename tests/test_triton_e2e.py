@@ -143,8 +143,8 @@ def test_triton_serves_like_local_fails_fast_and_reconnects(tmp_path):
     triton_up: subprocess.Popen | None = None
     try:
         server.start()
-        # What `mfs serve --engine triton` builds: TritonServing in a child process behind ProcessServing (the
-        # process split of issue 15), so every check below goes through the pipe.
+        # What `mfs serve --engine triton` builds: TritonServing in a child process behind ProcessServing, so
+        # every check below goes through the pipe.
         serving = build_serving_engine(_config(**{"engine.kind": "triton", "engine.triton_url": server.grpc_url,
                                                   "engine.triton_metrics_url": server.metrics_url}))
         assert isinstance(serving, ProcessServing)

@@ -300,7 +300,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{','.join(map(str, FULL_RATES))}; --quick: {','.join(map(str, QUICK_RATES))})")
     parser.add_argument("--history", choices=HISTORIES, default=None,
                         help="closed (default): each turn re-sends the reply this system generated; "
-                             "dataset: re-sends ShareGPT's reply (the old open-loop replay)")
+                             "dataset: re-sends ShareGPT's reply (an open-loop replay)")
     parser.add_argument("--slo-ttft-x", type=float, default=TTFT_SLO_X,
                         help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
     parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
@@ -308,7 +308,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-split", type=_split_mode, default="search", metavar="MODE|MEMBER=F,...",
                         help="the baseline's static split: search (default: the best of a simulated search, see "
                              "docs/BENCHMARKS.md 7.4), proportional (to weight bytes), traffic (share of routed "
-                             "tokens x layers with floors, the old split), or fixed fractions of the pool per "
+                             "tokens x layers with floors), or fixed fractions of the pool per "
                              "member, e.g. tiny-s=0.2,tiny-m=0.3,tiny-l=0.5 (no pilot, no search)")
     parser.add_argument("--baseline-host-tier", action="store_true",
                         help="give the baseline's deployments the same host KV tier as MFS (one LRU they share; "

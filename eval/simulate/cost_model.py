@@ -220,7 +220,7 @@ class TableWithServingTerms(TableCostModel):
     a model fitted to real runs: the history terms (after idle, after a prefill), the serving edge and, when given,
     prefill_extra_s: what a member batch holding a prefill chunk costs in serving beyond its table price (the
     engine timed alone prices decode steps within 1% but prefill steps 0.15-1.4 ms low, about the same for 16 and
-    200 tokens; BENCHMARKS 8.1, session 31). The validation's table_calibrated and table_held_out_serving
+    200 tokens; BENCHMARKS 8.1). The validation's table_calibrated and table_held_out_serving
     variants; a plain TableCostModel has none of these, so the executor skips them."""
 
     def __init__(self, table: StepTable, serving: "LinearCostModel", name: str = "table+serving",
@@ -254,8 +254,8 @@ FEATURES = ("forward", "decodes", "decode_context_k", "prefill_tokens", "prefill
 def features(shape: BatchShape) -> tuple[float, ...]:
     """Per member batch: 1 when it runs its own forward (0 when merged into a larger member's), decode rows, their
     summed context (thousands of tokens), prefill tokens, prefill attention work (new tokens x tokens attended,
-    millions), prefill chunks (each pays the prefill path's fixed cost: its causal mask, its page writes; fits
-    without it, from before session 30, have five coefficients and price it 0)."""
+    millions), prefill chunks (each pays the prefill path's fixed cost: its causal mask, its page writes; a fit
+    saved with five coefficients prices it 0)."""
     return (1.0 if shape.own_forward else 0.0, float(len(shape.decode_contexts)), sum(shape.decode_contexts) / 1e3,
             float(sum(n for n, _ in shape.prefills)), sum(n * (p + n / 2) for n, p in shape.prefills) / 1e6,
             float(len(shape.prefills)))
@@ -268,12 +268,12 @@ class LinearCostModel:
     Two history terms, when fitted (eval.validate.bench_vs_sim fits them from the real steps' start times):
     after_idle = (extra_s, decay, tau_s): the k-th step (from 0) after the engine sat idle for `idle` seconds
     costs extra_s * (1 - exp(-idle / tau_s)) * decay^k more; after_prefill = (s_per_token, decay): the k-th step
-    (from 1) after a step that held P prefill tokens costs s_per_token * P * decay^(k-1) more. On the CPU (session
-    30, one request at a time on an otherwise quiet engine) a step right after 50-500 ms of idling ran 2-2.5 ms
+    (from 1) after a step that held P prefill tokens costs s_per_token * P * decay^(k-1) more. On the CPU (one
+    request at a time on an otherwise quiet engine) a step right after 50-500 ms of idling ran 2-2.5 ms
     slower than after 0.5 ms, and the next one 0.7-0.9 ms; with one request decoding at 1.8-1.9 ms a step, the
     steps after a 40 / 200 / 400-token prefill beside it took 2.52 / 3.88 / 4.79 ms (the new request's first
     decode among them), then 2.07 / 2.67 / 3.03 ms (neither malloc's trimming nor AVX-512 clocks: caches, most
-    likely). docs/BENCHMARKS.md 8.1, "Session 30".
+    likely). docs/BENCHMARKS.md 8.1.
 
     path_s = (in, out): the serving edge's latency outside the steps, measured on the real runs: from the client's
     call to the request entering the scheduler, and from the engine handing a step's output over to the client

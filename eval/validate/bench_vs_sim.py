@@ -12,7 +12,7 @@ their gap, history terms, serving edge and the fixed extra a prefill step costs 
 table at the run's own speed with the history terms and serving edge fitted on the other rates), to every rate's
 steps (in_sample), and
 to that rate's runs' steps (same_run: on a shared machine the cost of a step drifts between runs), and to each
-system's own run only (own_steps: this VM's speed drifts by up to 2x within a minute, so even two systems run one
+system's own run only (own_steps: a shared virtual machine's speed drifts by up to 2x within a minute, so even two systems run one
 after the other at one rate see different machines; this variant isolates how well the simulated core reproduces
 queueing and batching given the step costs the machine had during that very run), and
 the same trace is simulated with the bench's configs and each system's own recorded confidences (a request
@@ -106,8 +106,8 @@ def request_path_of(records: list, edges: dict, tag: str) -> dict[str, list[floa
 
 def machine_probe_ms(repeats: int = 5) -> list[float]:
     """The machine's speed now: ms for a fixed decode-shaped workload (batch 32 through 8 layers of tiny-l's
-    MLP widths and its LM head), `repeats` times. The same work taking longer = a slower machine (this VM's
-    vCPUs share physical cores with other tenants: seen drifting 3.4-6.7 ms within 30 s with nothing else here)."""
+    MLP widths and its LM head), `repeats` times. The same work taking longer = a slower machine (a virtual
+    machine's vCPUs share physical cores with other tenants: seen drifting 3.4-6.7 ms within 30 s with nothing else here)."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -166,7 +166,7 @@ def run_real_rate(settings: BenchSettings, conf_path: Path) -> dict[str, Any]:
 
 def fit(real: dict[float, dict], rates: list[float], members: list[str], system: str | None = None) -> LinearCostModel:
     """Fitted to the steps of the given rates' runs (of one system's run only when `system` is given), with the
-    history terms where every run recorded its steps' start times (runs saved before session 30 did not)."""
+    history terms where every run recorded its steps' start times (runs saved without them have none)."""
     observations, gaps = [], []
     path_in: list[float] = []
     path_out: list[float] = []
@@ -194,7 +194,7 @@ def fit(real: dict[float, dict], rates: list[float], members: list[str], system:
 
 
 def _median(values: list[float]) -> float:
-    """The median (0 for none: runs saved before session 30 did not time the serving edge)."""
+    """The median (0 for none: runs saved without the serving edge's timing have none)."""
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else 0.0
 
@@ -245,8 +245,8 @@ def calibrated(real: dict[float, dict], fit_rates: list[float], rate: float, sys
                cost: LinearCostModel) -> dict[str, LinearCostModel] | None:
     """Per system: `cost` (fitted on fit_rates' runs) scaled by one number taken from that run's own steps: the
     median of its one-request decode steps of the member that has most of them, over the same median in the fit
-    runs. The machine's speed during the run, measured where the probes around it miss it (this VM drifts by
-    30-50% between runs minutes apart); everything else about the costs still comes from the other rates."""
+    runs. The machine's speed during the run, measured where the probes around it miss it (a shared virtual
+    machine drifts by 30-50% between runs minutes apart); everything else about the costs still comes from the other rates."""
     out = {}
     for name in systems:
         own = solo_decode_steps_s(real[rate]["steps"][name])
@@ -299,7 +299,7 @@ def table_calibrated(table: StepTable, real_rate: dict, systems: tuple[str, ...]
     median real / table of its one-request decode steps: one number from the run), with the serving loop's gap,
     the history terms and the serving edge of `serving` (fitted on the other rates' runs). The shape of every cost
     (batch size, context, prefill) comes from the offline grid, the level from the run, the serving terms from
-    other runs: on this VM, whose speed moves 30-50% between runs minutes apart, the variant that separates the
+    other runs: on a shared virtual machine, whose speed moves 30-50% between runs minutes apart, the variant that separates the
     simulated core's fidelity from the machine's drift with the least taken from the run itself."""
     out = {}
     for name in systems:
@@ -318,11 +318,11 @@ def prefill_serving_extra_s(model: TableWithServingTerms, real: dict[float, dict
     an extra): the median over the
     fit runs' steps that hold one of (real - the step's price, history terms included) per such batch. The engine
     timed alone prices decode steps within 1% in serving but prefill steps 0.15-1.4 ms low, about as much for 16
-    tokens as for 200: a fixed amount, not a factor (session 31)."""
+    tokens as for 200: a fixed amount, not a factor (docs/BENCHMARKS.md 8.1)."""
     extras = []
     for rate in fit_rates:
         for steps in real[rate]["steps"].values():
-            starts = steps.get("starts_s")      # runs saved before session 30 have no timeline: no history terms
+            starts = steps.get("starts_s")      # runs saved without a timeline: no history terms
             histories = step_histories(starts, steps["observations"]) if starts is not None else None
             for index, (shapes, seconds) in enumerate(steps["observations"]):
                 with_prefill = sum(1 for shape in shapes if shape.prefills)
@@ -421,9 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the step table of this machine for the table_* variants (default: timed now with "
                              "eval.simulate.measure into --work-dir, or the one an earlier call left there)")
     parser.add_argument("--token-stream", choices=("replay", "hash"), default="replay",
-                        help="replay (default since session 31): the simulated replies are the real run's own, so each "
+                        help="replay (default): the simulated replies are the real run's own, so each "
                              "closed-loop turn's prompt, and the routing that reads it, is the real one (runs saved "
-                             "before session 22 have none and fall back to hash); hash: the seeded token stream mfs "
+                             "without replies fall back to hash); hash: the seeded token stream mfs "
                              "simulate uses where no real run exists (a workload difference on top of the model's: "
                              "up to 25%% on trace seed 1, docs/BENCHMARKS.md 8.1)")
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@ and what a decode step costs by the members in it. The replay, trace and systems
 only the executor's execute() is wrapped with a timer (scheduling and tier copies are not counted).
 
     python -m eval.validate.step_profile --quick --sessions 24 --rate 2 --kv-pages 768 --systems mfs,baseline,no_layer_sharing
-    python -m eval.validate.step_profile ... --set engine.num_threads=2     # the oversubscribed engine of before 2026-11-30
+    python -m eval.validate.step_profile ... --set engine.num_threads=2     # an oversubscribed engine
 """
 from __future__ import annotations
 
