@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from orchestrator.core.events import percentile
 from orchestrator.serve.fleet import port_is_free
 from orchestrator.sharegpt import iter_conversations
 
@@ -137,8 +138,8 @@ def summarize(records: list[dict], wall_s: float) -> dict:
             "hit_rate_turns_2plus": sum(r["cached_tokens"] for r in later)
             / max(1, sum(r["prompt_tokens"] for r in later)),
             "same_node_turns_2plus": same / max(1, len(later)),
-            "latency_mean_s": statistics.fmean(latencies), "latency_p50_s": latencies[len(latencies) // 2],
-            "latency_p90_s": latencies[int(0.9 * (len(latencies) - 1))],
+            "latency_mean_s": statistics.fmean(latencies), "latency_p50_s": percentile(latencies, 50),
+            "latency_p90_s": percentile(latencies, 90),
             "requests_by_node": {n: sum(r["node"] == n for r in records) for n in sorted({r["node"] for r in records})}}
 
 

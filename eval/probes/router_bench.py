@@ -11,6 +11,7 @@ from pathlib import Path
 
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import RouterConfig
+from orchestrator.core.events import percentile
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.router import MemberLoad, Router
 from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
@@ -138,7 +139,7 @@ def run_full_path(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = 2000,
     return {"hash_us_median": hash_us, "cached_blocks": pool.counts()["cached"] // largest.num_layers, "prompt_tokens": prompt_tokens,
             "matched_tokens_largest": decision.matched_prefix_tokens.get(largest.name, 0),
             "full_us_median": statistics.median(samples) / 1e3,
-            "full_us_p99": samples[int(0.99 * (len(samples) - 1))] / 1e3}
+            "full_us_p99": percentile(samples, 99) / 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
