@@ -5,7 +5,7 @@ import math
 import pytest
 
 from eval.simulate.cost_model import BatchShape, LinearCostModel
-from eval.validate.bench_vs_sim import fit, probe_of, probe_scaled, scaled
+from eval.validate.variant_costs import fit, probe_of, probe_scaled, scaled
 
 COEF = {"a": (0.002, 0.0001, 0.0005, 0.00002, 0.003, 0.0004), "b": (0.004, 0.0002, 0.001, 0.00004, 0.006, 0.0009)}
 
@@ -104,7 +104,7 @@ def test_request_path_maps_the_replay_clock_onto_the_engines():
 
 
 def test_calibrated_scales_by_the_runs_own_one_request_decode_steps():
-    from eval.validate.bench_vs_sim import calibrated
+    from eval.validate.variant_costs import calibrated
 
     def run(seconds_a: float, extra: int = 0) -> dict:
         solo = [([BatchShape("a", (100,), ())], seconds_a)] * (30 + extra)
@@ -124,7 +124,7 @@ def test_calibrated_scales_by_the_runs_own_one_request_decode_steps():
 
 def test_table_held_out_scales_the_offline_table_by_the_fit_runs_median_ratio():
     from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-    from eval.validate.bench_vs_sim import table_held_out
+    from eval.validate.variant_costs import table_held_out
 
     grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))       # 1 ms at one row, 2 ms at eight
     table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid)})
@@ -139,7 +139,7 @@ def test_table_held_out_scales_the_offline_table_by_the_fit_runs_median_ratio():
 
 def test_table_calibrated_takes_the_level_from_the_run_and_the_serving_terms_from_the_fit():
     from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-    from eval.validate.bench_vs_sim import table_calibrated
+    from eval.validate.variant_costs import table_calibrated
 
     grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))
     table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid)})
@@ -157,7 +157,7 @@ def test_table_calibrated_takes_the_level_from_the_run_and_the_serving_terms_fro
 
 def test_table_held_out_serving_takes_level_and_prefill_extra_from_the_fit_runs_only():
     from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-    from eval.validate.bench_vs_sim import table_held_out_serving
+    from eval.validate.variant_costs import table_held_out_serving
 
     grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))      # 1 ms at one row (or token), 2 at eight
     table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid, mix_overlap=0.0)})
