@@ -16,7 +16,7 @@ import yaml
 
 from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
 from eval.baseline_split import SplitError, choose_baseline_split, parse_split_mode, runs_pilot, split_mode_label
-from eval.quality import add_quality as _add_quality, score_quality  # noqa: F401 (score_quality re-exported)
+from eval.quality import add_quality as _add_quality
 from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
 from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
@@ -204,7 +204,7 @@ def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: 
         records, metrics = run_coroutine(run_system(name, config, trace, on_done))
         records_by_system[name], systems[name] = records, metrics
     dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
-    _add_quality(settings, family, records_by_system, systems, notes, dtype)
+    _add_quality(settings, family, trace, records_by_system, systems, notes, dtype)
     point = {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
              "reduction_mean_token_latency": _reduction(systems, "mfs"),
              "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
@@ -384,7 +384,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small trace, 3-rate curve: under 4 minutes on a quiet 2-core CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
-    parser.add_argument("--no-quality", action="store_true", help="skip scoring responses under the largest member")
+    parser.add_argument("--no-quality", action="store_true", help="skip scoring the reference replies under the serving members")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="replay a trace saved with --save-trace (no ShareGPT package needed; its workload, "

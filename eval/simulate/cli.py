@@ -23,6 +23,7 @@ from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reductio
                         complexity_estimator, curve_rates, curve_result, format_table, settings_from_args,
                         static_split_for)
 from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summarize
+from eval.quality import member_token_share
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
@@ -180,7 +181,8 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     metrics["solo_decode_step_s"] = step_s
     metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(run.records, step_s)
     metrics["counters"] = run.counters
-    metrics["quality_mean_logprob"] = None
+    metrics["quality_reference_logprob"] = None
+    metrics["member_token_share"] = member_token_share(run.records)
     metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
                              "wall_s": round(run.wall_s, 2), "cpu_s": round(run.cpu_s, 2),
                              "output_tokens": sum(r.output_tokens for r in run.records),
@@ -298,7 +300,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     notes = list(trace.notes) + list(setup.notes) + (list(split.notes) if hasattr(split, "notes") else [])
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
-    notes.append("quality_mean_logprob: not simulated (tokens come from a seeded stream)")
+    notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served")
     notes.extend(unmodelled_notes(configs))
     if setup.host_tier_mb is not None:
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for the systems that keep one; the "
