@@ -74,3 +74,27 @@ def test_mfs_version_names_the_installed_package(capsys):
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"mfs {version('mfs')}"
+
+
+def readme_commands() -> list[str]:
+    """`mfs ...` and `build-engines ...` lines of README.md's bash blocks (comments cut)."""
+    text = (EXAMPLES.parent / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            match = COMMAND.match(line.strip())
+            if match:
+                found.append(match.group(1))
+    return found
+
+
+def test_every_command_in_the_readme_parses():
+    found = readme_commands()
+    assert any(c.startswith("mfs serve") for c in found) and any(c.startswith("mfs simulate") for c in found)
+    for command in found:
+        if command.split()[:2] == ["mfs", "--version"]:
+            continue
+        try:
+            parse(command)
+        except (argparse.ArgumentError, SystemExit) as exc:
+            pytest.fail(f"README: {command!r} does not parse: {exc}")
