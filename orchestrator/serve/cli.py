@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from orchestrator.serve.optional import missing_message
+
 SUBCOMMANDS = {
     "serve": ("orchestrator.serve.server", "OpenAI-compatible server for a model family"),
     "bench": ("eval.bench", "MFS against an independent-deployment baseline on ShareGPT traffic"),
@@ -53,10 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     module_name, help_text = SUBCOMMANDS[name]
-    module = importlib.import_module(module_name)
-    sub_parser = argparse.ArgumentParser(prog=f"mfs {name}", description=help_text)
-    module.add_arguments(sub_parser)
-    return int(module.main(sub_parser.parse_args(rest)) or 0)
+    try:
+        module = importlib.import_module(module_name)
+        sub_parser = argparse.ArgumentParser(prog=f"mfs {name}", description=help_text)
+        module.add_arguments(sub_parser)
+        return int(module.main(sub_parser.parse_args(rest)) or 0)
+    except ModuleNotFoundError as exc:
+        message = missing_message(exc, f"mfs {name}")
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
