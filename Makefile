@@ -29,7 +29,7 @@ bench: $(STAMP)
 	$(VENV)/bin/mfs bench --quick --out artifacts/bench_quick.json
 
 engine-bench: $(STAMP)
-	$(PY) -m eval.engine_bench
+	$(PY) -m eval.probes.engine_bench
 
 # mypyc-compiled hot modules of the core and the simulator into build/compiled_core (mfs simulate --compiled-core)
 compile-core: $(STAMP)

@@ -1,9 +1,9 @@
 """`make compile-core` (`python -m build_scripts.compile_core`): the simulator's hot modules
-(orchestrator/core/compiled.py MODULES) compiled to C extensions with mypyc into build/compiled_core/.
+(eval/simulate/compiled.py MODULES) compiled to C extensions with mypyc into build/compiled_core/.
 
 The sources are copied to a temporary folder and compiled there, so nothing lands in the source tree; the build
 folder gets the extensions (in their packages' folders), mypyc's shared runtime module, and a manifest with the
-digest of every source of the two packages, against which orchestrator/core/compiled.py refuses a stale build.
+digest of every source of the two packages, against which eval/simulate/compiled.py refuses a stale build.
 Needs mypy (the `test` and `fast-sim` extras) and a C compiler with Python's headers.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from orchestrator.core.compiled import DEFAULT_DIR, MANIFEST, MODULES, REPO, source_digests, source_path
+from eval.simulate.compiled import DEFAULT_DIR, MANIFEST, MODULES, REPO, source_digests, source_path
 
 
 class CompileError(RuntimeError):

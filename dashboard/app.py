@@ -241,7 +241,7 @@ def render_results(results_path: str) -> None:
     if results["systems"]:
         render_systems(results)
     else:
-        st.info("This file holds a sweep only (`python -m eval.sweep`): no per-system results.")
+        st.info("This file holds a sweep only (`python -m eval.bench.sweep`): no per-system results.")
     guarded(render_sweep, results)
 
 

@@ -320,7 +320,7 @@ def validate_results(obj: Any) -> dict[str, Any]:
             raise EmptyResultsError("the sweep file holds no grid rows")
     systems = obj.get("systems")
     if systems == {} and obj.get("sweep"):
-        pass  # a sweep-only file (python -m eval.sweep): nothing per system to check
+        pass  # a sweep-only file (python -m eval.bench.sweep): nothing per system to check
     elif systems is None or systems == {}:
         raise EmptyResultsError("results hold no systems (the 'systems' object is missing or empty)")
     problems: list[str] = []
@@ -427,7 +427,7 @@ def curve_summary(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def sweep_file_as_results(sweep_file: dict[str, Any]) -> dict[str, Any]:
-    """A `python -m eval.sweep` file (flat per-system grid rows) as results holding only a sweep."""
+    """A `python -m eval.bench.sweep` file (flat per-system grid rows) as results holding only a sweep."""
     points: dict[tuple, dict[str, Any]] = {}
     for row in sweep_file["grid"]:
         if not isinstance(row, dict):

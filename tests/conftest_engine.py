@@ -187,15 +187,14 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
 def shipped_decode_logits(prompts: list[list[int]], new_tokens: int, **executor_options):
     """(executor, the logits of every sampled step) when the shipped tiny-l prefills `prompts` in one step and decodes
     `new_tokens` - 1 more, through a real LocalExecutor built with `executor_options` (one torch thread)."""
-    from eval.engine_bench import BLOCK_TOKENS, SHIPPED_FAMILIES_DIR, engine_step_times_s
     from engines.local.executor import LocalExecutor
-    from orchestrator.core.family import load_family
+    from orchestrator.core.family import SHIPPED_FAMILIES_DIR, load_family
 
     family = load_family(SHIPPED_FAMILIES_DIR / "tiny")
     member = family.members[-1]
-    page_bytes = BLOCK_TOKENS * member.kv_bytes_per_token_per_layer(4)
-    executor = LocalExecutor(family, num_pages=4 * member.num_layers * 4, page_bytes=page_bytes, num_threads=1,
-                             **executor_options)
+    page_bytes = 16 * member.kv_bytes_per_token_per_layer(4)
+    num_pages = 4 * member.num_layers * 4
+    executor = LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, num_threads=1, **executor_options)
     logits: list[torch.Tensor] = []
     original = executor.sampler.sample
 
@@ -203,7 +202,9 @@ def shipped_decode_logits(prompts: list[list[int]], new_tokens: int, **executor_
         logits.append(rows.clone())
         return original(rows, chunks, eos)
     executor.sampler.sample = record
-    engine_step_times_s(executor, member, prompts, new_tokens)
+    requests = [EngineRequest(f"b{i}", prompt, new_tokens, [[] for _ in range(member.num_layers)],
+                              sampling=SamplingParams(max_tokens=new_tokens)) for i, prompt in enumerate(prompts)]
+    run_to_completion(executor, member.name, requests, PageCounter(num_pages))
     return executor, logits
 
 

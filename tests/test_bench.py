@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from eval.metrics_calc import RequestRecord, counter_delta, pages_timeline, percentile, prefix_hit_rates, summarize
+from eval.bench.metrics import RequestRecord, counter_delta, pages_timeline, percentile, prefix_hit_rates, summarize
 from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config
-from eval.workloads import Session, Trace, Turn, WorkloadSpec
+from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec
 from orchestrator.core.config import load_config
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.types import MemberName, MemberSpan, RequestOutput
@@ -184,7 +184,7 @@ def test_summarize_exact_numbers():
 
 
 def test_paired_token_latency_compares_only_requests_both_served():
-    from eval.metrics_calc import RequestRecord, paired_token_latency
+    from eval.bench.metrics import RequestRecord, paired_token_latency
 
     def rec(session, turn, e2e, tokens, error=None):
         return RequestRecord(session, turn, send_s=0.0, first_token_s=0.01, finish_s=e2e, prompt_tokens=4,
@@ -198,7 +198,7 @@ def test_paired_token_latency_compares_only_requests_both_served():
 
 
 def test_decode_floor_charges_each_token_one_solo_step_of_its_member():
-    from eval.metrics_calc import decode_floor_token_latency, member_tokens
+    from eval.bench.metrics import decode_floor_token_latency, member_tokens
 
     step = {"tiny-s": 0.001, "tiny-m": 0.002, "tiny-l": 0.004}
     escalated = _record(0, 0.0, 0.1, 1.0, 50, 0, 10, ["tiny-s", "tiny-l"])
@@ -250,7 +250,7 @@ class FakeEngine:
 
 
 def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
-    from eval.bench import replay
+    from eval.bench.cli import replay
 
     spec = WorkloadSpec(num_sessions=2)
     sessions = [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 3, 0.0, [1, 2, 3]),
@@ -275,7 +275,7 @@ def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
 
 
 def test_probe_skips_a_member_the_engine_refuses():
-    from eval.bench import probe_decode_step_s, warm_up
+    from eval.bench.cli import probe_decode_step_s, warm_up
     from orchestrator.core.errors import InvalidRequestError
 
     class SmallSlice(FakeEngine):
@@ -294,7 +294,7 @@ def test_probe_skips_a_member_the_engine_refuses():
 def test_replay_dataset_history_resends_the_dataset_prompt_and_closed_loop_ends_a_failed_session():
     from dataclasses import replace as dc_replace
 
-    from eval.bench import replay
+    from eval.bench.cli import replay
 
     turns = [Turn([1, 2, 3], 3, 0.0, [1, 2, 3]), Turn([1, 2, 3, 40, 41, 42, 4, 5], 2, 0.0, [4, 5])]
     trace = Trace(spec=WorkloadSpec(num_sessions=1, history="dataset"), sessions=[Session("s0", "multiturn", "c0", turns)],
@@ -318,7 +318,7 @@ def test_replay_dataset_history_resends_the_dataset_prompt_and_closed_loop_ends_
 
 # ----------------------------------------------------------------------------- end to end (real local engine)
 def test_tiny_end_to_end_bench(tmp_path):
-    from eval.bench import BenchSettings, format_table, run_bench
+    from eval.bench.cli import BenchSettings, format_table, run_bench
     from tests.test_workloads import family_dir
 
     settings = BenchSettings(sessions=2, rate=2.0, kv_pages=512, family=str(family_dir()), max_turns=2,
@@ -382,7 +382,7 @@ def test_tiny_end_to_end_bench(tmp_path):
 
 def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
     """--save-trace then --trace replays the very same requests (no ShareGPT needed the second time)."""
-    from eval.bench import add_arguments, main
+    from eval.bench.cli import add_arguments, main
     from tests.test_workloads import family_dir
     import argparse
 
@@ -414,8 +414,8 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
 
 def test_baseline_split_modes_without_a_pilot():
     """traffic: the old traffic-share split; proportional: weight bytes, no pilot run (nothing is replayed)."""
-    from eval.baseline_split import choose_baseline_split
-    from eval.bench import BenchSettings
+    from eval.baseline.split import choose_baseline_split
+    from eval.bench.cli import BenchSettings
     from eval.systems import StaticSplit, proportional_split
     from orchestrator.core.family import load_family
     from tests.test_workloads import family_dir
@@ -444,14 +444,14 @@ def test_baseline_split_modes_without_a_pilot():
     ("tiny-s=0.5", "add up to 0.5"), ("tiny-s=0.5,tiny-m=0.5,tiny-l=0", "in (0, 1]"), ("tiny-s=0.5,tiny-s=0.5", "once"),
     ("tiny-s:0.5", "member=fraction"), ("seach", "member=fraction"), ("tiny-s=x,tiny-m=1", "member=fraction")])
 def test_fixed_baseline_split_refused_with_the_reason(text, says):
-    from eval.baseline_split import SplitError, parse_split_mode
+    from eval.baseline.split import SplitError, parse_split_mode
 
     with pytest.raises(SplitError, match=re.escape(says)):
         parse_split_mode(text)
 
 
 def test_fixed_baseline_split_must_name_the_family():
-    from eval.baseline_split import SplitError, fixed_split, parse_split_mode
+    from eval.baseline.split import SplitError, fixed_split, parse_split_mode
     from orchestrator.core.family import load_family
     from tests.test_workloads import family_dir
 

@@ -1,7 +1,8 @@
-"""The compiled core (orchestrator/core/compiled.py, build_scripts/compile_core.py): a build made by mypyc from
+"""The compiled core (eval/simulate/compiled.py, build_scripts/compile_core.py): a build made by mypyc from
 the sources gives the same simulation, byte for byte, and a build that no longer matches the sources is refused."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 from build_scripts.compile_core import compile_core
 from eval.simulate import cli as sim_cli
 from eval.simulate.compare_runs import differences
-from orchestrator.core import compiled
+from eval.simulate import compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 # Two small modules, one per package that activates a build (the whole set takes minutes of C compiling; its
@@ -38,9 +39,9 @@ def test_a_stale_build_is_refused_in_one_line_and_the_sources_are_used(tmp_path,
     assert "config.py changed" in compiled.stale_reason(tmp_path)
     monkeypatch.setenv(compiled.ENV, str(tmp_path))
     monkeypatch.setattr(compiled, "_checked", {})
-    path: list[str] = []
-    assert compiled.activate("orchestrator.core", path) is False
-    assert path == []
+    paths = {package: list(importlib.import_module(package).__path__) for package in compiled.packages()}
+    assert compiled.activate() is False
+    assert {package: list(importlib.import_module(package).__path__) for package in paths} == paths
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stale" in err[0] and "using the Python sources" in err[0]
     del manifest["sources"]["orchestrator/core/config.py"]            # a source added since: stale as well
@@ -53,6 +54,25 @@ def test_a_stale_build_is_refused_in_one_line_and_the_sources_are_used(tmp_path,
     (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest))
     assert "does not compile" in compiled.stale_reason(tmp_path)
     assert "no build" in compiled.stale_reason(tmp_path / "missing")
+
+
+def test_an_up_to_date_build_is_refused_once_its_modules_were_imported_from_the_sources(tmp_path, monkeypatch, capsys):
+    manifest = {"python": sys.implementation.cache_tag, "modules": list(SUBSET), "sources": compiled.source_digests()}
+    (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest))
+    monkeypatch.setenv(compiled.ENV, str(tmp_path))
+    monkeypatch.setattr(compiled, "_checked", {})
+    assert "orchestrator.core.page_pool" in sys.modules          # this test process imported the sources already
+    assert compiled.activate() is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already imported from the sources" in err[0]
+    import orchestrator.core
+
+    assert str(tmp_path / "orchestrator" / "core") not in orchestrator.core.__path__
+
+
+def test_the_core_package_activates_nothing():
+    source = (ROOT / "orchestrator" / "core" / "__init__.py").read_text()
+    assert "import" not in source and "compiled" not in source
 
 
 def test_compiled_core_flag_without_a_build_says_how_to_make_one(tmp_path, monkeypatch):

@@ -1,10 +1,10 @@
-"""Load-curve arithmetic (eval/curve.py): the knee, the reduction there, the SLO and the capacity at it."""
+"""Load-curve arithmetic (eval/bench/curve.py): the knee, the reduction there, the SLO and the capacity at it."""
 from __future__ import annotations
 
 import pytest
 
-from eval.curve import (SLO, capacity_at_slo, default_slo, format_curve, grid_knee_rate, knee_rate, parse_rates,
-                        reductions_at, summarize_curve, value_at)
+from eval.bench.curve import (SLO, capacity_at_slo, default_slo, format_curve, grid_knee_rate, knee_rate, parse_rates,
+                              reductions_at, summarize_curve, value_at)
 
 
 def point(rate, base, mfs, base_ttft=(0.1, 0.1), base_tpot=(0.01, 0.01), mfs_ttft90=0.1, mfs_tpot90=0.01):

@@ -235,7 +235,7 @@ def test_results_validation_errors(tmp_path, text, error, message):
 
 
 def test_results_shaped_by_the_real_bench_summary_load():
-    import eval.metrics_calc as metrics_calc
+    import eval.bench.metrics as metrics_calc
     records = [metrics_calc.RequestRecord("s0", 0, 0.0, 0.05, 0.4, 100, 0, 8, ["tiny-s"]),
                metrics_calc.RequestRecord("s0", 1, 1.0, 1.03, 1.3, 140, 96, 8, ["tiny-s", "tiny-m"]),
                metrics_calc.RequestRecord("s1", 0, 1.5, None, None, 90, 0, 0, [], error="timeout")]

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from eval.intervals import differing_settings, interval, intervals_over, main, t_quantile_975
+from eval.bench.intervals import differing_settings, interval, intervals_over, main, t_quantile_975
 
 
 def test_interval_is_the_t_interval_of_the_mean():

@@ -18,8 +18,8 @@ REPO = NOTEBOOKS.parent.parent
 
 @pytest.fixture(scope="session")
 def bench_files(tmp_path_factory):
-    from eval.bench import BenchSettings, run_bench
-    from eval.sweep import rows_of
+    from eval.bench.cli import BenchSettings, run_bench
+    from eval.bench.sweep import rows_of
     from tests.test_workloads import family_dir
 
     out = tmp_path_factory.mktemp("bench")

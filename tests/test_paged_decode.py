@@ -105,10 +105,3 @@ def test_an_unusable_cache_folder_builds_in_the_temporary_folder(monkeypatch, tm
     assert native_kernels.load("paged_decode") is not None
     assert len(list((tmp_path / "tmp").glob("mfs-kernels-*/paged_decode-*.so"))) == 1
 
-
-def test_the_decode_attention_bench_runs(capsys):
-    from eval.decode_attention_bench import main
-
-    assert main(["--contexts", "20", "--seqs", "2", "--rounds", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "keys   20: attention per layer native" in out and "2 forwards" in out

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from engines.local.executor import LocalExecutor, split_point
-from eval.engine_bench import BLOCK_TOKENS, SHIPPED_FAMILIES_DIR
-from orchestrator.core.family import load_family
+from orchestrator.core.family import SHIPPED_FAMILIES_DIR, load_family
 from orchestrator.core.types import MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan
 
 GREEDY = SamplingParams(max_tokens=8)
+BLOCK_TOKENS = 16
 BLOCKS = 12
 
 

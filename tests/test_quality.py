@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from eval.metrics_calc import RequestRecord
-from eval.quality import member_token_share, reference_quality, request_weights
+from eval.bench.metrics import RequestRecord
+from eval.bench.quality import member_token_share, reference_quality, request_weights
 
 
 def record(session: str, turn: int, tokens_by_member: dict[str, int], prompt=(1, 2, 3), error=None) -> RequestRecord:
@@ -51,7 +51,7 @@ def test_member_token_share_counts_kept_tokens_of_answered_requests():
 def test_local_scorer_scores_the_reference_under_the_named_member():
     torch = pytest.importorskip("torch")
     from engines.local.scoring import score_tokens
-    from eval.quality import _model, local_scorer
+    from eval.bench.quality import _model, local_scorer
     from orchestrator.core.family import load_family, SHIPPED_FAMILIES_DIR
 
     family = load_family(SHIPPED_FAMILIES_DIR / "tiny")

@@ -91,7 +91,7 @@ def test_bad_declaration_and_non_empty_out_are_refused(tmp_path, capsys):
 
 def _script(env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, **env_extra}
-    return subprocess.run(["bash", str(ROOT / "eval/simulate/cuda_validation.sh")], env=env, capture_output=True,
+    return subprocess.run(["bash", str(ROOT / "eval/validate/cuda_validation.sh")], env=env, capture_output=True,
                           text=True, timeout=600)
 
 

@@ -369,7 +369,7 @@ def tiny_config(**overrides):
 def trace_of(sessions, arrivals, history="dataset"):
     """turns = (prompt, max_tokens, think_s): with `dataset` history the prompt is sent as it is; with `closed`
     history it is the user part that follows the previous prompt and the reply this system generated."""
-    from eval.workloads import Session, Trace, Turn, WorkloadSpec
+    from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec
 
     return Trace(spec=WorkloadSpec(history=history), arrival_times_s=list(arrivals),
                  sessions=[Session(f"s{i}", "multiturn", f"c{i}",
@@ -450,8 +450,8 @@ def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
     cycles: one per node, whatever the trace)."""
     import gc
 
-    from eval.metrics_calc import RequestRecord
-    from eval.workloads import Session, Turn
+    from eval.bench.metrics import RequestRecord
+    from eval.bench.workloads import Session, Turn
     from orchestrator.core.types import RequestOutput, StepPlan
 
     turns = [(PROMPT, 3, 0.0), (PROMPT + list(range(30, 40)), 2, 2.0)]
@@ -551,7 +551,7 @@ def test_a_refused_turn_ends_a_closed_loop_session():
 def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pilot():
     from dataclasses import replace
 
-    from eval.bench import BenchSettings, static_split_for
+    from eval.bench.cli import BenchSettings, static_split_for
     from eval.simulate.cli import search_baseline_split, system_configs
     from eval.simulate.fleet import Placement
     from eval.simulate.setup import SimSetup
@@ -586,7 +586,7 @@ def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pi
 
 
 def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_deployments_together(tmp_path):
-    from eval.bench import BenchSettings
+    from eval.bench.cli import BenchSettings
     from eval.simulate.cli import system_configs
     from eval.simulate.setup import GPU_SCHEDULER, paper_setup
 
@@ -652,9 +652,9 @@ def test_ride_overlap_is_measured_on_the_real_engine_and_written_into_a_table_ke
 
 
 def test_step_check_recovers_the_ride_overlap_real_merged_steps_imply():
-    """eval.simulate.step_check: real steps that run k times the grid, with riders at r of their own cost, read
+    """eval.validate.step_check: real steps that run k times the grid, with riders at r of their own cost, read
     k for every kind with ride_overlap r in the table, less than k for merged kinds without it, and imply r."""
-    from eval.simulate.step_check import check
+    from eval.validate.step_check import check
 
     grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((2.0, 4.0), (9.0, 11.0)))
     prefill = Grid2D((10.0, 20.0), (0.0, 100.0), ((10.0, 10.0), (20.0, 20.0)))

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from eval.split_search import SimSession, SimTurn, SplitSimulator, candidate_splits, search_split
+from eval.baseline.split_search import SimSession, SimTurn, SplitSimulator, candidate_splits, search_split
 
 LAYERS = {"s": 1, "l": 2}
 

@@ -1,9 +1,9 @@
-"""eval.step_profile: the step summary (pure) and one real replay through the wrapped executor."""
+"""eval.validate.step_profile: the step summary (pure) and one real replay through the wrapped executor."""
 import json
 
 import pytest
 
-from eval.step_profile import StepTiming, main, summarize_steps
+from eval.validate.step_profile import StepTiming, main, summarize_steps
 
 
 def test_summary_splits_decode_from_prefill_and_groups_by_members():

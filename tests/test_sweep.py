@@ -1,9 +1,9 @@
-"""eval.sweep: the seeds section and its spread (run_bench replaced by a recorder: the bench itself is
+"""eval.bench.sweep: the seeds section and its spread (run_bench replaced by a recorder: the bench itself is
 tested end to end in test_bench.py)."""
 import pytest
 
-import eval.sweep as sweep
-from eval.bench import BenchSettings
+import eval.bench.sweep as sweep
+from eval.bench.cli import BenchSettings
 
 
 def fake_result(mfs_s: float, base_s: float, paired: float | None, ceiling: float | None = None) -> dict:

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from eval.simulate.cost_model import BatchShape, LinearCostModel
-from eval.simulate.validate import fit, probe_of, probe_scaled, scaled
+from eval.validate.bench_vs_sim import fit, probe_of, probe_scaled, scaled
 
 COEF = {"a": (0.002, 0.0001, 0.0005, 0.00002, 0.003, 0.0004), "b": (0.004, 0.0002, 0.001, 0.00004, 0.006, 0.0009)}
 
@@ -64,8 +64,8 @@ def test_each_system_replays_its_own_recorded_confidences(monkeypatch, tmp_path)
     from dataclasses import replace
 
     import eval.simulate.cli as sim_cli
-    import eval.simulate.validate as validate
-    from eval.bench import BenchSettings
+    import eval.validate.bench_vs_sim as validate
+    from eval.bench.cli import BenchSettings
     from eval.simulate.confidence import CONFIDENCE_FORMAT
 
     shared = tmp_path / "confidences_r1.0.json"
@@ -88,7 +88,7 @@ def test_each_system_replays_its_own_recorded_confidences(monkeypatch, tmp_path)
 def test_request_path_maps_the_replay_clock_onto_the_engines():
     from types import SimpleNamespace
 
-    from eval.simulate.validate import request_path_of
+    from eval.validate.bench_vs_sim import request_path_of
 
     # the replay started at monotonic 100.0: a request sent at 2.0 (replay clock) arrived at 102.0 (monotonic)
     records = [SimpleNamespace(session_id="s0", turn_index=0, send_s=2.0, finish_s=2.5),
@@ -104,7 +104,7 @@ def test_request_path_maps_the_replay_clock_onto_the_engines():
 
 
 def test_calibrated_scales_by_the_runs_own_one_request_decode_steps():
-    from eval.simulate.validate import calibrated
+    from eval.validate.bench_vs_sim import calibrated
 
     def run(seconds_a: float, extra: int = 0) -> dict:
         solo = [([BatchShape("a", (100,), ())], seconds_a)] * (30 + extra)
@@ -124,7 +124,7 @@ def test_calibrated_scales_by_the_runs_own_one_request_decode_steps():
 
 def test_table_held_out_scales_the_offline_table_by_the_fit_runs_median_ratio():
     from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-    from eval.simulate.validate import table_held_out
+    from eval.validate.bench_vs_sim import table_held_out
 
     grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))       # 1 ms at one row, 2 ms at eight
     table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid)})
@@ -139,7 +139,7 @@ def test_table_held_out_scales_the_offline_table_by_the_fit_runs_median_ratio():
 
 def test_table_calibrated_takes_the_level_from_the_run_and_the_serving_terms_from_the_fit():
     from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-    from eval.simulate.validate import table_calibrated
+    from eval.validate.bench_vs_sim import table_calibrated
 
     grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))
     table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid)})
@@ -157,7 +157,7 @@ def test_table_calibrated_takes_the_level_from_the_run_and_the_serving_terms_fro
 
 def test_table_held_out_serving_takes_level_and_prefill_extra_from_the_fit_runs_only():
     from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-    from eval.simulate.validate import table_held_out_serving
+    from eval.validate.bench_vs_sim import table_held_out_serving
 
     grid = Grid2D((1.0, 8.0), (0.0, 1000.0), ((1.0, 1.0), (2.0, 2.0)))      # 1 ms at one row (or token), 2 at eight
     table = StepTable("timed offline", {"a": MemberCosts(decode_ms=grid, prefill_ms=grid, mix_overlap=0.0)})
@@ -185,8 +185,8 @@ def test_table_held_out_serving_takes_level_and_prefill_extra_from_the_fit_runs_
 
 
 def test_ttft_parts_cut_a_first_token_at_the_scheduler_the_first_step_and_the_sampling_step():
-    from eval.metrics_calc import RequestRecord
-    from eval.simulate.ttft_parts import ttft_parts
+    from eval.bench.metrics import RequestRecord
+    from eval.validate.ttft_parts import ttft_parts
 
     # replay clock = monotonic - 100; the request arrives at monotonic 100.010 (replay 0.010)
     record = RequestRecord(session_id="s1", turn_index=0, send_s=0.010, first_token_s=0.020, finish_s=0.05,

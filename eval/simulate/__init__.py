@@ -14,13 +14,15 @@ fleet.py        placements (colocated, per-member, fleet:N) and the front router
 setup.py        the family, cost model, memory -> pages and GPU settings a simulation runs on
 driver.py       replays a bench trace through the nodes in virtual time -> the bench's records
 cli.py          `mfs simulate` arguments, the result JSON (the bench schema plus `simulated`)
-validate.py     the CPU bench's curve run for real and simulated on the same traces, and the errors
 
-With MFS_COMPILED_CORE set to an up-to-date build (`make compile-core`), executor, clock, node, fleet,
-confidence and cost_model come from it, as the core's hot modules do (orchestrator/core/compiled.py).
+compiled.py     the mypyc build of the hot modules (the core's and the simulator's), activated here
+
+With MFS_COMPILED_CORE set to an up-to-date build (`make compile-core`), the hot modules of the core and of the
+simulator (executor, clock, node, fleet, confidence, cost_model) come from it: activated when this package is first
+imported, before any of them is.
 """
 
-from orchestrator.core.compiled import activate as _activate
+from eval.simulate.compiled import activate as _activate
 
-_activate(__name__, __path__)
+_activate()
 

@@ -18,12 +18,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from eval.baseline_split import SplitError, choose_baseline_split, split_mode_label
-from eval.bench import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
+from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
+from eval.bench.cli import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
                         complexity_estimator, curve_rates, curve_result, format_table, settings_from_args,
                         static_split_for)
-from eval.metrics_calc import decode_floor_token_latency, pages_timeline, summarize
-from eval.quality import member_token_share
+from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
+from eval.bench.quality import member_token_share
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
@@ -33,8 +33,8 @@ from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
 from eval.systems import needs_split, system_config
-from eval.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
-from orchestrator.core import compiled
+from eval.bench.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
+from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -196,7 +196,7 @@ def stats_interval_for(trace: Trace) -> float:
 
 def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
                           confidences: ConfidenceLibrary, tokenizer) -> dict[str, Any]:
-    """The bench's own baseline split (eval/baseline_split.py), with the pilot simulated: the baseline on the
+    """The bench's own baseline split (eval/baseline/split.py), with the pilot simulated: the baseline on the
     operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
     solo decode steps. Replaces configs["baseline"]; returns what the JSON says about the split."""
     family = setup.family or load_family(settings.family)
@@ -221,7 +221,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
 
 def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
               interval_s: float, jobs: int = 1) -> dict[str, Any]:
-    """Every system on `trace` (one rate): the point's JSON block, as eval.bench.run_point builds it. jobs > 1:
+    """Every system on `trace` (one rate): the point's JSON block, as eval.bench.cli.run_point builds it. jobs > 1:
     the systems run in forked processes (each simulation is a function of its inputs alone: same output)."""
     args = (setup, trace, confidences, vocab_size, interval_s)
     if jobs > 1 and len(configs) > 1:
@@ -251,7 +251,7 @@ _WORKER_NODES: list = []
 def _forked_system(name: str) -> tuple[list, dict[str, Any]]:
     configs, args = _FORKED
     records, metrics = _records_and_metrics(name, configs[name], *args, keep_nodes=_WORKER_NODES)
-    for record in records:         # only latencies are read back (eval.bench._paired): do not ship the tokens
+    for record in records:         # only latencies are read back (eval.bench.cli._paired): do not ship the tokens
         record.prompt_token_ids, record.output_token_ids, record.output_logprobs = [], [], []
     return records, metrics
 

@@ -263,9 +263,9 @@ def features(shape: BatchShape) -> tuple[float, ...]:
 
 class LinearCostModel:
     """batch_s = layer_fraction * sum_k coef[member][k] * features_k (seconds), fitted by least squares on step
-    durations observed in a real run (eval.simulate.validate); overhead = the run's mean gap between steps.
+    durations observed in a real run (eval.validate.bench_vs_sim); overhead = the run's mean gap between steps.
 
-    Two history terms, when fitted (eval.simulate.validate fits them from the real steps' start times):
+    Two history terms, when fitted (eval.validate.bench_vs_sim fits them from the real steps' start times):
     after_idle = (extra_s, decay, tau_s): the k-th step (from 0) after the engine sat idle for `idle` seconds
     costs extra_s * (1 - exp(-idle / tau_s)) * decay^k more; after_prefill = (s_per_token, decay): the k-th step
     (from 1) after a step that held P prefill tokens costs s_per_token * P * decay^(k-1) more. On the CPU (session

@@ -1,10 +1,10 @@
 """Replays a bench trace through simulated nodes in virtual time and returns what `mfs bench` measures.
 
-The session logic is the bench's (eval/driver.py): sessions start at their arrival times; each turn is sent when
-the previous one finished plus its think time, its prompt built by eval.workloads.next_prompt (closed history:
+The session logic is the bench's (eval/bench/driver.py): sessions start at their arrival times; each turn is sent when
+the previous one finished plus its think time, its prompt built by eval.bench.workloads.next_prompt (closed history:
 the reply this system generated goes back); every request is greedy with ignore_eos and max_tokens = the
 trace's reply length; a refused request is recorded and, with closed history, ends its session. Records are the
-bench's RequestRecords filled by the bench's own record_output, so eval.metrics_calc.summarize gives the same
+bench's RequestRecords filled by the bench's own record_output, so eval.bench.metrics.summarize gives the same
 metrics block. Where the cost model prices the serving edge (request_path_s: the measured CPU model), a request
 reaches the scheduler that long after the client sent it, and the client sees each output that long after the
 step that made it.
@@ -18,13 +18,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.metrics_calc import RequestRecord
+from eval.bench.metrics import RequestRecord
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import request_key
 from eval.simulate.fleet import FrontRouter
 from eval.simulate.node import SimNode
-from eval.driver import record_output
-from eval.workloads import Trace, next_prompt
+from eval.bench.driver import record_output
+from eval.bench.workloads import Trace, next_prompt
 from orchestrator.core.errors import MFSError
 from orchestrator.core.types import Request, RequestId, RequestOutput, SamplingParams
 

@@ -7,7 +7,7 @@ member nested in a larger one, ride_overlap: what its decodes add to the larger 
 merges them into one forward, as a share of what they cost alone (RIDE_POINTS, median). Then a
 short real LocalServing run (pinned requests streamed through the engine thread and asyncio, as the bench
 drives it) gives the serving loop's cost between back-to-back steps (step_overhead_ms), measured the way
-eval.step_profile measures it.
+eval.validate.step_profile measures it.
 
     python -m eval.simulate.measure --out eval/simulate/tables/tiny_measured.json
     python -m eval.simulate.measure --ride-overlap-into eval/simulate/tables/tiny_measured.json   # only that
@@ -140,8 +140,8 @@ def profile_members(family, config) -> dict[str, MemberCosts]:
 
 async def _serving_gaps(config, num_requests: int = 4, tokens: int = 48) -> float:
     """Mean gap (ms) between back-to-back execute() calls of a real LocalServing streaming pinned requests."""
-    from eval.bench import pinned_request
-    from eval.step_profile import BACK_TO_BACK_S, timed
+    from eval.bench.cli import pinned_request
+    from eval.validate.step_profile import BACK_TO_BACK_S, timed
     from orchestrator.serve.serving import LocalServing
 
     engine = LocalServing(config)

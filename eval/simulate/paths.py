@@ -1,5 +1,5 @@
 """Files the simulator ships, found from its sources (kept out of the compiled modules: an extension's
-__file__ lies in the build folder, orchestrator/core/compiled.py)."""
+__file__ lies in the build folder, eval/simulate/compiled.py)."""
 from __future__ import annotations
 
 from pathlib import Path

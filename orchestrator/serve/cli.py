@@ -13,9 +13,9 @@ from orchestrator.serve.optional import missing_message
 
 SUBCOMMANDS = {
     "serve": ("orchestrator.serve.server", "OpenAI-compatible server for a model family"),
-    "bench": ("eval.bench", "MFS against an independent-deployment baseline on ShareGPT traffic"),
+    "bench": ("eval.bench.cli", "MFS against an independent-deployment baseline on ShareGPT traffic"),
     "simulate": ("eval.simulate.cli", "the real core in virtual time on a cost model (SIMULATED figures)"),
-    "demo": ("eval.demo", "replay a short ShareGPT multi-turn set through the tiny family and print a table"),
+    "demo": ("eval.bench.demo", "replay a short ShareGPT multi-turn set through the tiny family and print a table"),
     "triton-up": ("engines.triton.server_process", "start a real Triton Inference Server on a model repository"),
     "dashboard": ("dashboard.launch", "Streamlit latency and hit-rate dashboard"),
     "fleet": ("orchestrator.serve.fleet", "many `mfs serve` replicas behind the SGLang Model Gateway"),

@@ -5,7 +5,7 @@ One real rate of the bench's trace is replayed through the bench's own run_syste
 the request ids of its chunks kept; each request's TTFT is then cut at those points (time.monotonic throughout;
 a record's replay-clock times are mapped through its arrival, taken together with its send time).
 
-    python -m eval.simulate.ttft_parts --quick --rate 0.5 --system mfs
+    python -m eval.validate.ttft_parts --quick --rate 0.5 --system mfs
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def ttft_parts(records: list, steps: list[StepSpan], edges: dict[str, tuple[floa
 
 def run(settings: Any, system: str) -> dict[str, list[float]]:
     """One real replay of `system` at settings.rate, instrumented; its TTFT parts."""
-    from eval.bench import config_for, prepare, run_system
+    from eval.bench.cli import config_for, prepare, run_system
 
     _, trace, split, _ = prepare(settings)
     steps: list[StepSpan] = []
@@ -80,9 +80,9 @@ def run(settings: Any, system: str) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eval.bench import BenchSettings
+    from eval.bench.cli import BenchSettings
 
-    parser = argparse.ArgumentParser(prog="python -m eval.simulate.ttft_parts", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.validate.ttft_parts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rate", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)

@@ -5,7 +5,7 @@
 #
 # Made for a lent device machine (one short call; nothing there can be downloaded, so the trace is the saved
 # quick trace of seed 0 and the family's weights are drawn by the engine at load):
-#   run(command="bash eval/simulate/cuda_validation.sh", timeout_s=560)
+#   run(command="bash eval/validate/cuda_validation.sh", timeout_s=560)
 # Knobs (environment): PRESET (build_scripts/random_family.py), RATES, DTYPE, KV_PAGES, PAGE_BYTES, PYTHON.
 # Writes $OUT/validation_cuda.json and $OUT/validation_cuda.log (OUT defaults to ./cuda_validation_out).
 # On a machine without CUDA it says so and stops (exit 3), unless ALLOW_CPU=1 (the pipeline check the test
@@ -39,7 +39,7 @@ if not cuda and os.environ.get("ALLOW_CPU") != "1":
     sys.exit(3)
 EOF
   "$PY" -m build_scripts.random_family --preset "$PRESET" --out "$WORK/family" --force
-  "$PY" -m eval.simulate.validate --quick --trace eval/simulate/data/quick_trace_seed0.json \
+  "$PY" -m eval.validate.bench_vs_sim --quick --trace eval/simulate/data/quick_trace_seed0.json \
       --family "$WORK/family" --rates "$RATES" --kv-pages "$KV_PAGES" \
       --set pool.page_bytes="$PAGE_BYTES" --set engine.dtype="$DTYPE" --set escalation.enabled=false \
       --work-dir "$WORK/val" --out "$OUT/validation_cuda.json"

@@ -1,6 +1,6 @@
 """Nested self-speculation on the local engine: tokens per second of greedy decodes pinned to one member, with
 0 / 1 / 2 drafted tokens a step, at a given number of requests decoding at once; checks the tokens are
-identical. `python -m eval.speculation_bench --member tiny-l --concurrency 1,2,4,8`."""
+identical. `python -m eval.probes.speculation_bench --member tiny-l --concurrency 1,2,4,8`."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from engines.local.executor import LocalExecutor
-from eval.driver import pinned_request
+from eval.bench.driver import pinned_request
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import load_config
 from orchestrator.core.engine_core import EngineCore

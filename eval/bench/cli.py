@@ -14,15 +14,15 @@ from typing import Any
 
 import yaml
 
-from eval.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
-from eval.baseline_split import SplitError, choose_baseline_split, parse_split_mode, runs_pilot, split_mode_label
-from eval.quality import add_quality as _add_quality
-from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
-from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
-from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
+from eval.bench.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
+from eval.baseline.split import SplitError, choose_baseline_split, parse_split_mode, runs_pilot, split_mode_label
+from eval.bench.quality import add_quality as _add_quality
+from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
+from eval.bench.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
+from eval.bench.metrics import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
                                reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
-from eval.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
+from eval.bench.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
                             with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family

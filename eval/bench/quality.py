@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from eval.metrics_calc import RequestRecord, mean
+from eval.bench.metrics import RequestRecord, mean
 from orchestrator.core.family import FamilySpec
 
 # (member, prompt, reference) -> mean per-token log-likelihood of reference after prompt under member

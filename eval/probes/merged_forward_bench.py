@@ -1,7 +1,7 @@
 """One decode step with N requests on every member of a nested family: a forward per member against
 ONE merged forward over the shared lower layers (LocalExecutor merge_nested). CPU time, best of R.
 
-    python -m eval.merged_forward_bench [--family tiny] [--requests 8] [--prompt 64] [--repeats 5]
+    python -m eval.probes.merged_forward_bench [--family tiny] [--requests 8] [--prompt 64] [--repeats 5]
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 and what a decode step costs by the members in it. The replay, trace and systems are `mfs bench`'s own;
 only the executor's execute() is wrapped with a timer (scheduling and tier copies are not counted).
 
-    python -m eval.step_profile --quick --sessions 24 --rate 2 --kv-pages 768 --systems mfs,baseline,no_layer_sharing
-    python -m eval.step_profile ... --set engine.num_threads=2     # the oversubscribed engine of before 2026-11-30
+    python -m eval.validate.step_profile --quick --sessions 24 --rate 2 --kv-pages 768 --systems mfs,baseline,no_layer_sharing
+    python -m eval.validate.step_profile ... --set engine.num_threads=2     # the oversubscribed engine of before 2026-11-30
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.bench import add_arguments, config_for, prepare, run_system, settings_from_args
-from eval.metrics_calc import mean
+from eval.bench.cli import add_arguments, config_for, prepare, run_system, settings_from_args
+from eval.bench.metrics import mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ def format_profile(name: str, p: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.step_profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.validate.step_profile", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     parser.set_defaults(out="step_profile.json", no_quality=True)
     args = parser.parse_args(argv)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     profiles = {name: profile_system(name, config_for(name, settings, split), trace) for name in settings.systems}
     for name, p in profiles.items():
         print(format_profile(name, p))
-    Path(args.out).write_text(json.dumps({"settings": {"command": "python -m eval.step_profile " + " ".join(
+    Path(args.out).write_text(json.dumps({"settings": {"command": "python -m eval.validate.step_profile " + " ".join(
         argv if argv is not None else sys.argv[1:])}, "systems": profiles}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -1,6 +1,6 @@
 """Fleet benchmark: real `mfs fleet up` processes (replicas + SGLang Model Gateway) replaying ShareGPT sessions.
 
-  python -m eval.fleet_bench [--replicas 2] [--policies sticky cache_aware round_robin] [--sessions 16]
+  python -m eval.bench.fleet [--replicas 2] [--policies sticky cache_aware round_robin] [--sessions 16]
                              [--turns 3] [--concurrency 4] [--seeds 1] [--out artifacts/fleet_bench.json]
 
 For each seed and policy it starts a fresh fleet (cold caches), replays the same sessions (the recorded assistant
@@ -34,7 +34,7 @@ import httpx
 from orchestrator.serve.fleet import port_is_free
 from orchestrator.sharegpt import iter_conversations
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAX_MESSAGE_CHARS = 240          # the tiny family's context is 1024 tokens: keep 3 turns of history inside it
 NUM_OVERHEAD_PAIRS = 40
 
@@ -166,7 +166,7 @@ def hop_overhead(plan: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.fleet_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.bench.fleet", description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--policies", nargs="+", default=["sticky", "cache_aware", "round_robin"])
     parser.add_argument("--sessions", type=int, default=16)

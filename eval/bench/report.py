@@ -1,10 +1,10 @@
 """The text report of `mfs bench`: the per-system table at the headline rate, the decode floor and paired
-lines, then the load curve (eval/curve.py)."""
+lines, then the load curve (eval/bench/curve.py)."""
 from __future__ import annotations
 
 from typing import Any
 
-from eval.curve import format_curve
+from eval.bench.curve import format_curve
 
 
 TABLE_COLUMNS = (("mean_token_latency_s", "tok-lat ms", 1e3), ("ttft_p50_s", "ttft50 ms", 1e3),

@@ -1,16 +1,18 @@
-"""The compiled core: the simulator's hot modules built to C extensions by mypyc (build_scripts/compile_core.py),
-used instead of their Python sources when MFS_COMPILED_CORE names a build that matches those sources. Standard
-library only (it lives in the core because the core's __init__ calls it).
+"""The compiled core: the simulator's hot modules (the core's and its own) built to C extensions by mypyc
+(build_scripts/compile_core.py), used instead of their Python sources when MFS_COMPILED_CORE names a build that
+matches those sources. Standard library only: it runs before any compiled module is imported.
 
 The sources stay the one definition: a build is a copy of them compiled as is (mypyc keeps Python's semantics for
 type-checked code; `mfs simulate` gives byte-identical JSON either way, tests/test_compiled_core.py checks it),
 and a build is refused with one line, not used, once any source of the two packages changed since it was made.
-Nothing is compiled into the source tree: tests, `mfs serve` and the bench import the Python sources unless the
-variable is set. `mfs simulate --compiled-core` sets it and re-executes itself.
+Nothing is compiled into the source tree, and only the simulator activates a build: tests, `mfs serve` and the
+bench import the Python sources. `mfs simulate --compiled-core` sets the variable and re-executes itself.
 
-Activation is per package: orchestrator/core/__init__.py and eval/simulate/__init__.py call activate(), which puts
-the build's folder for that package first in the package's __path__, so `import orchestrator.core.scheduler` finds
-the extension there and every module that was not compiled still comes from the sources.
+Activation: the simulator's package (eval/simulate/__init__.py) calls activate() when it is first imported, which
+puts the build's folder for each package of MODULES first in that package's __path__, so `import
+orchestrator.core.scheduler` finds the extension there and every module that was not compiled still comes from the
+sources. A process that imported one of MODULES from its source before that keeps the sources (one line says so):
+compiled and Python copies of the same types cannot be mixed.
 """
 from __future__ import annotations
 
@@ -89,24 +91,38 @@ def stale_reason(directory: Path) -> str | None:
 _checked: dict[Path, str | None] = {}
 
 
-def activate(package: str, path: list[str]) -> bool:
-    """Called from a package's __init__ with its __name__ and __path__: puts the build's folder for it first
-    when MFS_COMPILED_CORE names an up-to-date build. Says in one line (stderr) why a named build is not used."""
+def packages() -> list[str]:
+    """The packages that hold MODULES (each gets the build's folder for it first in its __path__)."""
+    return sorted({module.rsplit(".", 1)[0] for module in MODULES})
+
+
+def activate() -> bool:
+    """Puts the build MFS_COMPILED_CORE names first in the __path__ of every package of MODULES when that build is
+    up to date and none of MODULES is loaded yet. Says in one line (stderr) why a named build is not used."""
+    import importlib
+
     directory = build_dir()
     if directory is None:
         return False
     if directory not in _checked:
-        _checked[directory] = stale_reason(directory)
+        _checked[directory] = stale_reason(directory) or _loaded_reason()
         if _checked[directory] is not None:
             print(f"{ENV}: {_checked[directory]}: using the Python sources", file=sys.stderr)
     if _checked[directory] is not None:
         return False
-    folder = str(directory.joinpath(*package.split(".")))
-    if folder not in path:
-        path.insert(0, folder)
+    for package in packages():
+        path = importlib.import_module(package).__path__
+        folder = str(directory.joinpath(*package.split(".")))
+        if folder not in path:
+            path.insert(0, folder)
     if str(directory) not in sys.path:
         sys.path.append(str(directory))       # mypyc's shared runtime module lies at the build's top
     return True
+
+
+def _loaded_reason() -> str | None:
+    loaded = sorted(m for m in MODULES if m in sys.modules)
+    return f"{', '.join(loaded)} already imported from the sources" if loaded else None
 
 
 def active_modules() -> list[str]:

@@ -8,7 +8,7 @@ forward), the median of real / predicted, once with the table's ride_overlap and
 forwards of their own (1.0); and the ride overlap the real merged steps imply,
 (real / k - host) / riders with k the single-member steps' median ratio.
 
-    python -m eval.simulate.step_check --runs '.cache/mfs/validation/real_r*.pkl' \\
+    python -m eval.validate.step_check --runs '.cache/mfs/validation/real_r*.pkl' \\
         --table eval/simulate/tables/tiny_measured.json [--system mfs]
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def load_steps(pattern: str, system: str) -> list[Step]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.simulate.step_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.validate.step_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", required=True, help="glob of the validation's saved real runs (real_r*.pkl)")
     parser.add_argument("--table", default="eval/simulate/tables/tiny_measured.json")
     parser.add_argument("--system", default="mfs")

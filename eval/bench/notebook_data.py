@@ -1,6 +1,6 @@
 """What the eval notebooks read: the bench results JSON they are given, or, when there is none (a user opens
 a notebook in Jupyter with no parameters), a tiny bench run in-process. The kernel already runs an event
-loop; run_bench copes (eval.bench.run_coroutine runs the replay on its own thread then)."""
+loop; run_bench copes (eval.bench.cli.run_coroutine runs the replay on its own thread then)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ FALLBACK = dict(sessions=3, max_turns=2, max_prompt_tokens=256, max_output_token
 
 
 def fallback_settings():
-    from eval.bench import BenchSettings
+    from eval.bench.cli import BenchSettings
 
     return BenchSettings.quick_defaults(progress=False, score_quality=True, **FALLBACK)
 
@@ -24,7 +24,7 @@ def load_results(path: str | Path | None) -> dict[str, Any]:
     target = Path(path) if path else None
     if target is not None and target.is_file():
         return json.loads(target.read_text())
-    from eval.bench import run_bench
+    from eval.bench.cli import run_bench
 
     print(f"{target} not found: running a tiny bench (mfs, baseline; {FALLBACK})")
     return run_bench(fallback_settings())

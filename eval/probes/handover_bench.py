@@ -4,7 +4,7 @@ A request escalating from tiny-s (or tiny-m) to tiny-l in the nested tiny family
 pages for the shared lower layers and its residual stream at the exit depth, so the target computes
 only its upper layers. This times both prefills on the real local engine.
 
-    python -m eval.handover_bench [--family tiny] [--tokens 512] [--repeats 5]
+    python -m eval.probes.handover_bench [--family tiny] [--tokens 512] [--repeats 5]
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from eval.metrics_calc import reduction
+from eval.bench.metrics import reduction
 
 KNEE_FACTOR = 2.0
 TTFT_SLO_X = 5.0

@@ -8,7 +8,7 @@
 3. optionally (--profile) the step's torch operators by self CPU time (the kernel runs outside torch and is
    not listed), and the step's matmul shapes timed hot (weights in cache) against what they achieve in the step.
 
-    python -m eval.decode_attention_bench [--contexts 48,160,480] [--seqs 32] [--rounds 3] [--profile]
+    python -m eval.probes.decode_attention_bench [--contexts 48,160,480] [--seqs 32] [--rounds 3] [--profile]
 
 Every figure is a median of repetitions within one round, rounds interleaved; it prints, it asserts nothing.
 """
@@ -85,7 +85,7 @@ def step_ms(executors: dict[int, LocalExecutor], member, seqs: int, context: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.decode_attention_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.probes.decode_attention_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", default="48,160,480", help="keys per sequence (comma-separated)")
     parser.add_argument("--seqs", type=int, default=32, help="decoding sequences")
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,14 +1,14 @@
 """The baseline's static split for one `mfs bench` run: the operator's default (proportional to weight
 bytes) run for real at the lightest rate as the pilot, then, by default, the simulated search
-(eval/split_search.py) over splits, fed with the pilot's escalations and measured decode steps."""
+(eval/baseline/split_search.py) over splits, fed with the pilot's escalations and measured decode steps."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from eval.split_search import SplitSimulator, search_report, search_split, sim_sessions
+from eval.baseline.split_search import SplitSimulator, search_report, search_split, sim_sessions
 from eval.systems import StaticSplit, pages_rule, proportional_split
-from eval.workloads import Trace
+from eval.bench.workloads import Trace
 from orchestrator.core.family import FamilySpec
 
 # (fractions, rate) -> (config, records, metrics): the bench's real replay of the baseline on a split
@@ -77,7 +77,7 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
                           progress=None) -> tuple[dict[str, float], dict[str, Any]]:
     """The baseline's split and what the JSON says about it: `baseline_proportional` (the operator's default
     split by weight bytes, run for real at the lightest rate: the pilot) and, for `search`, the search
-    (eval/split_search.py: every candidate split scored by a simulated replay of the trace with the pilot's
+    (eval/baseline/split_search.py: every candidate split scored by a simulated replay of the trace with the pilot's
     escalations and measured step costs). `run_pilot(fractions, rate)` runs the baseline for real on a split
     (the bench's replay) and returns (config, records, metrics without per-request rows)."""
 

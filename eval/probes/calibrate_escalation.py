@@ -1,7 +1,7 @@
 """Calibrates the escalation threshold: the distribution of each member's rolling top-1 probability on
 real ShareGPT replies (teacher-forced), and what fraction of replies a threshold would escalate.
 
-    python -m eval.calibrate_escalation [--family tiny] [--conversations 40] [--window 8]
+    python -m eval.probes.calibrate_escalation [--family tiny] [--conversations 40] [--window 8]
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ import asyncio
 import time
 from typing import Any
 
-from eval.metrics_calc import RequestRecord, counter_delta, percentile
-from eval.workloads import Trace, next_prompt
+from eval.bench.metrics import RequestRecord, counter_delta, percentile
+from eval.bench.workloads import Trace, next_prompt
 from orchestrator.core.errors import MFSError
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 

@@ -22,7 +22,7 @@ rate: mean token latency, TTFT p50/p90, TPOT p50 and throughput, simulated / rea
 are ordered the same way; and a fixed workload timed before and after every real run (machine_probe_ms), so the
 machine's own drift is on record beside the errors.
 
-    python -m eval.simulate.validate --quick --rates 0.5,1,2 --out validation.json
+    python -m eval.validate.bench_vs_sim --quick --rates 0.5,1,2 --out validation.json
 """
 from __future__ import annotations
 
@@ -36,14 +36,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from eval.bench import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
+from eval.bench.cli import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
 from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
 from eval.simulate.cost_model import (BatchShape, CostModel, LinearCostModel, StepHistory, TableCostModel, TableWithServingTerms,
                                       fit_steps, plan_shapes, step_histories)
 from eval.simulate.step_table import StepTable, load_table, save_table
 from eval.simulate.fleet import Placement
 from eval.simulate.setup import SimSetup
-from eval.step_profile import BACK_TO_BACK_S
+from eval.validate.step_profile import BACK_TO_BACK_S
 
 METRICS = (("mean_token_latency_s", "mean token latency"), ("ttft_p50_s", "TTFT p50"), ("ttft_p90_s", "TTFT p90"),
            ("tpot_p50_s", "TPOT p50"), ("throughput_tok_s", "throughput"))
@@ -400,7 +400,7 @@ def step_table_for(path: str | None, work: Path, family: str) -> StepTable:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.simulate.validate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.validate.bench_vs_sim", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="0.5,1,2")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                "same_order_every_rate": {v: all(r[v]["same_order"] for r in results.values() if v in r)
                                          for v in VARIANTS if any(v in r for r in results.values())},
                "same_order_every_rate_held_out": all(r["held_out"]["same_order"] for r in results.values()),
-               "by_rate": results, "command": "python -m eval.simulate.validate " + " ".join(sys.argv[1:] if argv is None else argv)}
+               "by_rate": results, "command": "python -m eval.validate.bench_vs_sim " + " ".join(sys.argv[1:] if argv is None else argv)}
     Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
     if args.save_fit:          # the in-sample fit over every rate: mfs simulate's default measured cost model
         Path(args.save_fit).write_text(json.dumps(in_sample.to_dict(), indent=1))

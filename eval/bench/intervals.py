@@ -1,6 +1,6 @@
 """Means and 95% intervals of the curve figures over several runs (trace seeds x repeats).
 
-    python -m eval.intervals run_s0.json run_s1.json ... [--out intervals.json]
+    python -m eval.bench.intervals run_s0.json run_s1.json ... [--out intervals.json]
 
 Each file is a `mfs bench` or `mfs simulate` result with a load curve. The curve figures are read again from
 each file's stored curve with the current rules (eval/curve.py: the interpolated knee and capacity), so
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.curve import SLO, default_slo, summarize_curve
+from eval.bench.curve import SLO, default_slo, summarize_curve
 
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; past 30 the nearest lower entry.
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -132,7 +132,7 @@ def format_intervals(found: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.intervals", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.bench.intervals", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="bench or simulate result JSON files with a load curve")
     parser.add_argument("--out", default=None, help="write the intervals here as JSON")
     args = parser.parse_args(argv)
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             results.append(json.loads(Path(name).read_text()))
         except (OSError, ValueError) as exc:
-            print(f"python -m eval.intervals: cannot read {name}: {exc}", file=sys.stderr)
+            print(f"python -m eval.bench.intervals: cannot read {name}: {exc}", file=sys.stderr)
             return 2
     found = intervals_over(results)
     differ = differing_settings(results)

@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from eval.bench import BenchSettings, run_bench
-from eval.metrics_calc import mean
+from eval.bench.cli import BenchSettings, run_bench
+from eval.bench.metrics import mean
 
 ROW_METRICS = ("mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "throughput_tok_s",
                "prefix_hit_rate", "escalation_rate", "preemptions", "num_requests", "num_failed",
@@ -92,7 +92,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.sweep", description=__doc__ + " Writes JSON (--out).")
+    parser = argparse.ArgumentParser(prog="python -m eval.bench.sweep", description=__doc__ + " Writes JSON (--out).")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workload", default="multiturn")
     parser.add_argument("--sessions", type=int, default=None)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                        _floats(args.thresholds), args.seeds,
                        log=lambda m: print(m, file=sys.stderr))
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
-    result["settings"]["command"] = "python -m eval.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["settings"]["command"] = "python -m eval.bench.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(args.out).write_text(json.dumps(result, indent=1))
     for row in result["grid"] + result["single_ample"] + result["escalation"] + result["seeds"]:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})

@@ -276,7 +276,7 @@ def search_split(simulator: SplitSimulator, sessions_by_rate: Mapping[float, Seq
             "feasibility_rule": rule, "top": scored[:5], "worst": scored[-1], "grid": grid,
             "objective": "simulated mean token latency, averaged over the curve's rates (lower is better)",
             "cost_model": (f"step of member m with n tokens = solo_decode_step_s[m] x (1 + (n - 1) / "
-                           f"{PREFILL_TOKENS_PER_DECODE_STEP:g}); deployments take turns; see eval/split_search.py"),
+                           f"{PREFILL_TOKENS_PER_DECODE_STEP:g}); deployments take turns; see eval/baseline/split_search.py"),
             "scored": scored}
 
 

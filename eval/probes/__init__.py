@@ -1,0 +1,1 @@
+"""One-off measurements of the engine and the core (developer probes; nothing in the product imports them)."""

@@ -1,0 +1,1 @@
+"""Validation of the simulator: real runs measured and set against their simulation."""
