@@ -25,6 +25,7 @@ from eval.bench.cli import (CURVE_DROP, BenchSettings, _ceilings, _paired, _redu
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.quality import member_token_share
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
+from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
@@ -65,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the default, as TensorRT-LLM offloads)")
     parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
                         help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
+    parser.add_argument("--escalation-model", default=None, metavar="MODEL",
+                        help="when simulated requests escalate: 'recorded' (the --confidences file: the tiny family's "
+                             "default) or 'parametric:P1,...@MEAN' (a probability per member but the largest and the "
+                             "mean trip position in tokens: eval/simulate/escalation_model.py; paper-scale default "
+                             "parametric with 0.15 per member @24)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--max-turns", type=int, default=None)
@@ -270,6 +276,18 @@ def _run_forked(configs: dict, args: tuple, jobs: int) -> dict[str, tuple[list, 
     return dict(zip(configs, results))
 
 
+def load_confidences(args: argparse.Namespace, settings: BenchSettings, setup: SimSetup, tiny):
+    """The recorded tiny-family confidences, or the stated parametric model (the paper-scale default)."""
+    text = args.escalation_model or ("recorded" if not is_paper_family(args.family)
+                                     else default_model_text(setup.member_names))
+    if text != "recorded":
+        min_tokens = load_config(overrides=settings.extra_overrides or None).escalation.min_tokens
+        return parse_model(text, setup.member_names, min_tokens, settings.seed)
+    confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
+    confidences.map_members(setup.member_names, tiny.member_names)
+    return confidences
+
+
 def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     settings = sim_settings(args)
     setup = build_setup(args, settings)
@@ -280,8 +298,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     trace_s = time.perf_counter() - started
     rates = curve_rates(settings, trace)
     headline = trace.spec.rate_sessions_per_s if trace.spec.rate_sessions_per_s in rates else rates[0]
-    confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
-    confidences.map_members(setup.member_names, tiny.member_names)
+    confidences = load_confidences(args, settings, setup, tiny)
     configs, split = system_configs(setup, settings, trace, tokenizer)
     sim_started = time.perf_counter()
     about_split: dict[str, Any] = {"baseline_split_mode": None if "baseline" not in configs else
@@ -359,8 +376,8 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         result = run_simulation(args)
-    except (TraceFileError, ConfigError, StepTableError, PlacementError, ConfidenceFileError, FamilyError,
-            SplitError) as exc:
+    except (TraceFileError, ConfigError, StepTableError, PlacementError, ConfidenceFileError, EscalationModelError,
+            FamilyError, SplitError) as exc:
         raise SystemExit(f"mfs simulate: {exc}") from None
     result["settings"]["command"] = ("mfs simulate " + " ".join(sys.argv[2:])) if sys.argv[1:2] == ["simulate"] else None
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
