@@ -292,3 +292,18 @@ def test_saved_trace_is_asdict_of_the_trace(tokenizer, conversations, tmp_path):
     assert data["sessions"] == [asdict(s) for s in trace.sessions]
     assert list(data["sessions"][0]) == list(asdict(trace.sessions[0]))          # same key order
     assert list(data["sessions"][0]["turns"][0]) == list(asdict(trace.sessions[0].turns[0]))
+
+
+def test_a_traces_digest_is_the_sha256_of_its_saved_file(tokenizer, conversations, tmp_path):
+    import hashlib
+
+    from eval.bench.workloads import save_trace, trace_digest
+
+    trace = build_trace(_spec(name="mixed"), tokenizer, conversations)
+    again = build_trace(_spec(name="mixed"), tokenizer, conversations)
+    save_trace(trace, tmp_path / "a.json", tokenizer_hash="tok")
+    save_trace(again, tmp_path / "b.json", tokenizer_hash="tok")
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()     # rebuilt byte for byte
+    assert trace_digest(trace, "tok") == hashlib.sha256((tmp_path / "a.json").read_bytes()).hexdigest()
+    assert trace_digest(build_trace(_spec(name="mixed", seed=4), tokenizer, conversations), "tok") != \
+        trace_digest(trace, "tok")

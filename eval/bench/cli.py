@@ -23,7 +23,7 @@ from eval.bench.metrics import (RequestRecord, decode_floor_token_latency, pages
                                reduction, summarize)
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
 from eval.bench.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
-                            with_history)
+                                  trace_digest, with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -255,7 +255,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.record_confidences:   # the simulator's escalation input (eval/simulate/confidence.py)
         _record_confidences(settings, family, recorded, notes)
     result = {
-        "workload": trace.at_rate(headline).summary(),
+        "workload": {**trace.at_rate(headline).summary(),
+                     "trace_sha256": trace_digest(trace, family.members[0].tokenizer_hash)},
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,

@@ -8,6 +8,7 @@ are fixed per turn either way, so under `closed` every system sees the same prom
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -150,6 +151,15 @@ class TraceFileError(ValueError):
 
 
 def save_trace(trace: Trace, path: str | Path, tokenizer_hash: str) -> None:
+    Path(path).write_bytes(trace_bytes(trace, tokenizer_hash))
+
+
+def trace_digest(trace: Trace, tokenizer_hash: str) -> str:
+    """sha256 of the file save_trace writes: names a trace in a result, so a rebuilt trace can be checked."""
+    return hashlib.sha256(trace_bytes(trace, tokenizer_hash)).hexdigest()
+
+
+def trace_bytes(trace: Trace, tokenizer_hash: str) -> bytes:
     # The sessions as asdict would give them (same keys, same order), without its deep copy of every token list.
     sessions = [{"session_id": s.session_id, "kind": s.kind, "conversation_id": s.conversation_id,
                  "turns": [{"prompt_token_ids": t.prompt_token_ids, "max_tokens": t.max_tokens,
@@ -158,7 +168,7 @@ def save_trace(trace: Trace, path: str | Path, tokenizer_hash: str) -> None:
                 for s in trace.sessions]
     data = {"format": TRACE_FORMAT, "tokenizer_hash": tokenizer_hash, "spec": asdict(trace.spec),
             "arrival_times_s": trace.arrival_times_s, "notes": trace.notes, "sessions": sessions}
-    Path(path).write_text(json.dumps(data))
+    return json.dumps(data).encode()
 
 
 def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:

@@ -34,7 +34,8 @@ from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
 from eval.systems import needs_split, system_config
-from eval.bench.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
+from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, trace_digest,
+                                  with_history)
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
@@ -327,7 +328,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                         "--serial-saves charges them before the step)" if setup.cost.saves_overlap
                         else "; copies to and from it are charged in the step"))
     return {
-        "workload": trace.at_rate(headline).summary(),
+        "workload": {**trace.at_rate(headline).summary(), "trace_sha256": trace_digest(trace, tiny.members[0].tokenizer_hash)},
         "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),
                      "static_split_traffic_share": getattr(split, "traffic_share", None),
                      "baseline_split_mode": about_split.pop("baseline_split_mode"),
