@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.bench.metrics import RequestRecord, counter_delta, pages_timeline, percentile, prefix_hit_rates, summarize
+from eval.bench.metrics import RequestRecord, counter_delta, pages_timeline, prefix_hit_rates, summarize
 from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config
 from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec
 from orchestrator.core.config import load_config
@@ -147,12 +147,6 @@ def test_system_knobs():
 def _record(turn, send, first, finish, prompt, cached, out, members):
     return RequestRecord(session_id="s", turn_index=turn, send_s=send, first_token_s=first, finish_s=finish,
                          prompt_tokens=prompt, cached_tokens=cached, output_tokens=out, members=members)
-
-
-def test_percentile_matches_linear_interpolation():
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([0, 10], 99) == pytest.approx(9.9)
-    assert percentile([5], 99) == 5 and percentile([], 50) is None
 
 
 def test_summarize_exact_numbers():

@@ -149,3 +149,11 @@ def test_snapshot_while_another_thread_counts() -> None:
         json.dumps(empty_snapshot(stats))
     thread.join()
     assert empty_snapshot(stats)["counters"]["generated_tokens"]["s"] == 2000
+
+
+def test_percentile_interpolates_between_ranks_of_values_in_any_order():
+    from orchestrator.core.events import percentile
+
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([0, 10], 99) == pytest.approx(9.9)
+    assert percentile([5], 99) == 5 and percentile([], 50) is None

@@ -18,9 +18,9 @@ from eval.bench.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s,
 from eval.baseline.split import SplitError, choose_baseline_split, parse_split_mode, runs_pilot, split_mode_label
 from eval.bench.quality import add_quality as _add_quality
 from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
-from eval.bench.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
-from eval.bench.metrics import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
-                               reduction, summarize)
+from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
+from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
+from eval.bench.result import curve_points, curve_result, rate_point, without_rows
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
 from eval.bench.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
                                   trace_digest, with_history)
@@ -205,15 +205,7 @@ def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: 
         records_by_system[name], systems[name] = records, metrics
     dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
     _add_quality(settings, family, trace, records_by_system, systems, notes, dtype)
-    point = {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
-             "reduction_mean_token_latency": _reduction(systems, "mfs"),
-             "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
-             "paired_vs_baseline": _paired(records_by_system),
-             "reduction_ceiling": _ceilings(systems)}
-    return records_by_system, point
-
-
-CURVE_DROP = ("per_request", "pages_timeline")   # per-request rows stay in the headline point only
+    return records_by_system, rate_point(trace.spec.rate_sessions_per_s, records_by_system, systems)
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
@@ -235,7 +227,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
                 config = config_for("baseline", settings, split, fractions)
                 on_done = (lambda _r: progress.update(1)) if progress is not None else None
                 records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rate), on_done))
-                return config, records, {k: v for k, v in metrics.items() if k not in CURVE_DROP}
+                return config, records, without_rows(metrics)
 
             estimator = complexity_estimator(family_tokenizer(family))
             baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, estimator,
@@ -250,8 +242,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     finally:
         if progress is not None:
             progress.close()
-    curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
-             for p in points]
+    curve = curve_points(points)
     if settings.record_confidences:   # the simulator's escalation input (eval/simulate/confidence.py)
         _record_confidences(settings, family, recorded, notes)
     result = {
@@ -269,63 +260,12 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     return result
 
 
-def curve_result(settings: BenchSettings, headline: float, head: dict[str, Any], rates, curve: list) -> dict[str, Any]:
-    """The headline point and the load curve with its knee, SLO and capacities (BENCHMARKS 7.3): the keys
-    `mfs bench` and `mfs simulate` both write."""
-    return {"headline_rate": headline,
-            "systems": head["systems"],
-            "reduction_mean_token_latency": head["reduction_mean_token_latency"],
-            "reductions_vs_baseline": head["reductions_vs_baseline"],
-            "paired_vs_baseline": head["paired_vs_baseline"],
-            "reduction_ceiling": head["reduction_ceiling"],
-            "rates": list(rates),
-            "curve": curve,
-            **summarize_curve(curve, slo_for(settings, curve))}
-
-
-def slo_for(settings: BenchSettings, curve: list[dict[str, Any]]) -> SLO | None:
-    if settings.slo_ttft_s is not None and settings.slo_tpot_s is not None:
-        return SLO(settings.slo_ttft_s, settings.slo_tpot_s,
-                   rule=f"p90 TTFT <= {settings.slo_ttft_s:g} s and p90 TPOT <= {settings.slo_tpot_s:g} s (given)")
-    return default_slo(curve, settings.slo_ttft_x, settings.slo_tpot_x)
-
-
 def _record_confidences(settings: BenchSettings, family: FamilySpec, records: list, notes: list[str]) -> None:
     from eval.simulate.confidence import write_library
 
     counts = write_library(records, settings.record_confidences, family.name,
                            f"mfs bench systems {','.join(settings.systems)} seed {settings.seed}")
     notes.append(f"per-token confidences written to {settings.record_confidences} (sequences per member: {counts})")
-
-
-def _reduction(systems: dict[str, Any], name: str) -> float | None:
-    if name not in systems or "baseline" not in systems:
-        return None
-    return reduction(systems[name]["mean_token_latency_s"], systems["baseline"]["mean_token_latency_s"])
-
-
-def _ceilings(systems: dict[str, Any]) -> dict[str, float | None]:
-    """Per system: the largest reduction against the baseline's measured latency that its token placement
-    allows (1 - its decode floor / the baseline's mean token latency)."""
-    if "baseline" not in systems:
-        return {}
-    base = systems["baseline"]["mean_token_latency_s"]
-    return {n: reduction(m.get("decode_floor_token_latency_s"), base) for n, m in systems.items() if n != "baseline"}
-
-
-def _paired(records_by_system: dict[str, list[RequestRecord]]) -> dict[str, Any]:
-    """Per system: mean token latency of it and the baseline over the requests both served, and the reduction."""
-    baseline = records_by_system.get("baseline")
-    if baseline is None:
-        return {}
-    out = {}
-    for name, records in records_by_system.items():
-        if name == "baseline":
-            continue
-        ours, theirs, count = paired_token_latency(records, baseline)
-        out[name] = {"num_requests": count, "mean_token_latency_s": ours, "baseline_mean_token_latency_s": theirs,
-                     "reduction_mean_token_latency": reduction(ours, theirs)}
-    return out
 
 
 def _settings_dict(settings: BenchSettings) -> dict[str, Any]:

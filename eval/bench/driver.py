@@ -6,10 +6,12 @@ import asyncio
 import time
 from typing import Any
 
-from eval.bench.metrics import RequestRecord, counter_delta, percentile
-from eval.bench.workloads import Trace, next_prompt
+from eval.bench.metrics import RequestRecord, counter_delta
+from eval.bench.sessions import ClosedLoopSessions, record_output
+from eval.bench.workloads import Trace
 from orchestrator.core.errors import MFSError
-from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, SamplingParams
+from orchestrator.core.events import percentile
+from orchestrator.core.types import Request, RequestId, SamplingParams
 
 STATS_INTERVAL_S = 0.5
 PROBE_TOKENS = 48          # decode steps timed per member before and after the replay (the decode floor's step costs)
@@ -22,7 +24,6 @@ async def replay(engine: Any, trace: Trace, tag: str, on_done=None) -> tuple[lis
     start = time.monotonic()
     clock = lambda: time.monotonic() - start  # noqa: E731 - seconds since the replay start
     samples: list[dict] = []
-    records: list[RequestRecord] = []
 
     async def sample_stats() -> None:
         while True:
@@ -30,33 +31,17 @@ async def replay(engine: Any, trace: Trace, tag: str, on_done=None) -> tuple[lis
             samples.append({"t_s": clock(), "stats": {"pages": stats.get("pages", {})}})
             await asyncio.sleep(STATS_INTERVAL_S)
 
-    history = trace.spec.history
+    sessions = ClosedLoopSessions(trace, tag)
 
     async def run_session(index: int) -> None:
-        session = trace.sessions[index]
         await asyncio.sleep(max(0.0, trace.arrival_times_s[index] - clock()))
-        previous: RequestRecord | None = None
-        for k, turn in enumerate(session.turns):
+        for k, turn in enumerate(trace.sessions[index].turns):
             if k:
                 await asyncio.sleep(turn.think_time_s)
-            prompt = next_prompt(turn, previous.prompt_token_ids if previous else None,
-                                 previous.output_token_ids if previous else None, history)
-            record = RequestRecord(session_id=session.session_id, turn_index=k, send_s=clock(),
-                                   first_token_s=None, finish_s=None, prompt_tokens=len(prompt),
-                                   cached_tokens=0, output_tokens=0, prompt_token_ids=prompt)
-            records.append(record)
-            if previous is not None and history == "closed" and not previous.ok:
-                # A chat client has no reply to send back: the session ends here (counted as failed).
-                record.error = f"session ended: turn {k - 1} failed"
-                previous = record
-                continue
-            # Greedy and ignore_eos: every system generates exactly the trace's reply lengths.
-            request = Request(request_id=RequestId(f"{tag}-{session.session_id}-t{k}"),
-                              prompt_token_ids=list(prompt),
-                              sampling=SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True),
-                              arrival_s=time.monotonic(), session_id=session.session_id)
+            record, request = sessions.start_turn(index, k, clock(), time.monotonic())
+            if request is None:
+                return
             await run_request(engine, request, record, clock)
-            previous = record
             if on_done is not None:
                 on_done(record)
 
@@ -67,7 +52,7 @@ async def replay(engine: Any, trace: Trace, tag: str, on_done=None) -> tuple[lis
         sampler.cancel()
     duration = clock()
     counters = counter_delta(engine.stats().get("counters", {}), before)
-    return records, samples, counters, duration
+    return sessions.records, samples, counters, duration
 
 
 async def run_request(engine: Any, request: Request, record: RequestRecord, clock) -> None:
@@ -77,34 +62,6 @@ async def run_request(engine: Any, request: Request, record: RequestRecord, cloc
     except Exception as exc:  # a rejected or failed request is recorded, the replay goes on
         record.error = f"{type(exc).__name__}: {exc}"
     record.output_tokens = len(record.output_token_ids)
-
-
-def record_output(record: RequestRecord, out: RequestOutput, now: float) -> None:
-    """One streamed RequestOutput into its record (the real replay and mfs simulate's both use this)."""
-    if out.new_token_ids:
-        if record.first_token_s is None:
-            record.first_token_s = now
-        record.output_token_ids.extend(out.new_token_ids)
-        record.output_logprobs.extend(out.new_logprobs)
-    record.cached_tokens = max(record.cached_tokens, out.num_cached_prompt_tokens or 0)
-    if out.num_prompt_tokens:
-        record.prompt_tokens = out.num_prompt_tokens
-    if out.spans:
-        record.members = [span.member for span in out.spans if span.num_tokens > 0] or [out.member]
-        record.tokens_by_member = {}
-        for span in out.spans:
-            if span.num_tokens > 0:
-                record.tokens_by_member[span.member] = record.tokens_by_member.get(span.member, 0) + span.num_tokens
-    elif out.member and (not record.members or record.members[-1] != out.member):
-        record.members.append(out.member)
-    if out.route is not None:
-        record.route_reason = out.route.reason
-    if out.error:
-        record.error = out.error
-    if out.finished:
-        record.finish_s = now
-        if out.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) and record.error is None:
-            record.error = out.finish_reason.value
 
 
 def pinned_request(request_id: str, member: str, max_tokens: int, prompt: list[int] | None = None) -> Request:

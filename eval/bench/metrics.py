@@ -1,10 +1,11 @@
 """Per-system benchmark metrics from per-request records and engine stats snapshots (pure, no engine)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from orchestrator.core.events import percentile
 
 TIERS = ("arena", "host", "disk")
 REROUTE_PREFIX = "reroute"      # RouteDecision.reason of a request the independent deployments re-routed
@@ -66,16 +67,6 @@ class RequestRecord:
     @property
     def member(self) -> str | None:
         return self.members[-1] if self.members else None   # the member that finished the request
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]; None when empty."""
-    data = sorted(values)
-    if not data:
-        return None
-    rank = (len(data) - 1) * q / 100.0
-    low, high = math.floor(rank), math.ceil(rank)
-    return data[low] + (data[high] - data[low]) * (rank - low)
 
 
 def mean(values: Sequence[float]) -> float | None:

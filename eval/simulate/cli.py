@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
-from eval.bench.cli import (CURVE_DROP, BenchSettings, _ceilings, _paired, _reduction, add_arguments as add_bench_arguments,
-                        complexity_estimator, curve_rates, curve_result, format_table, settings_from_args,
-                        static_split_for)
+from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
+                            format_table, settings_from_args, static_split_for)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.quality import member_token_share
+from eval.bench.result import curve_points, curve_result, rate_point, without_rows
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
@@ -218,7 +218,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
         at_rate = trace.at_rate(rate)
         run, metrics = run_system("baseline_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
                                   stats_interval_for(at_rate))
-        return config, run.records, {k: v for k, v in metrics.items() if k not in CURVE_DROP}
+        return config, run.records, without_rows(metrics)
 
     chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
                                           split, complexity_estimator(tokenizer), run_pilot)
@@ -228,7 +228,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
 
 def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
               interval_s: float, jobs: int = 1) -> dict[str, Any]:
-    """Every system on `trace` (one rate): the point's JSON block, as eval.bench.cli.run_point builds it. jobs > 1:
+    """Every system on `trace` (one rate): the point's JSON block (eval.bench.result.rate_point). jobs > 1:
     the systems run in forked processes (each simulation is a function of its inputs alone: same output)."""
     args = (setup, trace, confidences, vocab_size, interval_s)
     if jobs > 1 and len(configs) > 1:
@@ -237,10 +237,7 @@ def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: Confide
         results = {name: _records_and_metrics(name, config, *args) for name, config in configs.items()}
     records_by_system = {name: records for name, (records, _) in results.items()}
     systems = {name: metrics for name, (_, metrics) in results.items()}
-    return {"rate": trace.spec.rate_sessions_per_s, "systems": systems,
-            "reduction_mean_token_latency": _reduction(systems, "mfs"),
-            "reductions_vs_baseline": {n: _reduction(systems, n) for n in systems if n != "baseline"},
-            "paired_vs_baseline": _paired(records_by_system), "reduction_ceiling": _ceilings(systems)}
+    return rate_point(trace.spec.rate_sessions_per_s, records_by_system, systems)
 
 
 def _records_and_metrics(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
@@ -258,7 +255,7 @@ _WORKER_NODES: list = []
 def _forked_system(name: str) -> tuple[list, dict[str, Any]]:
     configs, args = _FORKED
     records, metrics = _records_and_metrics(name, configs[name], *args, keep_nodes=_WORKER_NODES)
-    for record in records:         # only latencies are read back (eval.bench.cli._paired): do not ship the tokens
+    for record in records:         # only latencies are read back (eval.bench.result.paired_vs_baseline): do not ship the tokens
         record.prompt_token_ids, record.output_token_ids, record.output_logprobs = [], [], []
     return records, metrics
 
@@ -313,8 +310,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                                 jobs=getattr(args, "jobs", 1)))
     sim_s = time.perf_counter() - sim_started
     head = next(p for p in points if p["rate"] == headline)
-    curve = [{**p, "systems": {n: {k: v for k, v in m.items() if k not in CURVE_DROP} for n, m in p["systems"].items()}}
-             for p in points]
+    curve = curve_points(points)
     notes = list(trace.notes) + list(setup.notes) + (list(split.notes) if hasattr(split, "notes") else [])
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")

@@ -1,11 +1,9 @@
 """Replays a bench trace through simulated nodes in virtual time and returns what `mfs bench` measures.
 
-The session logic is the bench's (eval/bench/driver.py): sessions start at their arrival times; each turn is sent when
-the previous one finished plus its think time, its prompt built by eval.bench.workloads.next_prompt (closed history:
-the reply this system generated goes back); every request is greedy with ignore_eos and max_tokens = the
-trace's reply length; a refused request is recorded and, with closed history, ends its session. Records are the
-bench's RequestRecords filled by the bench's own record_output, so eval.bench.metrics.summarize gives the same
-metrics block. Where the cost model prices the serving edge (request_path_s: the measured CPU model), a request
+The session logic is the bench's (eval/bench/sessions.py): sessions start at their arrival times; each turn is sent
+when the previous one finished plus its think time; ClosedLoopSessions builds its prompt, record and request and
+ends a session whose turn failed; a refused request is recorded like a failed one. Records are filled by the
+bench's own record_output, so eval.bench.metrics.summarize gives the same metrics block. Where the cost model prices the serving edge (request_path_s: the measured CPU model), a request
 reaches the scheduler that long after the client sent it, and the client sees each output that long after the
 step that made it.
 """
@@ -23,10 +21,10 @@ from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import request_key
 from eval.simulate.fleet import FrontRouter
 from eval.simulate.node import SimNode
-from eval.bench.driver import record_output
-from eval.bench.workloads import Trace, next_prompt
+from eval.bench.sessions import ClosedLoopSessions, record_output
+from eval.bench.workloads import Trace
 from orchestrator.core.errors import MFSError
-from orchestrator.core.types import Request, RequestId, RequestOutput, SamplingParams
+from orchestrator.core.types import Request, RequestOutput
 
 STATS_INTERVAL_S = 0.5          # the bench samples the stats snapshot every 0.5 s
 
@@ -84,7 +82,8 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
     started, cpu_started = time.perf_counter(), time.process_time()
     clock = VirtualClock()
     events = EventQueue(clock)
-    records: list[RequestRecord] = []
+    sessions = ClosedLoopSessions(trace, tag)
+    records = sessions.records
     pending: dict[str, tuple[RequestRecord, int, int]] = {}      # request id -> (record, session index, turn)
     samples: list[dict] = []
     remaining = [len(trace.sessions)]
@@ -108,8 +107,6 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
     if request_path is not None:
         path_in_s, path_out_s = request_path()
     router = FrontRouter(len(nodes))
-    history = trace.spec.history
-    previous: dict[int, RequestRecord] = {}           # session index -> its last turn's record
 
     def next_turn(index: int, k: int, now: float) -> None:
         turns = trace.sessions[index].turns
@@ -119,27 +116,15 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
             remaining[0] -= 1
 
     def send(index: int, k: int) -> None:
-        session = trace.sessions[index]
-        turn = session.turns[k]
         now = clock()
-        last = previous.get(index)
-        prompt = next_prompt(turn, last.prompt_token_ids if last else None, last.output_token_ids if last else None,
-                             history)
-        record = RequestRecord(session_id=session.session_id, turn_index=k, send_s=now, first_token_s=None,
-                               finish_s=None, prompt_tokens=len(prompt), cached_tokens=0, output_tokens=0,
-                               prompt_token_ids=prompt)
-        records.append(record)
-        previous[index] = record
-        if last is not None and history == "closed" and not last.ok:
-            record.error = f"session ended: turn {k - 1} failed"      # as the bench's chat client does
+        # intermediate_outputs off: record_output needs the first output and the last
+        record, request = sessions.start_turn(index, k, now, now, intermediate_outputs=False)
+        if request is None:
             remaining[0] -= 1
             return
-        request = Request(request_id=RequestId(f"{tag}-{session.session_id}-t{k}"), prompt_token_ids=list(prompt),
-                          sampling=SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True),
-                          arrival_s=now, session_id=session.session_id,
-                          intermediate_outputs=False)       # record_output needs the first output and the last
-        node = nodes[router.route(session.session_id, request.prompt_token_ids, [n.num_in_flight for n in nodes])]
-        node.executor.request_keys[request.request_id] = request_key(session.session_id, k)
+        session_id = trace.sessions[index].session_id
+        node = nodes[router.route(session_id, request.prompt_token_ids, [n.num_in_flight for n in nodes])]
+        node.executor.request_keys[request.request_id] = request_key(session_id, k)
         pending[request.request_id] = (record, index, k)
         if path_in_s > 0:
             events.push(now + path_in_s, lambda: submit(node, request, record, index, k))

@@ -214,7 +214,7 @@ class Stats:
                 "prompt_tokens": {m: self._prompt_tokens.get(m, 0) for m in _union(members, self._prompt_tokens)},
                 "member_steps": {m: self._member_steps.get(m, 0) for m in _union(members, self._member_steps)},
             }
-            waits = {m: sorted(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
+            waits = {m: list(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
             routes = [{**r, "scores": dict(r["scores"]), "matched_prefix_tokens": dict(r["matched_prefix_tokens"])}
                       for r in self._routes]
         return {
@@ -226,8 +226,7 @@ class Stats:
             "running": {m: running.get(m, 0) for m in _union(members, running)},
             "waiting": {m: waiting.get(m, 0) for m in _union(members, waiting)},
             "counters": counters,
-            "queue_wait_s": {m: {"count": len(v), "p50": percentile(v, 50), "p90": percentile(v, 90),
-                                 "p99": percentile(v, 99)} for m, v in waits.items()},
+            "queue_wait_s": {m: _wait_percentiles(v) for m, v in waits.items()},
             "recent_routes": routes,
         }
 
@@ -244,14 +243,21 @@ def pages_block(members: Sequence[str], pages: Mapping[str, Any]) -> dict[str, A
     }
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolation percentile of an ascending list (q in [0, 100]); 0.0 for an empty list."""
-    if not sorted_values:
-        return 0.0
-    pos = (len(sorted_values) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """THE percentile of MFS (the stats snapshot, the bench and the simulator): linear interpolation between the
+    closest ranks (numpy's default) of `values` in any order, q in [0, 100]; None when there is none."""
+    data = sorted(values)
+    if not data:
+        return None
+    rank = (len(data) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (rank - low)
+
+
+def _wait_percentiles(waits: list[float]) -> dict[str, float]:
+    """A member's recent queue waits: their count and p50/p90/p99 (0.0 while it has none, as its gauges read)."""
+    return {"count": len(waits), **{f"p{q}": percentile(waits, q) or 0.0 for q in (50, 90, 99)}}
 
 
 def _union(members: list[str], extra: Mapping[str, Any]) -> list[str]:
