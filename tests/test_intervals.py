@@ -1,4 +1,4 @@
-"""Intervals over runs (eval/intervals.py): Student's t arithmetic and the curve figures read again per run."""
+"""Intervals over runs (eval/bench/intervals.py): Student's t arithmetic and the curve figures read again per run."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Quality judged from outside the reply (eval/quality.py): the serving members' likelihood of the reference."""
+"""Quality judged from outside the reply (eval/bench/quality.py): the serving members' likelihood of the reference."""
 from __future__ import annotations
 
 import pytest
