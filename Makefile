@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU wheel of torch lies on disk on these machines; pin it first so nothing pulls a CUDA build.
+	# Pin the CPU wheel of torch first, so that nothing pulls a multi-GB CUDA build (CUDA users: see README).
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)

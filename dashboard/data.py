@@ -18,7 +18,7 @@ QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 SYSTEM_NUMBER_FIELDS = (
     "mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s",
     "e2e_p99_s", "throughput_tok_s", "prefix_hit_rate", "escalation_rate", "preemptions",
-    "num_requests", "quality_mean_logprob",
+    "num_requests", "quality_reference_logprob",
 )
 PER_REQUEST_NUMBER_FIELDS = ("turn_index", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_s", "e2e_s")
 SWEEP_NUMBER_FIELDS = ("rate", "kv_pages", "reduction_mean_token_latency", "mfs_mean_token_latency_s",
@@ -494,7 +494,7 @@ def summary_frame(results: dict[str, Any]) -> pd.DataFrame:
             "prefix hit rate": fmt(s.get("prefix_hit_rate"), 100, 1, "%"),
             "escalation rate": fmt(s.get("escalation_rate"), 100, 1, "%"),
             "preemptions": fmt(s.get("preemptions"), digits=0), "requests": fmt(s.get("num_requests"), digits=0),
-            "quality (mean logprob)": fmt(s.get("quality_mean_logprob"), digits=3),
+            "quality (reference logprob)": fmt(s.get("quality_reference_logprob"), digits=3),
             "reduction vs baseline": fmt(reductions.get(name), 100, 1, "%") if name != baseline else "-",
         })
     return pd.DataFrame(rows)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from orchestrator.serve.optional import require
+
 APP_PATH = Path(__file__).with_name("app.py")
 
 
@@ -32,6 +34,7 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    require("streamlit", "mfs dashboard")         # the app runs in a child process: say it here, in one line
     if args.results and not Path(args.results).expanduser().is_file():
         print(f"mfs dashboard: results file not found: {args.results}", file=sys.stderr)
         return 2

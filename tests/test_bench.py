@@ -400,7 +400,7 @@ def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
     with pytest.raises(SystemExit, match="drop --rate/--sessions"):
         run("--trace", str(trace), "--rate", "2")
     trace.write_text("{}")
-    with pytest.raises(SystemExit, match="not an mfs-trace/2 file"):
+    with pytest.raises(SystemExit, match="not an mfs-trace/3 file"):
         run("--trace", str(trace), "--out", str(second))
     with pytest.raises(SystemExit, match="positive"):
         run("--rates", "1,-2")

@@ -18,7 +18,7 @@ from eval.simulate import compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 # Two small modules, one per package that activates a build (the whole set takes minutes of C compiling; its
-# identity on four scenarios is recorded in docs/BENCHMARKS.md 8.3)
+# figures equal the interpreted run's: docs/SIMULATOR.md, "Speed")
 SUBSET = ("orchestrator.core.page_pool", "eval.simulate.clock")
 
 

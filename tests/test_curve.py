@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from eval.bench.curve import SLO, capacity_at_slo, default_slo, format_curve, knee_rate, parse_rates, reductions_at, summarize_curve
+from eval.bench.curve import (SLO, capacity_at_slo, default_slo, format_curve, grid_knee_rate, knee_rate, parse_rates,
+                              reductions_at, summarize_curve, value_at)
 
 
 def point(rate, base, mfs, base_ttft=(0.1, 0.1), base_tpot=(0.01, 0.01), mfs_ttft90=0.1, mfs_tpot90=0.01):
@@ -13,12 +14,30 @@ def point(rate, base, mfs, base_ttft=(0.1, 0.1), base_tpot=(0.01, 0.01), mfs_ttf
                      "tpot_p50_s": base_tpot[0], "tpot_p90_s": base_tpot[1]}}}
 
 
-def test_knee_is_the_lowest_rate_at_twice_the_lightest_baseline_latency():
+def test_knee_on_a_grid_point_is_that_point():
     curve = [point(0.5, 0.010, 0.009), point(1, 0.015, 0.010), point(2, 0.020, 0.011), point(4, 0.050, 0.02)]
-    assert knee_rate(curve) == 2                     # 0.020 >= 2 x 0.010 (equality counts)
+    assert knee_rate(curve) == pytest.approx(2) and grid_knee_rate(curve) == 2   # 0.020 = 2 x 0.010 (equality counts)
     assert reductions_at(curve, 2) == {"mfs": pytest.approx(1 - 0.011 / 0.020)}
     assert knee_rate(curve[:2]) is None and reductions_at(curve, None) == {}
     assert knee_rate([]) is None
+
+
+def test_knee_is_interpolated_in_log_rate_where_the_baseline_reaches_twice_its_light_latency():
+    # the baseline crosses 0.020 a quarter of the way (in log rate) from 2 (0.016) to 4 (0.032): 2 ** 1.25
+    curve = [point(0.5, 0.010, 0.009), point(1, 0.012, 0.010), point(2, 0.016, 0.012), point(4, 0.032, 0.016)]
+    assert grid_knee_rate(curve) == 4
+    knee = knee_rate(curve)
+    assert knee == pytest.approx(2 ** 1.25)
+    assert value_at(curve, "baseline", knee) == pytest.approx(0.020)
+    assert value_at(curve, "mfs", knee) == pytest.approx(0.013)
+    assert value_at(curve, "mfs", 2) == 0.012 and value_at(curve, "mfs", 8) is None
+    assert reductions_at(curve, knee) == {"mfs": pytest.approx(1 - 0.013 / 0.020)}
+    summary = summarize_curve(curve, None)
+    assert summary["knee_rate"] == pytest.approx(2 ** 1.25)
+    assert summary["reduction_at_knee"] == pytest.approx(0.35)
+    assert summary["knee_grid_rate"] == 4 and summary["reduction_at_grid_knee"] == pytest.approx(0.5)
+    text = format_curve({"curve": curve, **summary})
+    assert "2.38 sessions/s, mfs reduction there 35.0%" in text and "grid reading, not the headline: 4" in text
 
 
 def test_default_slo_and_capacity_need_every_lower_rate_to_pass():
@@ -29,17 +48,30 @@ def test_default_slo_and_capacity_need_every_lower_rate_to_pass():
     slo = default_slo(curve)
     assert slo.ttft_p90_s == pytest.approx(1.0) and slo.tpot_p90_s == pytest.approx(0.02)
     assert "5x" in slo.rule and "2x" in slo.rule
-    # baseline: 0.5 and 1 pass, 2 fails (1.2 s > 1.0 s): the pass at 4 does not count; mfs fails tpot at 4
-    assert capacity_at_slo(curve, slo) == {"mfs": 2, "baseline": 1}
+    # baseline: 0.5 and 1 pass, 2 fails (1.2 s > 1.0 s), so the pass at 4 does not count; its p90 TTFT crosses
+    # 1.0 s a third of the way (in log rate) from 1 (0.9 s) to 2 (1.2 s). mfs: its p90 TPOT crosses 0.02 s a
+    # quarter of the way from 2 (0.01 s) to 4 (0.05 s).
+    capacity = capacity_at_slo(curve, slo)
+    assert capacity == {"mfs": pytest.approx(2 ** 1.25), "baseline": pytest.approx(2 ** (1 / 3))}
     assert capacity_at_slo(curve, SLO(0.01, 0.001, "tight")) == {"mfs": None, "baseline": None}
     summary = summarize_curve(curve, slo)
-    assert summary["knee_rate"] == 2 and summary["reduction_at_knee"] == pytest.approx(0.5)
+    assert summary["knee_rate"] == pytest.approx(2) and summary["reduction_at_knee"] == pytest.approx(0.5)
     assert summary["capacity_at_slo_is_lower_bound"] == [] and summary["slo"]["ttft_p90_s"] == pytest.approx(1.0)
+    assert summary["capacity_ratio"] == pytest.approx(2 ** 1.25 / 2 ** (1 / 3))
     loose = summarize_curve(curve, SLO(10, 10, "loose"))
     assert loose["capacity_at_slo"] == {"mfs": 4, "baseline": 4}
     assert loose["capacity_at_slo_is_lower_bound"] == ["baseline", "mfs"]   # the highest rate passed: >= 4
+    assert loose["capacity_ratio"] is None                                  # a lower bound over a lower bound
     text = format_curve({"curve": curve, **summary})
-    assert "knee" in text and "2 sessions/s" in text and "mfs 2/s" in text and "baseline 1/s" in text
+    assert "knee" in text and "2 sessions/s" in text and "mfs 2.38/s" in text and "baseline 1.26/s" in text
+    assert "mfs / baseline 1.89x" in text
+
+
+def test_a_baseline_failing_its_relative_slo_at_its_lightest_rate_gives_no_capacity_ratio():
+    curve = [point(0.5, 0.01, 0.01, base_ttft=(0.1, 0.6)), point(1, 0.02, 0.01, base_ttft=(0.1, 0.7))]
+    summary = summarize_curve(curve, default_slo(curve))          # limit 5 x 0.1 s; the baseline's p90 is 0.6 s
+    assert summary["capacity_at_slo"]["baseline"] is None and summary["capacity_ratio"] is None
+    assert "no capacity ratio" in format_curve({"curve": curve, **summary})
 
 
 def test_parse_rates():

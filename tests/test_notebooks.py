@@ -112,3 +112,14 @@ def test_simulation_notebook_executes(tmp_path):
     nb = run_notebook("simulation", {"sim_paths": [str(path)], "figures_dir": str(figures)}, REPO)
     assert not errors_of(nb)
     assert (figures / "sim_curve.png").is_file() and (figures / "hit_rates_by_tier.png").is_file()
+
+
+@pytest.mark.slow
+def test_simulation_notebook_reads_the_shipped_results(tmp_path):
+    """Its default sim_paths are result files kept under docs/results (docs/results/README.md): each one loads,
+    none falls back to a fresh simulation."""
+    nb = run_notebook("simulation", {"figures_dir": str(tmp_path / "figures")}, REPO)
+    assert not errors_of(nb), [e.get("evalue") for e in errors_of(nb)]
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    assert "not found" not in text
+    assert "qwen3_1.7b_8b_32b_h200_600sessions ->" in text

@@ -707,3 +707,22 @@ def test_a_system_with_self_speculation_is_named_as_run_without_it():
     assert unmodelled_notes(configs) == ["scheduler.self_speculation_tokens: not modelled (the simulated engine "
                                          "returns one token a step), so mfs_spec ran as without it"]
     assert unmodelled_notes({"mfs": configs["mfs"]}) == []
+
+
+def test_a_paper_scale_trace_is_rebuilt_byte_for_byte_by_its_command_and_named_in_the_result(tmp_path):
+    """The published traces name their sha256; the same command rebuilds the same bytes."""
+    import hashlib
+    import json
+
+    from orchestrator.serve.cli import main
+
+    digests = []
+    for name in ("a", "b"):
+        out, trace = tmp_path / f"{name}.json", tmp_path / f"{name}_trace.json"
+        assert main(["simulate", "--family", "qwen3-large", "--gpu", "h200_sxm", "--sessions", "6", "--rates", "2",
+                     "--seed", "3", "--systems", "mfs", "--no-progress", "--save-trace", str(trace),
+                     "--out", str(out)]) == 0
+        digests.append(json.loads(out.read_text())["workload"]["trace_sha256"])
+        assert digests[-1] == hashlib.sha256(trace.read_bytes()).hexdigest()
+    assert digests[0] == digests[1]
+    assert (tmp_path / "a_trace.json").read_bytes() == (tmp_path / "b_trace.json").read_bytes()

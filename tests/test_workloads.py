@@ -135,13 +135,44 @@ def test_saved_trace_replays_exactly_and_refuses_other_tokenizers_and_formats(to
     assert [t.user_token_ids for s in back.sessions for t in s.turns] == \
         [t.user_token_ids for s in trace.sessions for t in s.turns]
     (tmp_path / "other.json").write_text('{"format": "something-else"}')
-    with pytest.raises(TraceFileError, match="not an mfs-trace/2 file"):
+    assert [t.reference_token_ids for s in back.sessions for t in s.turns] == \
+        [t.reference_token_ids for s in trace.sessions for t in s.turns]
+    with pytest.raises(TraceFileError, match="not an mfs-trace/3 file"):
         load_trace(tmp_path / "other.json", tokenizer_hash="tok-a")
     (tmp_path / "broken.json").write_text('{"format": "mfs-trace/2", "tokenizer_hash": "tok-a", "spec": {}}')
     with pytest.raises(TraceFileError, match="malformed"):
         load_trace(tmp_path / "broken.json", tokenizer_hash="tok-a")
     with pytest.raises(TraceFileError, match="cannot read"):
         load_trace(tmp_path / "missing.json", tokenizer_hash="tok-a")
+
+
+def test_each_turn_carries_the_first_max_tokens_tokens_of_the_datasets_reply(tokenizer, conversations, tmp_path):
+    import json
+
+    from eval.bench.workloads import load_trace, save_trace
+
+    trace = build_trace(_spec(name="mixed", max_output_tokens=48), tokenizer, conversations)
+    by_id = {c.conversation_id: c for c in conversations}
+    checked = 0
+    for session in trace.sessions:
+        messages = by_id[session.conversation_id].messages
+        replies = [m["content"] for m in messages[1::2]]
+        for turn in session.turns:
+            encoded = [tokenizer.encode(r, add_special_tokens=False)[: turn.max_tokens] for r in replies]
+            assert turn.reference_token_ids in encoded and len(turn.reference_token_ids) == turn.max_tokens
+            checked += 1
+    assert checked >= 12
+    # a format-2 file (no references) still loads, with empty references
+    path = tmp_path / "t.json"
+    save_trace(trace, path, tokenizer_hash="tok")
+    data = json.loads(path.read_text())
+    data["format"] = "mfs-trace/2"
+    for s in data["sessions"]:
+        for t in s["turns"]:
+            del t["reference_token_ids"]
+    path.write_text(json.dumps(data))
+    old = load_trace(path, tokenizer_hash="tok")
+    assert old.spec.history == trace.spec.history and all(not t.reference_token_ids for s in old.sessions for t in s.turns)
 
 
 # ----------------------------------------------------------------------------- closed-loop history
@@ -261,3 +292,18 @@ def test_saved_trace_is_asdict_of_the_trace(tokenizer, conversations, tmp_path):
     assert data["sessions"] == [asdict(s) for s in trace.sessions]
     assert list(data["sessions"][0]) == list(asdict(trace.sessions[0]))          # same key order
     assert list(data["sessions"][0]["turns"][0]) == list(asdict(trace.sessions[0].turns[0]))
+
+
+def test_a_traces_digest_is_the_sha256_of_its_saved_file(tokenizer, conversations, tmp_path):
+    import hashlib
+
+    from eval.bench.workloads import save_trace, trace_digest
+
+    trace = build_trace(_spec(name="mixed"), tokenizer, conversations)
+    again = build_trace(_spec(name="mixed"), tokenizer, conversations)
+    save_trace(trace, tmp_path / "a.json", tokenizer_hash="tok")
+    save_trace(again, tmp_path / "b.json", tokenizer_hash="tok")
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()     # rebuilt byte for byte
+    assert trace_digest(trace, "tok") == hashlib.sha256((tmp_path / "a.json").read_bytes()).hexdigest()
+    assert trace_digest(build_trace(_spec(name="mixed", seed=4), tokenizer, conversations), "tok") != \
+        trace_digest(trace, "tok")

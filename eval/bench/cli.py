@@ -16,14 +16,14 @@ import yaml
 
 from eval.bench.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
 from eval.baseline.split import SplitError, choose_baseline_split, parse_split_mode, runs_pilot, split_mode_label
-from eval.bench.quality import add_quality as _add_quality, score_quality  # noqa: F401 (score_quality re-exported)
+from eval.bench.quality import add_quality as _add_quality
 from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
 from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
 from eval.bench.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
-                            with_history)
+                                  trace_digest, with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -204,7 +204,7 @@ def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: 
         records, metrics = run_coroutine(run_system(name, config, trace, on_done))
         records_by_system[name], systems[name] = records, metrics
     dtype = next(iter(configs.values()))["engine"]["dtype"] if configs else "float32"
-    _add_quality(settings, family, records_by_system, systems, notes, dtype)
+    _add_quality(settings, family, trace, records_by_system, systems, notes, dtype)
     return records_by_system, rate_point(trace.spec.rate_sessions_per_s, records_by_system, systems)
 
 
@@ -246,7 +246,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.record_confidences:   # the simulator's escalation input (eval/simulate/confidence.py)
         _record_confidences(settings, family, recorded, notes)
     result = {
-        "workload": trace.at_rate(headline).summary(),
+        "workload": {**trace.at_rate(headline).summary(),
+                     "trace_sha256": trace_digest(trace, family.members[0].tokenizer_hash)},
         "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,
@@ -324,7 +325,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small trace, 3-rate curve: under 4 minutes on a quiet 2-core CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
-    parser.add_argument("--no-quality", action="store_true", help="skip scoring responses under the largest member")
+    parser.add_argument("--no-quality", action="store_true", help="skip scoring the reference replies under the serving members")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="replay a trace saved with --save-trace (no ShareGPT package needed; its workload, "

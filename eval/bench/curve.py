@@ -1,16 +1,23 @@
-"""Latency-vs-load curves (pure): the knee, the reduction at the knee, the SLO and the capacity at the SLO.
+"""Latency-vs-load curves (pure): the knee, the reductions there, the SLO and the capacity at the SLO.
 
 A curve is the list written under `curve` in the bench JSON: one point per session arrival rate,
-`{"rate": r, "systems": {name: metrics}, ...}`, rates ascending. The rules (docs/BENCHMARKS.md 3a):
-- knee: the lowest rate where the baseline's mean token latency is at least KNEE_FACTOR x its value at
-  the lowest rate (None when no rate gets there: the curve did not reach the knee);
-- SLO: p90 TTFT <= TTFT_SLO_X x and p90 TPOT <= TPOT_SLO_X x the lightest-rate baseline's p50 TTFT and
-  p50 TPOT, unless absolute limits are given;
-- capacity at the SLO: per system, the highest rate r such that the system meets the SLO at r and at every
-  lower rate of the curve (a noisy pass above a failing rate does not count); None when the lowest fails.
+`{"rate": r, "systems": {name: metrics}, ...}`, rates ascending. Readings between grid points are
+interpolated linearly in log rate, so no figure depends on where the grid happens to fall:
+- knee: the rate where the baseline's mean token latency reaches KNEE_FACTOR x its value at the lowest rate,
+  interpolated between the last grid point below that and the first at or above it (None when the curve does
+  not get there). Every system's latency is interpolated at that rate and the reductions are read there. The
+  grid reading (the first grid point at or past the factor) is kept beside it, labelled as such.
+- SLO: absolute p90 TTFT and p90 TPOT limits when given; otherwise TTFT_SLO_X x and TPOT_SLO_X x the
+  lightest-rate baseline's p50 TTFT and p50 TPOT (a relative SLO).
+- capacity at the SLO: per system, the rate at which the first of its p90 TTFT and p90 TPOT crosses its limit,
+  interpolated between the last passing grid point and the first failing one; every lower grid point must
+  pass (a noisy pass above a failing rate does not count). None when the lowest rate fails; the highest rate
+  as a lower bound when no rate fails. The capacity ratio (mfs / baseline) is given only when the baseline
+  has a capacity and it is not a lower bound.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +28,7 @@ KNEE_FACTOR = 2.0
 TTFT_SLO_X = 5.0
 TPOT_SLO_X = 2.0
 BASELINE = "baseline"
+LATENCY = "mean_token_latency_s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +37,11 @@ class SLO:
     tpot_p90_s: float
     rule: str
 
+    def limits(self) -> dict[str, float]:
+        return {"ttft_p90_s": self.ttft_p90_s, "tpot_p90_s": self.tpot_p90_s}
+
     def met(self, metrics: Mapping[str, Any]) -> bool:
-        ttft, tpot = metrics.get("ttft_p90_s"), metrics.get("tpot_p90_s")
-        return ttft is not None and tpot is not None and ttft <= self.ttft_p90_s and tpot <= self.tpot_p90_s
+        return all(metrics.get(key) is not None and metrics[key] <= limit for key, limit in self.limits().items())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,36 +60,77 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(sorted(rates))
 
 
-def _latency(point: Mapping[str, Any], name: str) -> float | None:
-    return (point["systems"].get(name) or {}).get("mean_token_latency_s")
+def _metric(point: Mapping[str, Any], name: str, key: str = LATENCY) -> float | None:
+    return (point["systems"].get(name) or {}).get(key)
 
 
-def knee_rate(curve: Sequence[Mapping[str, Any]], factor: float = KNEE_FACTOR) -> float | None:
-    """The lowest rate where the baseline's mean token latency is >= factor x its lowest-rate value."""
-    if not curve or BASELINE not in curve[0]["systems"]:
-        return None
-    light = _latency(curve[0], BASELINE)
-    if light is None:
-        return None
-    for point in curve:
-        value = _latency(point, BASELINE)
-        if value is not None and value >= factor * light:
-            return point["rate"]
+def _log_fraction(low: float, high: float, rate: float) -> float:
+    return (math.log(rate) - math.log(low)) / (math.log(high) - math.log(low))
+
+
+def _rate_at_fraction(low: float, high: float, fraction: float) -> float:
+    return math.exp(math.log(low) + fraction * (math.log(high) - math.log(low)))
+
+
+def _crossing(low_rate: float, low_value: float, high_rate: float, high_value: float, target: float) -> float:
+    """The rate in [low_rate, high_rate] where a value going from low_value (< target) to high_value (>= target)
+    linearly in log rate reaches target."""
+    return _rate_at_fraction(low_rate, high_rate, (target - low_value) / (high_value - low_value))
+
+
+def value_at(curve: Sequence[Mapping[str, Any]], name: str, rate: float, key: str = LATENCY) -> float | None:
+    """System `name`'s metric `key` at `rate`, interpolated linearly in log rate between the grid points around
+    it (exact at a grid point); None outside the curve or where a neighbour lacks the value."""
+    for low, high in zip(curve, curve[1:]):
+        if low["rate"] <= rate <= high["rate"]:
+            a, b = _metric(low, name, key), _metric(high, name, key)
+            if rate == low["rate"]:
+                return a
+            if rate == high["rate"]:
+                return b
+            if a is None or b is None:
+                return None
+            return a + _log_fraction(low["rate"], high["rate"], rate) * (b - a)
+    if len(curve) == 1 and curve[0]["rate"] == rate:
+        return _metric(curve[0], name, key)
     return None
 
 
+def grid_knee_rate(curve: Sequence[Mapping[str, Any]], factor: float = KNEE_FACTOR) -> float | None:
+    """The lowest grid rate where the baseline's mean token latency is >= factor x its lowest-rate value."""
+    if not curve or _metric(curve[0], BASELINE) is None:
+        return None
+    target = factor * _metric(curve[0], BASELINE)
+    return next((p["rate"] for p in curve if (_metric(p, BASELINE) or 0.0) >= target), None)
+
+
+def knee_rate(curve: Sequence[Mapping[str, Any]], factor: float = KNEE_FACTOR) -> float | None:
+    """The rate where the baseline's mean token latency reaches factor x its lowest-rate value, interpolated in
+    log rate between the last grid point below it and the first at or above it."""
+    grid = grid_knee_rate(curve, factor)
+    if grid is None:
+        return None
+    target = factor * _metric(curve[0], BASELINE)
+    index = next(i for i, p in enumerate(curve) if p["rate"] == grid)
+    below = curve[index - 1]
+    low, high = _metric(below, BASELINE), _metric(curve[index], BASELINE)
+    if low is None or low >= target:       # a gap in the baseline's values: the grid reading is all there is
+        return grid
+    return _crossing(below["rate"], low, grid, high, target)
+
+
 def reductions_at(curve: Sequence[Mapping[str, Any]], rate: float | None) -> dict[str, float | None]:
-    """Per system: 1 - its mean token latency / the baseline's, at `rate` ({} when rate is None)."""
-    point = next((p for p in curve if p["rate"] == rate), None)
-    if point is None or BASELINE not in point["systems"]:
+    """Per system: 1 - its mean token latency / the baseline's, both interpolated at `rate` ({} when None)."""
+    if rate is None or not curve or BASELINE not in curve[0]["systems"]:
         return {}
-    base = _latency(point, BASELINE)
-    return {n: reduction(_latency(point, n), base) for n in point["systems"] if n != BASELINE}
+    base = value_at(curve, BASELINE, rate)
+    names = dict.fromkeys(n for p in curve for n in p["systems"] if n != BASELINE)
+    return {n: reduction(value_at(curve, n, rate), base) for n in names}
 
 
 def default_slo(curve: Sequence[Mapping[str, Any]], ttft_x: float = TTFT_SLO_X,
                 tpot_x: float = TPOT_SLO_X) -> SLO | None:
-    """ttft_x and tpot_x times the lightest-rate baseline's p50 TTFT and p50 TPOT."""
+    """A relative SLO: ttft_x and tpot_x times the lightest-rate baseline's p50 TTFT and p50 TPOT."""
     if not curve or BASELINE not in curve[0]["systems"]:
         return None
     light = curve[0]["systems"][BASELINE]
@@ -91,37 +142,63 @@ def default_slo(curve: Sequence[Mapping[str, Any]], ttft_x: float = TTFT_SLO_X,
                     f"at the lowest rate ({curve[0]['rate']:g} sessions/s)")
 
 
+def _capacity(curve: Sequence[Mapping[str, Any]], name: str, slo: SLO) -> float | None:
+    last_pass = None
+    for point in curve:
+        metrics = point["systems"].get(name)
+        if metrics is not None and slo.met(metrics):
+            last_pass = point
+            continue
+        if last_pass is None or metrics is None:
+            return None if last_pass is None else last_pass["rate"]
+        # the first of the SLO's limits that the interpolated metrics cross, between the two grid points
+        crossings = []
+        for key, limit in slo.limits().items():
+            value = metrics.get(key)
+            if value is None:
+                return last_pass["rate"]
+            if value > limit:
+                crossings.append(_crossing(last_pass["rate"], last_pass["systems"][name][key], point["rate"],
+                                           value, limit))
+        return min(crossings)
+    return last_pass["rate"] if last_pass is not None else None
+
+
 def capacity_at_slo(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict[str, float | None]:
-    """Per system: the highest rate up to which every rate of the curve meets the SLO (None: not even the
-    lowest does)."""
+    """Per system: the interpolated rate up to which it meets the SLO (None: not even the lowest rate does)."""
     if slo is None or not curve:
         return {}
-    names = list(dict.fromkeys(n for p in curve for n in p["systems"]))
-    out: dict[str, float | None] = {}
-    for name in names:
-        best = None
-        for point in curve:
-            metrics = point["systems"].get(name)
-            if metrics is None or not slo.met(metrics):
-                break
-            best = point["rate"]
-        out[name] = best
-    return out
+    names = dict.fromkeys(n for p in curve for n in p["systems"])
+    return {name: _capacity(curve, name, slo) for name in names}
+
+
+def capacity_ratio(capacity: Mapping[str, float | None], lower_bound: Sequence[str], name: str = "mfs") -> float | None:
+    """name's capacity / the baseline's; None when the baseline has none or only a lower bound, or name has none.
+    When `name`'s own capacity is a lower bound, so is the ratio."""
+    base, mine = capacity.get(BASELINE), capacity.get(name)
+    if base is None or mine is None or BASELINE in lower_bound:
+        return None
+    return mine / base
 
 
 def summarize_curve(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict[str, Any]:
     """The top-level curve keys of the bench JSON."""
-    knee = knee_rate(curve)
-    at_knee = reductions_at(curve, knee)
+    knee, grid_knee = knee_rate(curve), grid_knee_rate(curve)
+    at_knee, at_grid_knee = reductions_at(curve, knee), reductions_at(curve, grid_knee)
     capacity = capacity_at_slo(curve, slo)
     highest = curve[-1]["rate"] if curve else None
+    lower_bound = sorted(n for n, r in capacity.items() if r is not None and r == highest)
     return {
         "knee_rate": knee,
-        "knee_rule": f"lowest rate where the baseline's mean token latency >= {KNEE_FACTOR:g}x its lowest-rate value",
+        "knee_rule": f"rate where the baseline's mean token latency reaches {KNEE_FACTOR:g}x its lowest-rate value, "
+                     "interpolated linearly in log rate between grid points",
         "reduction_at_knee": at_knee.get("mfs"),
         "reductions_at_knee": at_knee,
+        "knee_grid_rate": grid_knee,
+        "reduction_at_grid_knee": at_grid_knee.get("mfs"),
         "capacity_at_slo": capacity,
-        "capacity_at_slo_is_lower_bound": sorted(n for n, r in capacity.items() if r is not None and r == highest),
+        "capacity_at_slo_is_lower_bound": lower_bound,
+        "capacity_ratio": capacity_ratio(capacity, lower_bound),
         "slo": slo.to_dict() if slo else None,
     }
 
@@ -149,17 +226,28 @@ def format_curve(result: Mapping[str, Any]) -> str | None:
                          + (f"{red * 100:>8.1f}%" if red is not None else f"{'':>9}"))
     if not any(BASELINE in p["systems"] for p in curve):
         return "\n".join(lines)
-    knee = result.get("knee_rate")
-    red = result.get("reduction_at_knee")
-    lines.append(f"knee (baseline at {KNEE_FACTOR:g}x its lightest-rate token latency): "
-                 + (f"{knee:g} sessions/s, mfs reduction there {red * 100:.1f}%" if knee is not None and red is not None
-                    else f"{knee:g} sessions/s" if knee is not None else "not reached on these rates"))
+    lines.append(_knee_line(result))
     slo = result.get("slo")
     if slo:
         capacity = result.get("capacity_at_slo") or {}
         bound = set(result.get("capacity_at_slo_is_lower_bound") or ())
+        ratio = result.get("capacity_ratio")
         lines.append(f"capacity at the SLO ({slo['rule']}: {slo['ttft_p90_s'] * 1e3:.0f} ms, "
-                     f"{slo['tpot_p90_s'] * 1e3:.1f} ms): "
-                     + ", ".join(f"{n} {'>=' if n in bound else ''}{r:g}/s" if r is not None else f"{n} none"
-                                 for n, r in capacity.items()))
+                     f"{slo['tpot_p90_s'] * 1e3:.1f} ms), interpolated: "
+                     + ", ".join(f"{n} {'>=' if n in bound else ''}{r:.3g}/s" if r is not None else f"{n} none"
+                                 for n, r in capacity.items())
+                     + (f"; mfs / baseline {'>=' if 'mfs' in bound else ''}{ratio:.2f}x" if ratio is not None
+                        else "; no capacity ratio (the baseline has no capacity on this curve, or only a lower bound)"))
     return "\n".join(lines)
+
+
+def _knee_line(result: Mapping[str, Any]) -> str:
+    knee, red = result.get("knee_rate"), result.get("reduction_at_knee")
+    head = f"knee (baseline at {KNEE_FACTOR:g}x its lightest-rate token latency, interpolated): "
+    if knee is None:
+        return head + "not reached on these rates"
+    text = head + f"{knee:.3g} sessions/s" + (f", mfs reduction there {red * 100:.1f}%" if red is not None else "")
+    grid, grid_red = result.get("knee_grid_rate"), result.get("reduction_at_grid_knee")
+    if grid is not None and grid_red is not None:
+        text += f" (grid reading, not the headline: {grid:g} sessions/s, {grid_red * 100:.1f}%)"
+    return text

@@ -12,7 +12,7 @@ TABLE_COLUMNS = (("mean_token_latency_s", "tok-lat ms", 1e3), ("ttft_p50_s", "tt
                  ("e2e_p50_s", "e2e50 s", 1), ("throughput_tok_s", "tok/s", 1), ("prefix_hit_rate", "hit", 1),
                  ("escalation_rate", "esc", 1), ("preemptions", "preempt", 1), ("reroutes", "reroutes", 1),
                  ("num_requests", "reqs ok", 1),
-                 ("num_failed", "failed", 1), ("quality_mean_logprob", "quality", 1))
+                 ("num_failed", "failed", 1), ("quality_reference_logprob", "quality", 1))
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from eval.bench.metrics import mean
 
 ROW_METRICS = ("mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "throughput_tok_s",
                "prefix_hit_rate", "escalation_rate", "preemptions", "num_requests", "num_failed",
-               "quality_mean_logprob", "decode_floor_token_latency_s")
+               "quality_reference_logprob", "decode_floor_token_latency_s")
 
 
 def rows_of(result: dict[str, Any], **point: Any) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ are fixed per turn either way, so under `closed` every system sees the same prom
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -59,6 +60,9 @@ class Turn:
     # closed history: what follows the previous turn's generated reply (end of the reply, the next user
     # message, the generation prompt); for the first turn the whole prompt. Empty: not known (old files).
     user_token_ids: list[int] = field(default_factory=list)
+    # the dataset's own reply, its first max_tokens tokens: what quality is judged on (eval/bench/quality.py).
+    # Empty: not known (files of format 2 and older).
+    reference_token_ids: list[int] = field(default_factory=list)
 
 
 def closed_prompt_lengths(turns: Sequence[Turn]) -> list[int]:
@@ -136,8 +140,10 @@ class Trace:
 # A built trace saved as JSON replays anywhere the family is, without the ShareGPT package (a GPU box, a
 # colleague's machine) and exactly: token ids, lengths, think times and arrivals are all in the file.
 # Format 2 adds each turn's user_token_ids (closed history); a format-1 file replays with dataset history.
-TRACE_FORMAT = "mfs-trace/2"
-OLD_TRACE_FORMATS = ("mfs-trace/1",)
+# Format 3 adds each turn's reference_token_ids (the dataset's reply, for quality); older files have none.
+TRACE_FORMAT = "mfs-trace/3"
+OLD_TRACE_FORMATS = ("mfs-trace/1", "mfs-trace/2")
+NO_USER_TURNS_FORMATS = ("mfs-trace/1",)
 
 
 class TraceFileError(ValueError):
@@ -145,14 +151,24 @@ class TraceFileError(ValueError):
 
 
 def save_trace(trace: Trace, path: str | Path, tokenizer_hash: str) -> None:
+    Path(path).write_bytes(trace_bytes(trace, tokenizer_hash))
+
+
+def trace_digest(trace: Trace, tokenizer_hash: str) -> str:
+    """sha256 of the file save_trace writes: names a trace in a result, so a rebuilt trace can be checked."""
+    return hashlib.sha256(trace_bytes(trace, tokenizer_hash)).hexdigest()
+
+
+def trace_bytes(trace: Trace, tokenizer_hash: str) -> bytes:
     # The sessions as asdict would give them (same keys, same order), without its deep copy of every token list.
     sessions = [{"session_id": s.session_id, "kind": s.kind, "conversation_id": s.conversation_id,
                  "turns": [{"prompt_token_ids": t.prompt_token_ids, "max_tokens": t.max_tokens,
-                            "think_time_s": t.think_time_s, "user_token_ids": t.user_token_ids} for t in s.turns]}
+                            "think_time_s": t.think_time_s, "user_token_ids": t.user_token_ids,
+                            "reference_token_ids": t.reference_token_ids} for t in s.turns]}
                 for s in trace.sessions]
     data = {"format": TRACE_FORMAT, "tokenizer_hash": tokenizer_hash, "spec": asdict(trace.spec),
             "arrival_times_s": trace.arrival_times_s, "notes": trace.notes, "sessions": sessions}
-    Path(path).write_text(json.dumps(data))
+    return json.dumps(data).encode()
 
 
 def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:
@@ -171,12 +187,12 @@ def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:
     try:
         sessions = [Session(s["session_id"], s["kind"], s["conversation_id"],
                             [Turn(list(t["prompt_token_ids"]), int(t["max_tokens"]), float(t["think_time_s"]),
-                                  list(t.get("user_token_ids") or ()))
+                                  list(t.get("user_token_ids") or ()), list(t.get("reference_token_ids") or ()))
                              for t in s["turns"]])
                     for s in data["sessions"]]
         spec = dict(data["spec"])
         notes = list(data.get("notes", []))
-        if fmt in OLD_TRACE_FORMATS:       # no user turns recorded: only the dataset replay is possible
+        if fmt in NO_USER_TURNS_FORMATS:   # no user turns recorded: only the dataset replay is possible
             spec["history"] = "dataset"
             notes.append(f"{fmt} trace file: no user turns recorded, replayed with dataset history (open loop)")
         trace = Trace(spec=WorkloadSpec(**spec), sessions=sessions,
@@ -285,12 +301,14 @@ class _SessionBuilder:
             if not fitting or len(fitting[0].prompt_token_ids) > self.spec.short_max_prompt_tokens:
                 return None
             first = fitting[0]
-            return [Turn(first.prompt_token_ids, first.max_tokens, 0.0, list(first.prompt_token_ids))]
+            return [Turn(first.prompt_token_ids, first.max_tokens, 0.0, list(first.prompt_token_ids),
+                         first.reference_token_ids)]
         # long: the longest fitting history, sent as ONE request with a cold start (no earlier turns).
         longest = [t for t in fitting if len(t.prompt_token_ids) >= self.spec.long_min_prompt_tokens]
         if not longest:
             return None
-        return [Turn(longest[-1].prompt_token_ids, longest[-1].max_tokens, 0.0, list(longest[-1].prompt_token_ids))]
+        last = longest[-1]
+        return [Turn(last.prompt_token_ids, last.max_tokens, 0.0, list(last.prompt_token_ids), last.reference_token_ids)]
 
     def _fitting_turns(self, conversation: Conversation, closed: bool, limit: int | None = None) -> list[Turn]:
         """One Turn (think time 0) per user turn whose prompt + reply fit, measured the way the replay will
@@ -332,8 +350,16 @@ class _SessionBuilder:
             if self._too_long(sent, max_tokens):
                 break
             closed_length = length
-            out.append(Turn(prompt, max_tokens, 0.0, user))
+            out.append(Turn(prompt, max_tokens, 0.0, user, self._reference(reply["content"], max_tokens)))
         return out
+
+    def _reference(self, text: str, max_tokens: int) -> list[int]:
+        """The first max_tokens tokens of the dataset's reply. Only a prefix is encoded when the tokenizer bounds
+        a token's bytes: (max_tokens + 16) tokens' worth of characters hold at least that many tokens, and a cut
+        changes only the tokens of the word it cuts, well past the ones kept."""
+        if self._max_token_bytes is not None:
+            text = text[: (max_tokens + 16) * self._max_token_bytes]
+        return self.tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
 
     def _too_long(self, sent_tokens: int, max_tokens: int) -> bool:
         return sent_tokens > self.spec.max_prompt_tokens or sent_tokens + max_tokens > self.spec.context_tokens

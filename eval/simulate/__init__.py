@@ -8,6 +8,7 @@ aic_table.py    builds a step table with NVIDIA aiconfigurator (runs in its own 
 measure.py      builds a step table by timing the local engine on this machine
 families.py     paper-scale families (HF configs, shipped tokenizer) and GPU memory -> KV pages
 confidence.py   per-token confidences recorded from the real tiny family, looked up deterministically
+escalation_model.py  a stated parametric model of when requests escalate (paper-scale families)
 executor.py     SimExecutor: the StepExecutor the core drives; tokens from a seeded stream
 node.py         one serving node: the core as LocalServing assembles it, stepped in virtual time
 fleet.py        placements (colocated, per-member, fleet:N) and the front router of a fleet

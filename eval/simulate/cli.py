@@ -22,8 +22,10 @@ from eval.baseline.split import SplitError, choose_baseline_split, split_mode_la
 from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
                             format_table, settings_from_args, static_split_for)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
+from eval.bench.quality import member_token_share
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
+from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
@@ -32,7 +34,8 @@ from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
 from eval.systems import needs_split, system_config
-from eval.bench.workloads import Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, with_history
+from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, trace_digest,
+                                  with_history)
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict
 from orchestrator.core.family import FamilyError, load_family
@@ -64,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the default, as TensorRT-LLM offloads)")
     parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
                         help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
+    parser.add_argument("--escalation-model", default=None, metavar="MODEL",
+                        help="when simulated requests escalate: 'recorded' (the --confidences file: the tiny family's "
+                             "default) or 'parametric:P1,...@MEAN' (a probability per member but the largest and the "
+                             "mean trip position in tokens: eval/simulate/escalation_model.py; paper-scale default "
+                             "parametric with 0.15 per member @24)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--max-turns", type=int, default=None)
@@ -180,7 +188,8 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     metrics["solo_decode_step_s"] = step_s
     metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(run.records, step_s)
     metrics["counters"] = run.counters
-    metrics["quality_mean_logprob"] = None
+    metrics["quality_reference_logprob"] = None
+    metrics["member_token_share"] = member_token_share(run.records)
     metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
                              "wall_s": round(run.wall_s, 2), "cpu_s": round(run.cpu_s, 2),
                              "output_tokens": sum(r.output_tokens for r in run.records),
@@ -265,6 +274,18 @@ def _run_forked(configs: dict, args: tuple, jobs: int) -> dict[str, tuple[list, 
     return dict(zip(configs, results))
 
 
+def load_confidences(args: argparse.Namespace, settings: BenchSettings, setup: SimSetup, tiny):
+    """The recorded tiny-family confidences, or the stated parametric model (the paper-scale default)."""
+    text = args.escalation_model or ("recorded" if not is_paper_family(args.family)
+                                     else default_model_text(setup.member_names))
+    if text != "recorded":
+        min_tokens = load_config(overrides=settings.extra_overrides or None).escalation.min_tokens
+        return parse_model(text, setup.member_names, min_tokens, settings.seed)
+    confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
+    confidences.map_members(setup.member_names, tiny.member_names)
+    return confidences
+
+
 def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     settings = sim_settings(args)
     setup = build_setup(args, settings)
@@ -275,8 +296,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     trace_s = time.perf_counter() - started
     rates = curve_rates(settings, trace)
     headline = trace.spec.rate_sessions_per_s if trace.spec.rate_sessions_per_s in rates else rates[0]
-    confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
-    confidences.map_members(setup.member_names, tiny.member_names)
+    confidences = load_confidences(args, settings, setup, tiny)
     configs, split = system_configs(setup, settings, trace, tokenizer)
     sim_started = time.perf_counter()
     about_split: dict[str, Any] = {"baseline_split_mode": None if "baseline" not in configs else
@@ -294,7 +314,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     notes = list(trace.notes) + list(setup.notes) + (list(split.notes) if hasattr(split, "notes") else [])
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
-    notes.append("quality_mean_logprob: not simulated (tokens come from a seeded stream)")
+    notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served")
     notes.extend(unmodelled_notes(configs))
     if setup.host_tier_mb is not None:
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for the systems that keep one; the "
@@ -304,7 +324,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                         "--serial-saves charges them before the step)" if setup.cost.saves_overlap
                         else "; copies to and from it are charged in the step"))
     return {
-        "workload": trace.at_rate(headline).summary(),
+        "workload": {**trace.at_rate(headline).summary(), "trace_sha256": trace_digest(trace, tiny.members[0].tokenizer_hash)},
         "settings": {**_settings(settings), "static_split": getattr(split, "fractions", split),
                      "static_split_traffic_share": getattr(split, "traffic_share", None),
                      "baseline_split_mode": about_split.pop("baseline_split_mode"),
@@ -353,8 +373,8 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         result = run_simulation(args)
-    except (TraceFileError, ConfigError, StepTableError, PlacementError, ConfidenceFileError, FamilyError,
-            SplitError) as exc:
+    except (TraceFileError, ConfigError, StepTableError, PlacementError, ConfidenceFileError, EscalationModelError,
+            FamilyError, SplitError) as exc:
         raise SystemExit(f"mfs simulate: {exc}") from None
     result["settings"]["command"] = ("mfs simulate " + " ".join(sys.argv[2:])) if sys.argv[1:2] == ["simulate"] else None
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
