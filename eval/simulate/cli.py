@@ -37,7 +37,7 @@ from eval.systems import needs_split, system_config
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, trace_digest,
                                   with_history)
 from eval.simulate import compiled
-from orchestrator.core.config import ConfigError, config_to_dict
+from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
