@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from eval.simulate.paths import DEFAULT_LIBRARY
 
@@ -65,6 +65,13 @@ def write_library(records: Iterable[Any], path: str | Path, family: str, note: s
     Path(path).write_text(json.dumps({"format": CONFIDENCE_FORMAT, "family": family, "source": note,
                                       "members": members, "by_request": by_request}))
     return {m: len(v) for m, v in members.items()}
+
+
+class Confidences(Protocol):
+    """What the simulated executor reads: a reply's per-token confidence on a member (ConfidenceLibrary, or the
+    parametric escalation model of escalation_model.py)."""
+
+    def value(self, key: str, member: str, position: int) -> float: ...
 
 
 @dataclass(slots=True)

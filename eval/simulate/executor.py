@@ -19,7 +19,7 @@ import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 
-from eval.simulate.confidence import ConfidenceLibrary
+from eval.simulate.confidence import Confidences
 from eval.simulate.cost_model import BatchShape, CostModel, HistoryTracker, plan_shapes, prefill_tokens_of
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan, tuple_new
@@ -29,7 +29,7 @@ FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (p
 
 class SimExecutor:
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, cost: CostModel,
-                 confidences: ConfidenceLibrary, vocab_size: int, members_in_parallel: bool = False,
+                 confidences: Confidences, vocab_size: int, members_in_parallel: bool = False,
                  request_keys: dict[str, str] | None = None,
                  replies: Mapping[str, Sequence[int]] | None = None) -> None:
         self.family = family
