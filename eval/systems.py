@@ -12,7 +12,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing",
-           "mfs_pre13", "mfs_interleave", "mfs_spec")
+           "mfs_pre13")
 # The scheduler and router policies before issue 13. The baseline keeps them: they are what independent
 # vLLM-style servers do (no reservation of future decode pages beyond a watermark, preempt the newest,
 # one chunked-prefill token budget per step, FCFS per server). mfs_pre13 is MFS with them (an ablation).
@@ -87,10 +87,6 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
             base["pool.host_tier_mb"] = 0.0
     elif name == "mfs_pre13":
         base.update({**PRE13_POLICIES, **PRE13_ROUTING})
-    elif name == "mfs_interleave":      # MFS with cheap members stepping more often (an option, not the default)
-        base["scheduler.member_interleave"] = "cost_weighted"
-    elif name == "mfs_spec":            # MFS with nested self-speculation (an option, not the default)
-        base["scheduler.self_speculation_tokens"] = 1
     elif name == "no_affinity":
         base["router.use_affinity"] = False
     elif name == "no_shared_pool":

@@ -145,9 +145,9 @@ def test_preemption_under_page_pressure_gives_identical_output():
     for i in range(4):
         reference.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
     reference.run()
-    # Issue 13: with exact lengths (ignore_eos) the default reservation never overcommits, so this
-    # test forces the pre-issue-13 one-block reserve to get preemptions; the default must get none.
-    for reservation, preempts in (("block", True), ("remaining", False), ("peak", False)):
+    # With exact lengths (ignore_eos) the peak reservation never overcommits; the one-block reserve
+    # (block) does, and preempts.
+    for reservation, preempts in (("block", True), ("peak", False)):
         tight = Harness(**{"pool.num_pages": 84, "scheduler.decode_reservation": reservation})
         for i in range(4):   # l: 6 pages per block, 14 blocks; each request grows to 11
             tight.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))

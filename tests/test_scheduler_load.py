@@ -354,64 +354,23 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
         assert peak_growth(profiles) == every_candidate(profiles)
 
 
-def _floor_run(floor_share, small_prompt=PROMPT[:8], small_member="s", small_max_tokens=8):
+def test_an_aged_requests_held_pages_keep_a_later_small_request_waiting():
     """A long l request ("hog", 140 tokens = 210 pages of 256) runs; a second l request ("aged", 60 pages)
-    cannot fit beside it and ages past scheduler.aging_steps (its pages held); at step 80 a small request
-    arrives that fits in the 46 free pages but not beside the aged request's held pages."""
-    h = Harness(**{"scheduler.member_floor_share": floor_share, "escalation.enabled": False})
+    cannot fit beside it and ages past scheduler.aging_steps (its pages held); at step 80 a small s request
+    arrives that fits in the 46 free pages but not beside the aged request's held pages: it waits for the hog."""
+    h = Harness(**{"escalation.enabled": False})
     h.submit("hog", [3] * 20, max_tokens=120, pinned_member=MemberName("l"))
     h.step()
     h.submit("aged", [4] * 20, max_tokens=20, pinned_member=MemberName("l"))
     for step in range(2, 400):
         if step == 80:
-            h.submit("small", small_prompt, max_tokens=small_max_tokens, pinned_member=MemberName(small_member))
+            h.submit("small", PROMPT[:8], max_tokens=8, pinned_member=MemberName("s"))
         h.step()
         if not h.scheduler.has_work():
             break
-    return h
-
-
-def test_member_floor_lets_a_small_member_past_another_members_aged_hold():
-    off = _floor_run(None)
-    on = _floor_run(0.25)
-    hog_done = _admitted_step(off, "aged")
-    # Without a floor the aged l request's held pages block the small member until the hog ends.
-    assert _admitted_step(off, "small") == hog_done == 122
-    # With a floor of a quarter of the pool (64 pages), s holds nothing and needs 8: admitted on arrival,
-    # beside the hog's reservation; the aged request is not delayed by it (it waits for the hog either way).
-    assert _admitted_step(on, "small") == 80
-    assert _admitted_step(on, "aged") == hog_done
-    for h in (off, on):
-        counters = h.scheduler.snapshot(h.now)["counters"]
-        assert counters["preemptions"] == 0
-        assert [(e.request_id) for e in h.scheduler.events.recent() if e.kind is EventKind.HOLD] == ["aged"]
-
-
-def test_member_floor_does_not_apply_above_the_floor_or_to_a_static_split():
-    # A small-member request needing more than its floor (16 pages of 256 at 0.0625) is an ordinary request.
-    assert _admitted_step(_floor_run(0.0625, small_prompt=[6] * 40, small_max_tokens=8), "small") == 122
-    h = Harness(**{"scheduler.member_floor_share": 0.25, "pool.static_split": {"s": 0.25, "m": 0.25, "l": 0.5}})
-    assert h.scheduler._floor_usage() is None
-
-
-def test_member_floor_holds_an_under_floor_head_against_members_over_their_floor():
-    # The hog (l, 210 pages) runs; an m request under m's floor (64 pages) needs 60 pages, more than the 46
-    # free: its pages are held. A small l request arriving after it would fit in the free pages: without a
-    # floor it is admitted at once (per-member head-of-line bypass), with one it waits behind the m head.
-    def run(floor_share):
-        h = Harness(**{"scheduler.member_floor_share": floor_share, "escalation.enabled": False,
-                       "scheduler.aging_steps": None})
-        h.submit("hog", [3] * 20, max_tokens=120, pinned_member=MemberName("l"))
-        h.step()
-        h.submit("m-head", [4] * 40, max_tokens=20, pinned_member=MemberName("m"))     # 15 blocks x 4 pages
-        h.step()
-        h.submit("l-late", [5] * 8, max_tokens=4, pinned_member=MemberName("l"))       # 3 blocks x 6 pages
-        h.run(1000)
-        return h
-    off, on = run(None), run(0.25)
-    assert _admitted_step(off, "l-late") == 3 and _admitted_step(off, "m-head") == 122
-    assert _admitted_step(on, "m-head") == 122 and _admitted_step(on, "l-late") == 122
-    assert on.scheduler.snapshot(on.now)["counters"]["preemptions"] == 0
+    assert _admitted_step(h, "small") == _admitted_step(h, "aged") == 122
+    assert h.scheduler.snapshot(h.now)["counters"]["preemptions"] == 0
+    assert [e.request_id for e in h.scheduler.events.recent() if e.kind is EventKind.HOLD] == ["aged"]
 
 
 def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
@@ -429,48 +388,6 @@ def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
     h.run(2000)
     assert h.scheduler.loads()["s"].escalation_rate == 1.0
     assert h.scheduler.loads()["m"].escalation_rate == 0.0 and h.scheduler.escalation_rates._count == {"s": 2, "m": 2}
-
-
-def _admission_order(order: str, aging_steps: int | None, late_short: bool = False) -> list[str]:
-    """One running request (batch cap 1); a long and a short fresh request wait behind it on the same member."""
-    h = Harness(**{"scheduler.max_running_requests": 1, "scheduler.queue_order": order,
-                   "scheduler.aging_steps": aging_steps, "escalation.enabled": False})
-    h.submit("running", PROMPT, max_tokens=10, pinned_member=MemberName("m"))
-    h.step()
-    h.submit("long", [4] + PROMPT, max_tokens=30, pinned_member=MemberName("m"))
-    if late_short:
-        for _ in range(4):      # the long one waits past the aging bound and is held
-            h.step()
-        assert h.scheduler._by_id["long"].held
-    h.submit("short", [5] + PROMPT, max_tokens=3, pinned_member=MemberName("m"))
-    h.run(1000)
-    admits = [e.request_id for e in h.scheduler.events.recent() if e.kind is EventKind.ADMIT]
-    assert h.tokens("long") and h.tokens("short")
-    return [r for r in admits if r in ("long", "short")]
-
-
-def test_shortest_first_admits_the_shorter_fresh_request_first_but_never_passes_an_aged_one():
-    assert _admission_order("fcfs", None) == ["long", "short"]
-    assert _admission_order("shortest_first", None) == ["short", "long"]
-    assert _admission_order("shortest_first", 3, late_short=True) == ["long", "short"]   # held: keeps its place
-    assert _admission_order("fcfs", 3, late_short=True) == ["long", "short"]
-
-
-def test_shortest_first_delay_estimate_counts_only_the_requests_ranked_ahead():
-    delays = {}
-    for order, queued in (("fcfs", True), ("shortest_first", True), ("shortest_first", False)):
-        h = Harness(**{"scheduler.max_running_requests": 1, "scheduler.queue_order": order,
-                       "escalation.enabled": False})
-        h.submit("running", PROMPT, max_tokens=40, pinned_member=MemberName("m"))
-        h.step()
-        if queued:
-            h.submit("long", [4] * 200, max_tokens=30, pinned_member=MemberName("m"))
-        h.step()
-        h.step()
-        probe = Request(RequestId("probe"), list(PROMPT), SamplingParams(max_tokens=2, ignore_eos=True), h.now)
-        delays[order, queued] = h.scheduler.loads(probe)["m"].expected_delay_s
-    # Shortest first: the long request waits behind the probe, so the probe's wait is as if it were not queued.
-    assert delays["shortest_first", True] == delays["shortest_first", False] < delays["fcfs", True]
 
 
 def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():

@@ -700,10 +700,3 @@ def test_a_paper_familys_operator_split_follows_its_members_weights_not_the_toke
     assert split["a"] < split["b"] < split["c"]
 
 
-def test_a_system_with_self_speculation_is_named_as_run_without_it():
-    from eval.simulate.cli import unmodelled_notes
-    from eval.systems import system_config
-    configs = {n: system_config(n, "tiny", 256, None) for n in ("mfs", "mfs_spec")}
-    assert unmodelled_notes(configs) == ["scheduler.self_speculation_tokens: not modelled (the simulated engine "
-                                         "returns one token a step), so mfs_spec ran as without it"]
-    assert unmodelled_notes({"mfs": configs["mfs"]}) == []

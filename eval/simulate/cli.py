@@ -127,13 +127,6 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
     return trace
 
 
-def unmodelled_notes(configs: dict) -> list[str]:
-    """One line per configured feature the simulated engine does not model, naming the systems that set it."""
-    drafting = sorted(n for n, c in configs.items() if c.scheduler.self_speculation_tokens > 0)
-    return [f"scheduler.self_speculation_tokens: not modelled (the simulated engine returns one token a step), "
-            f"so {', '.join(drafting)} ran as without it"] if drafting else []
-
-
 def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, tokenizer) -> tuple[dict, Any]:
     extra = {**setup.overrides, **settings.extra_overrides}
     split = None
@@ -299,7 +292,6 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
     notes.append("quality_mean_logprob: not simulated (tokens come from a seeded stream)")
-    notes.extend(unmodelled_notes(configs))
     if setup.host_tier_mb is not None:
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for the systems that keep one; the "
                      "baseline: " + ("the same, as one LRU its deployments share (--baseline-host-tier)"

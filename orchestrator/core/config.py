@@ -15,9 +15,6 @@ from typing import Any
 import yaml
 
 
-MEMBER_INTERLEAVE_MODES = ("lockstep", "cost_weighted")    # scheduler.member_interleave (interleave.py)
-
-
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key path."""
 
@@ -52,7 +49,7 @@ class SchedulerConfig:
     preallocate_blocks: bool = True      # reserve a decoding request's next block one token early
     request_timeout_s: float | None = 600.0
     # --- issue 13: admission against demand, aging, preemption, stall-aware batching (docs/CONFIG.md)
-    decode_reservation: str = "peak"      # peak | remaining | block (pre-issue-13: pool.decode_reserve_blocks)
+    decode_reservation: str = "peak"      # peak | block (block: pool.decode_reserve_blocks per request)
     new_token_ratio_init: float = 0.7     # share of max_tokens reserved when the length is not fixed
     new_token_ratio_min: float = 0.1      # floor of that share as it decays
     new_token_ratio_decay: float = 0.001  # per step while no request runs short
@@ -60,15 +57,6 @@ class SchedulerConfig:
     victim_order: str = "priority_progress"   # priority_progress | youngest (pre-issue-13)
     swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
-    member_floor_share: float | None = None   # share of the pool each member's admissions can always get (shared pool)
-    queue_order: str = "fcfs"             # fcfs | shortest_first (fresh requests by expected remaining decode)
-    member_interleave: str = "lockstep"   # lockstep | cost_weighted (cheap members step more often: interleave.py)
-    member_step_costs: dict[str, float] | None = None   # relative forward cost per member (None: weight bytes)
-    # Nested families: a greedy decode on a member with a smaller member nested in it drafts this many tokens
-    # per step on the smallest one's layers and checks them in the same step (0 = off), while at most
-    # self_speculation_max_decodes requests decode: beyond that the checks cost more than they save (docs/CONFIG.md)
-    self_speculation_tokens: int = 0
-    self_speculation_max_decodes: int = 2
     # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
     # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
     # orchestrator/core/deployments.py
@@ -105,7 +93,6 @@ class RouterConfig:
     pressure_weight: float = 0.3          # global pool pressure x the member's pages per token
     downgrade_delay_s: float = 0.25       # the winner's expected wait that triggers a downgrade
     downgrade_max_gap: float = 0.15       # quality guard: complexity at most this far above the smaller band
-    downgrade_delay_fraction: float | None = None  # also trigger at this share of the request's decode time
     downgrade_running: int | None = 2     # also trigger when the winner already runs this many requests (CPU-sized)
     downgrade_max_escalation_rate: float | None = None  # no downgrade into a member escalating more of its requests
 
@@ -174,26 +161,18 @@ class MFSConfig:
         _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
         sched = self.scheduler
-        _check(sched.decode_reservation in ("peak", "remaining", "block"), "scheduler.decode_reservation",
-               f"must be peak, remaining or block, got {sched.decode_reservation!r}")
+        _check(sched.decode_reservation in ("peak", "block"), "scheduler.decode_reservation",
+               f"must be peak or block, got {sched.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
                "needs 0 < new_token_ratio_min <= new_token_ratio_init <= 1")
         _check(sched.new_token_ratio_decay >= 0, "scheduler.new_token_ratio_decay", "must be >= 0")
         _check(sched.aging_steps is None or sched.aging_steps > 0, "scheduler.aging_steps", "must be positive or null")
         _check(sched.victim_order in ("priority_progress", "youngest"), "scheduler.victim_order",
                f"must be priority_progress or youngest, got {sched.victim_order!r}")
-        _check(sched.queue_order in ("fcfs", "shortest_first"), "scheduler.queue_order",
-               f"must be fcfs or shortest_first, got {sched.queue_order!r}")
         _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
                "scheduler.decode_step_token_budget", "must be positive or null")
-        _check(0 <= sched.self_speculation_tokens <= 8, "scheduler.self_speculation_tokens", "must be in [0, 8]")
-        _check(sched.self_speculation_max_decodes >= 1, "scheduler.self_speculation_max_decodes", "must be >= 1")
-        _check(sched.member_floor_share is None or 0 < sched.member_floor_share <= 1, "scheduler.member_floor_share",
-               "must be in (0, 1] or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
         _check(self.router.downgrade_max_gap >= 0, "router.downgrade_max_gap", "must be >= 0")
-        _check(self.router.downgrade_delay_fraction is None or self.router.downgrade_delay_fraction > 0,
-               "router.downgrade_delay_fraction", "must be > 0 or null")
         _check(self.router.downgrade_max_escalation_rate is None or 0 <= self.router.downgrade_max_escalation_rate <= 1,
                "router.downgrade_max_escalation_rate", "must be in [0, 1] or null")
         _check(self.router.downgrade_running is None or self.router.downgrade_running >= 1,
@@ -211,8 +190,6 @@ class MFSConfig:
                f"must be keep or rollback, got {self.escalation.on_escalate!r}")
         _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
         _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
-        _check(self.scheduler.member_interleave in MEMBER_INTERLEAVE_MODES, "scheduler.member_interleave",
-               f"must be one of {', '.join(MEMBER_INTERLEAVE_MODES)}, got {self.scheduler.member_interleave!r}")
         _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
         _check(self.engine.process in ("separate", "thread"), "engine.process",
                f"must be separate or thread, got {self.engine.process!r}")

@@ -60,26 +60,6 @@ def expected_final_tokens(seq: Sequence, ratio: float, context_tokens: int) -> i
                                                                         ratio))
 
 
-def queue_rank(seq: Sequence, ratio: float, context_tokens: int) -> tuple[int, int]:
-    """scheduler.queue_order=shortest_first's sort key over waiting requests (the smallest is admitted first).
-    A request that already ran (preempted, escalated) or has waited past the aging bound keeps its place
-    ahead of every fresh one; fresh requests go by their expected remaining decode tokens, the part of a
-    request's time that grows with its length (shortest first minimises the mean wait; aging bounds the
-    longest one's)."""
-    if seq.held or seq.num_admissions or seq.num_escalations:
-        return (0, 0)
-    if seq.is_warmup:
-        return (1, 0)                      # a warm-up only prefills
-    return fresh_rank(len(seq.token_ids), expected_rest_tokens(seq.request.sampling, seq.num_generated, ratio),
-                      context_tokens)
-
-
-def fresh_rank(num_tokens: int, rest_tokens: int, context_tokens: int) -> tuple[int, int]:
-    """queue_rank of a request that has not run: its expected decode tokens within the context. Also the rank
-    the router gives a request still being routed (num_tokens = its prompt)."""
-    return (1, min(context_tokens, num_tokens + rest_tokens) - num_tokens)
-
-
 class RunningDemand(NamedTuple):
     """One admitted request as the delay estimate sees it (a tuple: the router's estimate builds one per
     running request after every step; a frozen dataclass's __init__ set each field through Python)."""
@@ -108,7 +88,7 @@ def victim_key(order: str) -> Callable[[Sequence], tuple]:
     priority_progress: warm-ups and lower priorities (larger numbers) first; a fresh request before
     an escalated one (it already paid for a handover and a user is watching it stream); then the
     least progress (fewest generated tokens), then the cheapest recompute (fewest computed tokens),
-    then the youngest. youngest: the most recently admitted (the pre-issue-13 rule, the baseline's).
+    then the youngest. youngest: the most recently admitted (the baseline's rule).
     """
     if order == "youngest":
         return lambda s: (-s.admit_order,)

@@ -10,8 +10,7 @@ from collections.abc import Collection
 
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
-                                      expected_rest_tokens, fresh_rank, is_length_fixed, peak_growth,
-                                      queue_rank, steps_until_fit)
+                                      is_length_fixed, peak_growth, steps_until_fit)
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
@@ -89,9 +88,8 @@ class PoolDemand:
         mode = self.config.scheduler.decode_reservation
         if mode == "block":
             return 0
-        # Only a page held by exactly one request now can change its owner's credit (peak mode only).
-        claimed = (frozenset(p for p in claimed_pages if self.pool.refcount(p) == 1)
-                   if mode == "peak" else frozenset())
+        # Only a page held by exactly one request now can change its owner's credit.
+        claimed = frozenset(p for p in claimed_pages if self.pool.refcount(p) == 1)
         part = self.partition_of(member)
         if not claimed:
             cached = self._cache.get(part)
@@ -103,7 +101,7 @@ class PoolDemand:
         for seq in self._running.values():
             if partitioned and seq.member != member:
                 continue
-            if mode == "peak" and seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
+            if seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
                 _, per_block, context = self._geometry[seq.member]
                 final = expected_final_tokens(seq, 1.0, context)
                 held = len(seq.kv.block_tables[0]) * per_block
@@ -161,18 +159,10 @@ class PoolDemand:
             return {"pool_pressure": pressure, "pages_per_token": pages_per_token, "step_s": step_s}
         need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
         queued_tokens = 0
-        # shortest_first: only the waiting requests ranked at or before it are ahead (queue_rank; a new request
-        # is fresh, so its rank is (1, its expected decode))
-        rank = (fresh_rank(len(request.prompt_token_ids), expected_rest_tokens(request.sampling, 0, self.ratio.value),
-                           spec.context_tokens)
-                if self.config.scheduler.queue_order == "shortest_first" else None)
-        ratio = self.ratio.value
         for queue in self._waiting.values():
             for seq in queue:
                 # Ahead of it: its own member's queue (FCFS per member) and every held (aged) request;
                 # other members' waiting requests are bypassed (per-member head-of-line).
-                if rank is not None and queue_rank(seq, ratio, self._geometry[seq.member][2]) > rank:
-                    continue
                 if not seq.is_warmup and self.in_partition(seq, member) and (seq.member == member or seq.held):
                     need += self.demand_pages(seq)
                     queued_tokens += len(seq.token_ids)

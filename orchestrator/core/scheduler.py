@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.demand import queue_rank, victim_key
+from orchestrator.core.demand import victim_key
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.escalation import (ConfidenceMonitor, EscalationRates, escalation_target, handover_target,
                                           in_warmup_band)
@@ -22,7 +22,6 @@ from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.pool_demand import PoolDemand
 from orchestrator.core.router import MemberLoad, Router, SessionAffinity
-from orchestrator.core.interleave import MemberInterleave, member_costs
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import (FinishReason, MemberBatch, MemberName, PageId, Request, RequestId,
@@ -71,14 +70,6 @@ class Scheduler:
         self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
         self._last_busy_schedule_s: float | None = None
         self.escalation_rates = EscalationRates()        # per member: how often its requests escalate out
-        # members a smaller member nests in (same lineages for its layers): their greedy decodes can self-speculate
-        self._speculates = {m.name for m in family.members if config.scheduler.self_speculation_tokens > 0
-                            and any(d.num_layers < m.num_layers and family.shared_depth(d.name, m.name) == d.num_layers
-                                    for d in family.members)}
-        self._step_drafts = 0                            # self-speculation this step (set with the decode slots)
-        mode = config.scheduler.member_interleave
-        self._interleave = MemberInterleave(mode, member_costs(family, config.scheduler.member_step_costs)
-                                            if mode != "lockstep" else {n: 1.0 for n in family.member_names})
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
@@ -167,11 +158,7 @@ class Scheduler:
         extra: dict[str, dict[str, float]] = {n: {} for n in running}
         if request is not None:
             for name in running:
-                # a member that runs in a share of the steps gets a token every step / share
-                step_s = self._step_cost_s
-                if step_s is not None and self._interleave.mode != "lockstep":
-                    step_s /= self._interleave.share.get(name, 1.0)
-                extra[name] = self.demand.delay_and_pressure(name, request, step_s)
+                extra[name] = self.demand.delay_and_pressure(name, request, self._step_cost_s)
         rates = self.escalation_rates
         return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1],
                               escalation_rate=rates.rate(n), **extra[n]) for n in running}
@@ -300,16 +287,12 @@ class Scheduler:
         preempted = False
         running = self._running
         preallocate, grow = self.config.scheduler.preallocate_blocks, self.kv.grow
-        cfg = self.config.scheduler
-        self._step_drafts = cfg.self_speculation_tokens if self._speculates and sum(
-            s.is_decoding() for s in running.values()) <= cfg.self_speculation_max_decodes else 0
         for seq in list(running.values()):
             if seq.request_id not in running or not seq.is_decoding():
                 continue
             kv = seq.kv
             assert kv is not None       # a running request holds pages
-            drafts = self._draft_tokens(seq)
-            if preallocate and grow(kv, len(seq.token_ids) + 1 + drafts):
+            if preallocate and grow(kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not grow(kv, len(seq.token_ids)):
                 victim = min((s for s in self._running.values() if self.demand.in_partition(s, seq.member)),
@@ -320,20 +303,7 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-            else:
-                if drafts:
-                    grow(kv, len(seq.token_ids) + drafts)   # slots for drafted tokens: only if free, never a preemption
         return preempted
-
-    def _draft_tokens(self, seq: Sequence) -> int:
-        """Tokens a decoding request may draft this step: greedy, on a member something nests in, and never
-        past its max_tokens or its member's context (so its slots stay inside its reserved demand)."""
-        if (not self._step_drafts or seq.member not in self._speculates or seq.request.sampling.temperature > 0
-                or seq.is_warmup):
-            return 0
-        sampling = seq.request.sampling
-        room = min(sampling.max_tokens - seq.num_generated, self._token_rules[seq.member][2] - len(seq.token_ids))
-        return max(0, min(self._step_drafts, room - 1))
 
     def _preempt(self, seq: Sequence, now_s: float, plan: StepPlan | None = None) -> None:
         """Pages go back (full blocks stay cached under their keys), the request waits at the queue front
@@ -384,70 +354,26 @@ class Scheduler:
         seq.shared_depth = 0
 
     def _admit(self, plan: StepPlan, now_s: float) -> None:
-        """FCFS within a priority (or shortest expected decode first among fresh requests, with
-        scheduler.queue_order=shortest_first) with per-member head-of-line blocking (one member's full pool
-        never blocks another), except that a request waiting scheduler.aging_steps or longer has its pages
-        held: later requests in its pool are admitted only if they fit beside them (no starvation).
-        With scheduler.member_floor_share (shared pool only), a first pass admits the head of every member
-        whose running requests would stay within its floor with it: other members' aged requests do not hold
-        pages against it, and when it does not fit its pages are held against everyone after it."""
-        if self.config.scheduler.queue_order == "shortest_first":
-            self._sort_queues()
+        """FCFS within a priority with per-member head-of-line blocking (one member's full pool never blocks
+        another), except that a request waiting scheduler.aging_steps or longer has its pages held: later
+        requests in its pool are admitted only if they fit beside them (no starvation)."""
         held: dict[str | None, int] = {}
         blocked: set[str] = set()
-        holding: set[RequestId] = set()
-        floors = self._floor_usage()
-        if floors is not None:
-            self._admit_pass(plan, now_s, held, blocked, holding, floors)
-        self._admit_pass(plan, now_s, held, blocked, holding, None)
+        self._admit_pass(plan, now_s, held, blocked)
         if not self._running and any(self._waiting.values()):
             # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
             for name in self.family.member_names:
                 self._release_pins(name, now_s)
 
-    def _sort_queues(self) -> None:
-        """scheduler.queue_order=shortest_first: each priority's queue by demand.queue_rank (stable: requests
-        that already ran or aged keep their FCFS order at the front, equal fresh ones keep theirs)."""
-        ratio = self.demand.ratio.value
-        for priority, queue in self._waiting.items():
-            if len(queue) > 1:
-                self._waiting[priority] = deque(sorted(
-                    queue, key=lambda s: queue_rank(s, ratio, self.family.member(s.member).context_tokens)))
-
-    def _floor_usage(self) -> dict[str, int] | None:
-        """Pages each member's running requests will hold at their expected end (member_floor_share's
-        measure), or None when floors are off or the pool is partitioned (a static split is its own floor)."""
-        if self.config.scheduler.member_floor_share is None or self.config.pool.static_split is not None:
-            return None
-        usage = dict.fromkeys(self.family.member_names, 0)
-        for seq in self._running.values():
-            if not seq.is_warmup:
-                usage[seq.member] += self.demand.demand_pages(seq)
-        return usage
-
-    def _under_floor(self, seq: Sequence, usage: dict[str, int]) -> bool:
-        share = self.config.scheduler.member_floor_share
-        assert share is not None        # only asked when floors are on (_floor_usage)
-        floor = share * self._capacity_pages[seq.member]
-        return usage[seq.member] + self.demand.demand_pages(seq) <= floor
-
-    def _admit_pass(self, plan: StepPlan, now_s: float, held: dict[str | None, int], blocked: set[str],
-                    holding: set[RequestId], floors: dict[str, int] | None) -> None:
-        """One pass over the queues. floors given: the floor pass (only each member's head, only if under its
-        floor; a failed head holds its pages and blocks its member for the second pass too)."""
+    def _admit_pass(self, plan: StepPlan, now_s: float, held: dict[str | None, int], blocked: set[str]) -> None:
+        """One pass over the queues."""
         max_running = self.config.scheduler.max_running_requests
         aging = self.config.scheduler.aging_steps
-        seen: set[str] = set()          # floor pass: members whose head was looked at
         for priority in sorted(self._waiting):
             queue = self._waiting[priority]
             kept: deque[Sequence] = deque()
             while queue:
                 seq = queue.popleft()
-                if floors is not None:
-                    if seq.is_warmup or seq.member in seen or seq.member in blocked or not self._under_floor(seq, floors):
-                        seen.add(seq.member)   # per-member FCFS: a member's later requests wait for its head
-                        kept.append(seq)
-                        continue
                 part = self.demand.partition_of(seq.member)
                 if (len(self._running) >= max_running or seq.member in blocked
                         or not self._try_admit(seq, plan, now_s, held.get(part, 0))):
@@ -456,16 +382,13 @@ class Scheduler:
                         continue
                     blocked.add(seq.member)
                     aged = aging is not None and self._step - seq.enqueued_step >= aging
-                    if (floors is not None or aged) and seq.request_id not in holding:
-                        holding.add(seq.request_id)     # a floor head is seen again in the second pass
+                    if aged:
                         held[part] = held.get(part, 0) + self.demand.demand_pages(seq)
                     if aged and not seq.held:
                         seq.held = True
                         self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
                                          waited_steps=self._step - seq.enqueued_step)
                     kept.append(seq)
-                elif floors is not None:
-                    floors[seq.member] += self.demand.demand_pages(seq)
             self._waiting[priority] = kept
 
     def _try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
@@ -542,8 +465,7 @@ class Scheduler:
             return bound     # the bound credits no returned pages, so prefix claims cannot push the peak above it
         # Its prefix hits on a running request's private pages take them off that request's return.
         claimed = (self.kv.arena_hits(seq.member, match, seq.hashes)
-                   if self.config.scheduler.decode_reservation == "peak"
-                   and (match.num_full_blocks or match.num_shared_blocks) else ())
+                   if match.num_full_blocks or match.num_shared_blocks else ())
         return self.demand.reserved_pages(seq.member, claimed)
 
     def _build_batches(self, plan: StepPlan) -> None:
@@ -556,26 +478,11 @@ class Scheduler:
             budget = min(budget, cfg.decode_step_token_budget)
         batches: dict[str, list[SeqChunk]] = {}
         prefills = []
-        chosen = None
-        if self._interleave.mode != "lockstep":
-            counts: dict[str, int] = {}
-            for seq in self._running.values():
-                counts[seq.member] = counts.get(seq.member, 0) + 1
-            chosen = self._interleave.choose(counts)
         for seq in self._running.values():
-            if chosen is not None and seq.member not in chosen:
-                continue        # its member sits this step out; its pages and slot stay
             if seq.is_decoding():
                 pos = len(seq.token_ids) - 1
-                drafts = 0
-                if self._step_drafts:
-                    kv = seq.kv
-                    assert kv is not None
-                    # as many as allowed and slotted (_ensure_decode_slots grew the tables if pages were free)
-                    slots = len(kv.block_tables[0]) * kv.tokens_per_block - pos - 1
-                    drafts = max(0, min(self._draft_tokens(seq), slots))
-                batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True, drafts=drafts))
-                budget -= 1 + drafts
+                batches.setdefault(seq.member, []).append(self._chunk(seq, pos, pos + 1, sample=True))
+                budget -= 1
             else:
                 prefills.append(seq)
         for seq in prefills:
@@ -591,10 +498,10 @@ class Scheduler:
         if batches:
             self.stats.on_member_steps(batches)
 
-    def _chunk(self, seq: Sequence, start: int, end: int, sample: bool, drafts: int = 0) -> SeqChunk:
+    def _chunk(self, seq: Sequence, start: int, end: int, sample: bool) -> SeqChunk:
         kv = seq.kv
         assert kv is not None
-        blocks_needed = -(-(end + drafts) // kv.tokens_per_block)
+        blocks_needed = -(-end // kv.tokens_per_block)
         start_layer = seq.shared_depth if start < seq.shared_until_tokens else 0
         residual_in = None
         if start_layer:
@@ -605,8 +512,7 @@ class Scheduler:
         tables, residual_out = kv.tables_upto(blocks_needed)
         return SeqChunk(request_id=seq.request_id, token_ids=seq.token_ids[start:end], start_pos=start,
                         block_tables=tables, sample=sample, sampling=seq.request.sampling, start_layer=start_layer,
-                        residual_table=residual_in, residual_table_out=residual_out, num_generated=seq.num_generated,
-                        draft_tokens=drafts)
+                        residual_table=residual_in, residual_table_out=residual_out, num_generated=seq.num_generated)
 
     def drop_failed_loads(self, plan: StepPlan, failed_pages: list[PageId], now_s: float) -> StepPlan:
         """A tier block failed its checksum: forget it and recompute the affected requests."""
@@ -659,14 +565,6 @@ class Scheduler:
                 outputs.append(output)
         for member, n in generated.items():
             self.stats.on_tokens(member, generated_tokens=n)
-        if self._step_drafts:
-            for batch in plan.batches:
-                for chunk in batch.chunks:
-                    seq = running.get(chunk.request_id) if chunk.draft_tokens else None
-                    if seq is not None and seq.member == batch.member and seq.kv is not None:
-                        # accepted drafts' KV was written in this step: every position but the newest is computed
-                        seq.num_computed_tokens = len(seq.token_ids) - 1
-                        self.kv.register_full_blocks(seq.kv, seq.hashes, seq.num_computed_tokens)
         return outputs
 
     def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
