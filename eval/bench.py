@@ -21,7 +21,8 @@ from eval.bench_report import TABLE_COLUMNS, decode_floor_line, format_table, pa
 from eval.curve import SLO, TPOT_SLO_X, TTFT_SLO_X, default_slo, parse_rates, summarize_curve
 from eval.metrics_calc import (RequestRecord, decode_floor_token_latency, pages_timeline, paired_token_latency,
                                reduction, summarize)
-from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
+from eval.systems import (DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split,
+                          system_config, system_scheduler)
 from eval.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
                             with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
@@ -112,12 +113,13 @@ def static_split_for(trace: Trace, family: FamilySpec, tokenizer: FamilyTokenize
 
 
 async def run_system(name: str, config: Any, trace: Trace, on_done=None,
-                     instrument=None) -> tuple[list[RequestRecord], dict]:
+                     instrument=None, scheduler_factory=None) -> tuple[list[RequestRecord], dict]:
     """instrument(engine), when given, is called right before the replay (profilers); if it returns a
-    callable, that is called right after the replay, before anything else runs on the engine."""
+    callable, that is called right after the replay, before anything else runs on the engine.
+    scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
     from orchestrator.serve.serving import LocalServing
 
-    engine = LocalServing(config)
+    engine = LocalServing(config, scheduler_factory=scheduler_factory or system_scheduler(name))
     await engine.start()
     try:
         members = list(engine.family.member_names)
@@ -234,7 +236,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             def run_pilot(fractions: dict[str, float], rate: float):
                 config = config_for("baseline", settings, split, fractions)
                 on_done = (lambda _r: progress.update(1)) if progress is not None else None
-                records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rate), on_done))
+                records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rate), on_done,
+                                                            scheduler_factory=system_scheduler("baseline")))
                 return config, records, {k: v for k, v in metrics.items() if k not in CURVE_DROP}
 
             estimator = complexity_estimator(family_tokenizer(family))

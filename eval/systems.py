@@ -7,23 +7,26 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eval.baseline.deployments import legacy_deployments_scheduler
 from orchestrator.core.config import MFSConfig, load_config
+from orchestrator.core.engine_core import SchedulerFactory
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing",
-           "mfs_pre13")
-# The scheduler and router policies before issue 13. The baseline keeps them: they are what independent
-# vLLM-style servers do (no reservation of future decode pages beyond a watermark, preempt the newest,
-# one chunked-prefill token budget per step, FCFS per server). mfs_pre13 is MFS with them (an ablation).
-PRE13_POLICIES = {
+           "mfs_single_server_policies")
+# The scheduler policies of a single-model server as the baseline runs it (no reservation of future decode
+# pages beyond a one-block watermark, preempt the newest, recompute, no aging, one chunked-prefill token budget
+# per step). mfs_single_server_policies is MFS with them and SINGLE_SERVER_ROUTING (an ablation).
+SINGLE_SERVER_POLICIES = {
     "scheduler.decode_reservation": "block",
     "scheduler.aging_steps": None,
     "scheduler.victim_order": "youngest",
     "scheduler.swap_preempted": False,
     "scheduler.decode_step_token_budget": None,
 }
-PRE13_ROUTING = {
+# Routing without MFS's load terms: a session bonus, no pool pressure, no expected-delay load or downgrades.
+SINGLE_SERVER_ROUTING = {
     "router.session_bonus": 0.2,
     "router.pressure_weight": 0.0,
     "router.delay_saturation_s": 1e9,
@@ -73,7 +76,6 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         # escalation re-submits the whole conversation to a cold larger member, no tiers, no sharing.
         base.update({
             "pool.static_split": dict(baseline_split or split),
-            "scheduler.independent_deployments": True,
             "pool.cross_member_sharing": False,
             "pool.disk_tier_mb": 0.0,
             "router.use_affinity": False,
@@ -81,12 +83,12 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
             "escalation.cold_handover": True,
             "escalation.warmup": False,
             "escalation.reuse_shared_layers": False,   # separate deployments share no layers
-            **PRE13_POLICIES,
+            **SINGLE_SERVER_POLICIES,
         })
         if not baseline_host_tier:
             base["pool.host_tier_mb"] = 0.0
-    elif name == "mfs_pre13":
-        base.update({**PRE13_POLICIES, **PRE13_ROUTING})
+    elif name == "mfs_single_server_policies":
+        base.update({**SINGLE_SERVER_POLICIES, **SINGLE_SERVER_ROUTING})
     elif name == "no_affinity":
         base["router.use_affinity"] = False
     elif name == "no_shared_pool":
@@ -100,6 +102,11 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
     if host_tier_mb is not None and base.get("pool.host_tier_mb") != 0.0:   # a system set to none keeps none
         base["pool.host_tier_mb"] = host_tier_mb
     return base
+
+
+def system_scheduler(name: str) -> SchedulerFactory | None:
+    """The scheduler system `name` runs, when it is not MFS's own: the baseline's independent deployments."""
+    return legacy_deployments_scheduler if name == "baseline" else None
 
 
 def system_config(name: str, family: str, num_pages: int, split: dict[str, float] | None,

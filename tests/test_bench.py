@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eval.metrics_calc import RequestRecord, counter_delta, pages_timeline, percentile, prefix_hit_rates, summarize
-from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config
+from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config, system_scheduler
 from eval.workloads import Session, Trace, Turn, WorkloadSpec
 from orchestrator.core.config import load_config
 from orchestrator.core.family import FamilySpec, MemberSpec
@@ -104,8 +104,8 @@ def test_system_knobs():
     assert mfs.pool.host_tier_mb == default.pool.host_tier_mb and mfs.pool.cross_member_sharing
     b = cfg["baseline"]
     assert b.pool.static_split == SPLIT and not b.pool.cross_member_sharing
-    assert b.scheduler.independent_deployments and not mfs.scheduler.independent_deployments
-    assert not cfg["no_shared_pool"].scheduler.independent_deployments
+    # only the baseline runs as independent deployments (the core's scheduler with eval's deployment policies)
+    assert [n for n in SYSTEMS if system_scheduler(n) is not None] == ["baseline"]
     searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
     assert system_config("baseline", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == searched
     assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == SPLIT
@@ -126,13 +126,14 @@ def test_system_knobs():
     nls = cfg["no_layer_sharing"]
     assert not nls.pool.cross_member_sharing and not nls.escalation.reuse_shared_layers
     assert nls.pool.static_split is None and nls.router.use_affinity
-    # Issue 13: the baseline keeps the pre-issue scheduler policies (independent vLLM-style servers);
-    # mfs_pre13 is MFS with them and the pre-issue routing; mfs gets the new defaults.
-    for name in ("baseline", "mfs_pre13"):
+    # The baseline runs a single-model server's scheduler policies; mfs_single_server_policies is MFS with
+    # them and routing without load terms; mfs gets the defaults.
+    for name in ("baseline", "mfs_single_server_policies"):
         sched = cfg[name].scheduler
         assert (sched.decode_reservation, sched.aging_steps, sched.victim_order, sched.decode_step_token_budget) == \
             ("block", None, "youngest", None)
-    assert cfg["mfs_pre13"].router.session_bonus == 0.2 and cfg["mfs_pre13"].pool.static_split is None
+    single = cfg["mfs_single_server_policies"]
+    assert single.router.session_bonus == 0.2 and single.pool.static_split is None
     assert (mfs.scheduler.decode_reservation, mfs.scheduler.victim_order) == ("peak", "priority_progress")
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
@@ -351,7 +352,7 @@ def test_tiny_end_to_end_bench(tmp_path):
     from orchestrator.core.family import load_family
 
     baseline_config = result["settings"]["configs"]["baseline"]
-    assert baseline_config["scheduler"]["independent_deployments"]
+    assert baseline_config["pool"]["static_split"] and not baseline_config["pool"]["cross_member_sharing"]
     search = result["baseline_split_search"]
     assert search["best"] == result["settings"]["baseline_split"] == baseline_config["pool"]["static_split"]
     assert len(search["scores"]) == search["num_feasible"] >= 1 and "simulated" in search["objective"]

@@ -54,7 +54,7 @@ def test_engine_threads_leave_a_core_for_the_event_loop(monkeypatch):
 
 
 def test_config_md_yaml_loads_and_lists_every_scheduler_and_router_knob(tmp_path):
-    # Issue 13: every knob documented. The YAML block of docs/CONFIG.md must load as it stands and name
+    # Every knob documented. The YAML block of docs/CONFIG.md must load as it stands and name
     # every field of the scheduler and router sections.
     import dataclasses
     import re

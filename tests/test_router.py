@@ -85,7 +85,7 @@ def test_affinity_never_pulls_to_a_too_small_member(router):
 
 
 def test_session_bonus_breaks_a_near_tie():
-    # Issue 13: the bonus is off by default for nested families; set explicitly it still works.
+    # The bonus is off by default for nested families; set explicitly it still works.
     router = Router(FAMILY, RouterConfig(session_bonus=0.2))
     without = _route(router, _request(500), 0.62, matched={"tiny-l": 70})
     with_session = _route(router, _request(500), 0.62, matched={"tiny-l": 70}, session="tiny-l")

@@ -371,7 +371,7 @@ def test_chunk_tables_are_the_live_tables_cut_to_the_chunk_and_never_change_afte
         plan = h.step()
         for batch in plan.batches:
             for chunk in batch.chunks:
-                kv = h.scheduler._running["a"].kv if "a" in h.scheduler._running else None
+                kv = h.scheduler.running.get(RequestId("a")).kv if "a" in h.scheduler.running else None
                 blocks = -(-(chunk.start_pos + len(chunk.token_ids)) // 4)
                 if kv is not None:
                     assert chunk.block_tables == [t[:blocks] for t in kv.block_tables]
@@ -428,7 +428,7 @@ def test_memoized_private_page_count_equals_the_pools_count_at_every_step(scenar
         if not h.scheduler.has_work():
             break
         h.step()
-        for seq in h.scheduler._running.values():
+        for seq in h.scheduler.running:
             if seq.kv is None:
                 continue
             pages = seq.kv.all_pages()

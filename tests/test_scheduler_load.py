@@ -1,11 +1,11 @@
-"""Issue 13: the global scheduler under load, exact states over the fakes (fake clock: 0.01 s per step).
+"""The global scheduler under load, exact states over the fakes (fake clock: 0.01 s per step).
 
 Starvation and aging, demand reservation, victim order, escalated requests protected, no admission in a
 preempting step, swap vs recompute, escalation pins, stall-aware prefill budget, delay-aware downgrade.
 """
 from __future__ import annotations
 
-from orchestrator.core.demand import victim_key
+from orchestrator.core.preemption import VICTIM_ORDERS
 from orchestrator.core.events import EventKind
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import HostTier, TieredStore
@@ -33,8 +33,8 @@ def _starvation(stop_step: int = 270, **overrides) -> Harness:
     return h
 
 
-def test_pre_issue_policy_starves_the_large_member_until_the_small_stream_stops():
-    # Reproduction (the pre-issue-13 code on main gives the same 272): per-member head-of-line bypass
+def test_single_server_policy_starves_the_large_member_until_the_small_stream_stops():
+    # Per-member head-of-line bypass
     # lets every freed page go to the small stream.
     h = _starvation(**{"scheduler.aging_steps": None, "scheduler.decode_reservation": "block"})
     assert _admitted_step(h, "big") == 272
@@ -74,9 +74,9 @@ def test_victim_order_priority_then_fresh_before_escalated_then_least_progress()
             _seq("important", priority=-1, generated=0, computed=0, admit_order=8),
             _seq("unimportant", priority=3, generated=50, computed=60, admit_order=0),
             _seq("warmup", priority=100, warmup=True, admit_order=4)]
-    order = [s.request_id for s in sorted(seqs, key=victim_key("priority_progress"))]
+    order = [s.request_id for s in sorted(seqs, key=VICTIM_ORDERS["priority_progress"])]
     assert order == ["warmup", "unimportant", "little-cheap", "little", "much", "escalated", "important"]
-    assert [s.request_id for s in sorted(seqs, key=victim_key("youngest"))][:2] == ["escalated", "important"]
+    assert [s.request_id for s in sorted(seqs, key=VICTIM_ORDERS["youngest"])][:2] == ["escalated", "important"]
 
 
 def _preempt_events(h):
@@ -101,7 +101,7 @@ def test_victims_by_priority_not_age_and_no_admission_in_a_preempting_step():
     h = _contention("priority_progress")
     assert {e.request_id for e in _preempt_events(h)} == {"old-low"}
     old = _contention("youngest")
-    assert _preempt_events(old)[0].request_id == "new-high"     # the pre-issue rule
+    assert _preempt_events(old)[0].request_id == "new-high"     # the single-server rule (youngest)
     for run in (h, old):
         events = run.scheduler.events.recent()
         preempting = {e.time_s for e in events if e.kind is EventKind.PREEMPT}
@@ -143,7 +143,7 @@ def test_escalation_keeps_the_source_pages_pinned_until_the_target_admits():
     h.submit("e", PROMPT, max_tokens=12)
     while not any(e.kind is EventKind.ESCALATE for e in h.scheduler.events.recent()):
         h.step()
-    seq = h.scheduler._by_id["e"]
+    seq = h.scheduler.lifecycle.by_id["e"]
     assert seq.member == "m" and seq.kv is None and seq.pinned_kv is not None
     pinned = seq.pinned_kv.all_pages()
     assert all(h.pool.refcount(p) >= 1 for p in pinned) and h.pool.num_used_pages("s") == len(pinned)
@@ -192,7 +192,7 @@ def test_expected_delay_downgrade_fires_in_the_scheduler_and_is_counted():
 
 
 def test_peak_growth_counts_what_ends_before_the_peak():
-    from orchestrator.core.demand import decode_profile, peak_growth
+    from orchestrator.core.reservation import decode_profile, peak_growth
 
     def pages(n):               # 4 tokens a block, 2 pages a block
         return -(-n // 4) * 2
@@ -209,7 +209,7 @@ def test_peak_growth_counts_what_ends_before_the_peak():
 def test_pool_demand_pages_rule_is_the_layouts():
     """PoolDemand computes pages_for_tokens per member as one expression (hot at GPU scale): the layout's rule."""
     h = Harness()
-    demand = h.scheduler.demand
+    demand = h.scheduler.reservation
     for member in h.family.member_names:
         context = h.family.member(member).context_tokens
         for n in (0, 1, 3, 4, 5, 17, context - 1, context, context + 9):
@@ -219,7 +219,7 @@ def test_pool_demand_pages_rule_is_the_layouts():
 def test_the_reservation_bound_and_the_delay_inputs_match_their_definitions():
     """reserved_pages_bound and the router's running demands, read per arrival, against the definitions they
     inline (expected_final_tokens, future_pages) on a running mix: decoding, prefilling, open length."""
-    from orchestrator.core.demand import expected_final_tokens, is_length_fixed
+    from orchestrator.core.reservation import expected_final_tokens, is_length_fixed
 
     h = Harness(**{"scheduler.prefill_chunk_tokens": 8})
     h.submit("a", PROMPT, max_tokens=20, pinned_member=MemberName("m"))
@@ -227,9 +227,9 @@ def test_the_reservation_bound_and_the_delay_inputs_match_their_definitions():
     h.submit("c", PROMPT[:7], max_tokens=30, pinned_member=MemberName("s"))
     for steps in range(8):
         h.step()
-        demand, kv = h.scheduler.demand, h.kv
-        demand.clear()
-        running = list(h.scheduler._running.values())
+        demand, kv = h.scheduler.reservation, h.kv
+        h.scheduler.running.changed()
+        running = list(h.scheduler.running)
         assert running
         expected = 0
         for seq in running:
@@ -263,9 +263,9 @@ def _shared_prefix_run(num_pages: int, c_max: int, b_max: int, b_tail: list[int]
         if step == b_step:
             h.submit("b", HANDOVER_PROMPT + b_tail, max_tokens=b_max, pinned_member=MemberName("m"))
         h.step()
-        h.scheduler.demand.clear()
+        h.scheduler.running.changed()
         states.append((step, h.scheduler.reserved_pages("m"), h.pool.num_available_pages("m"),
-                       sorted(str(r) for r in h.scheduler._running)))
+                       sorted(str(s.request_id) for s in h.scheduler.running)))
         if not h.scheduler.has_work():
             break
     return h, states
@@ -292,8 +292,8 @@ def test_reservation_with_shared_pages_counts_them_as_kept():
     h.submit("c", list(range(60, 68)), max_tokens=20, pinned_member=MemberName("m"))
     h.submit("a", HANDOVER_PROMPT, max_tokens=3, pinned_member=MemberName("s"))
     h.step()
-    demand, seqs = h.scheduler.demand, h.scheduler._running
-    a_pages = seqs[RequestId("a")].kv.all_pages()
+    demand = h.scheduler.reservation
+    a_pages = h.scheduler.running.get(RequestId("a")).kv.all_pages()
     base = demand.reserved_pages("m")
     assert base == 16
     one = demand.reserved_pages("m", [a_pages[0]])
@@ -324,7 +324,7 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
     candidate step over every request (the plain O(n^2) definition), on random decoding requests."""
     import random
 
-    from orchestrator.core.demand import decode_profile, peak_growth
+    from orchestrator.core.reservation import decode_profile, peak_growth
 
     def every_candidate(profiles):
         best = 0
@@ -397,20 +397,20 @@ def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
     h = Harness(low_confidence=("s",), **{"pool.num_pages": 400, "escalation.min_tokens": 4,
                                           "escalation.window_tokens": 4, "escalation.warmup": False,
                                           "router.complexity_thresholds": [0.3, 0.6]})
-    demand, scheduler = h.scheduler.demand, h.scheduler
-    original = scheduler._try_admit
+    demand, admission = h.scheduler.reservation, h.scheduler.admission
+    original = admission.try_admit
     checked = []
 
     def checked_admit(seq, *args, **kwargs):
         admitted = original(seq, *args, **kwargs)
         part = demand.partition_of(seq.member)
         if admitted and part in demand._bounds:
-            fresh = sum(demand.future_pages(s) for s in scheduler._running.values())
+            fresh = sum(demand.future_pages(s) for s in h.scheduler.running)
             assert demand._bounds[part] == fresh, seq.request_id
             checked.append(seq.request_id)
         return admitted
 
-    scheduler._try_admit = checked_admit
+    admission.try_admit = checked_admit
     for step in range(60):
         if step % 10 == 0:
             for i in range(4):      # a burst: several admissions in one step, some sharing a prefix

@@ -596,8 +596,7 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
     configs, _ = system_configs(setup, settings, trace_of([[(PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
     per_engine = GPU_SCHEDULER["scheduler.max_running_requests"]
     assert configs["mfs"].scheduler.max_running_requests == 3 * per_engine
-    assert configs["baseline"].scheduler.independent_deployments
-    assert configs["baseline"].scheduler.max_running_requests == per_engine     # per deployment (DeploymentsScheduler)
+    assert configs["baseline"].scheduler.max_running_requests == per_engine     # per deployment (eval/baseline)
     # GPU families: no wait-avoiding downgrade into a member that escalates most of its requests back out
     assert configs["mfs"].router.downgrade_max_escalation_rate == 0.5
     assert not configs["baseline"].router.use_load          # the baseline never downgrades

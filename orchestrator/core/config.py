@@ -48,19 +48,15 @@ class SchedulerConfig:
     max_queue: int = 512                 # waiting requests beyond this are refused (HTTP 429)
     preallocate_blocks: bool = True      # reserve a decoding request's next block one token early
     request_timeout_s: float | None = 600.0
-    # --- issue 13: admission against demand, aging, preemption, stall-aware batching (docs/CONFIG.md)
+    # admission against demand, aging, preemption, stall-aware batching (docs/CONFIG.md)
     decode_reservation: str = "peak"      # peak | block (block: pool.decode_reserve_blocks per request)
     new_token_ratio_init: float = 0.7     # share of max_tokens reserved when the length is not fixed
     new_token_ratio_min: float = 0.1      # floor of that share as it decays
     new_token_ratio_decay: float = 0.001  # per step while no request runs short
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
-    victim_order: str = "priority_progress"   # priority_progress | youngest (pre-issue-13)
+    victim_order: str = "priority_progress"   # priority_progress | youngest (preemption.py)
     swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
-    # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
-    # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
-    # orchestrator/core/deployments.py
-    independent_deployments: bool = False
 
 
 @dataclass(slots=True)
@@ -88,7 +84,7 @@ class RouterConfig:
     load_saturation_tokens: int = 4096    # queued+running tokens at which a member counts as saturated
     use_affinity: bool = True
     use_load: bool = True
-    # --- issue 13: whole-device routing (docs/CONFIG.md)
+    # whole-device routing (docs/CONFIG.md)
     delay_saturation_s: float = 1.0       # expected wait at which a member's load term is full
     pressure_weight: float = 0.3          # global pool pressure x the member's pages per token
     downgrade_delay_s: float = 0.25       # the winner's expected wait that triggers a downgrade
@@ -177,8 +173,6 @@ class MFSConfig:
                "router.downgrade_max_escalation_rate", "must be in [0, 1] or null")
         _check(self.router.downgrade_running is None or self.router.downgrade_running >= 1,
                "router.downgrade_running", "must be >= 1 or null")
-        _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,
-               "scheduler.independent_deployments", "needs pool.static_split (each deployment's slice)")
         _check(self.router.profile in self.router.profiles, "router.profile",
                f"{self.router.profile!r} is not one of {sorted(self.router.profiles)}")
         thresholds = self.router.complexity_thresholds

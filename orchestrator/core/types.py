@@ -110,6 +110,7 @@ class RouteDecision:
     matched_prefix_tokens: dict[str, int]             # member -> tokens cached (any tier)
     complexity: float                                 # estimator output in [0, 1]
     downgraded_from: MemberName | None = None
+    rerouted_from: MemberName | None = None         # placement moved it here: that member could not hold it
 
 
 # ----------------------------------------------------------------------------- step plan (core -> engine)

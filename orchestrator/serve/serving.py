@@ -18,7 +18,7 @@ from typing import Any
 from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import StepExecutor
-from orchestrator.core.engine_core import EngineCore
+from orchestrator.core.engine_core import EngineCore, SchedulerFactory
 from orchestrator.core.errors import EngineUnavailableError
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, StepPlan
@@ -30,7 +30,8 @@ log = logging.getLogger("mfs.serving")
 
 class LocalServing:
     def __init__(self, config: MFSConfig, family: FamilySpec | None = None,
-                 executor: StepExecutor | None = None, clock: Callable[[], float] = time.monotonic):
+                 executor: StepExecutor | None = None, clock: Callable[[], float] = time.monotonic,
+                 scheduler_factory: SchedulerFactory | None = None):
         self.config = config
         self.family = family or load_family(config.family, per_member_lineage=not config.pool.cross_member_sharing)
         self.family_name = self.family.name
@@ -38,7 +39,8 @@ class LocalServing:
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
         self.clock = clock
         self.core = EngineCore(config, self.family, estimator_for_vocab(self.tokenizer.vocab_texts()), clock,
-                               step_clock=time.perf_counter, cpu_clock=time.thread_time)
+                               step_clock=time.perf_counter, cpu_clock=time.thread_time,
+                               scheduler_factory=scheduler_factory)
         self._batcher = StepBatcher(self.core.detach)
         self.core.on_delivered = self._batcher.flush      # one event-loop wake-up per step, not per request
         self.pool, self.kv, self.tiers, self.scheduler = self.core.pool, self.core.kv, self.core.tiers, self.core.scheduler
