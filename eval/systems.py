@@ -19,10 +19,10 @@ SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_w
 # pages beyond a one-block watermark, preempt the newest, recompute, no aging, one chunked-prefill token budget
 # per step). mfs_single_server_policies is MFS with them and SINGLE_SERVER_ROUTING (an ablation).
 SINGLE_SERVER_POLICIES = {
-    "scheduler.decode_reservation": "block",
+    "comparison.decode_reservation": "block",
     "scheduler.aging_steps": None,
-    "scheduler.victim_order": "youngest",
-    "scheduler.swap_preempted": False,
+    "comparison.victim_order": "youngest",
+    "comparison.swap_preempted": False,
     "scheduler.decode_step_token_budget": None,
 }
 # Routing without MFS's load terms: a session bonus, no pool pressure, no expected-delay load or downgrades.
@@ -75,14 +75,14 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         # budget, turns on the device, re-routes what its slice cannot hold), routing on complexity only,
         # escalation re-submits the whole conversation to a cold larger member, no tiers, no sharing.
         base.update({
-            "pool.static_split": dict(baseline_split or split),
-            "pool.cross_member_sharing": False,
+            "comparison.static_split": dict(baseline_split or split),
+            "comparison.cross_member_sharing": False,
             "pool.disk_tier_mb": 0.0,
-            "router.use_affinity": False,
-            "router.use_load": False,
-            "escalation.cold_handover": True,
-            "escalation.warmup": False,
-            "escalation.reuse_shared_layers": False,   # separate deployments share no layers
+            "comparison.use_affinity": False,
+            "comparison.use_load": False,
+            "comparison.cold_handover": True,
+            "comparison.warmup": False,
+            "comparison.reuse_shared_layers": False,   # separate deployments share no layers
             **SINGLE_SERVER_POLICIES,
         })
         if not baseline_host_tier:
@@ -90,15 +90,15 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
     elif name == "mfs_single_server_policies":
         base.update({**SINGLE_SERVER_POLICIES, **SINGLE_SERVER_ROUTING})
     elif name == "no_affinity":
-        base["router.use_affinity"] = False
+        base["comparison.use_affinity"] = False
     elif name == "no_shared_pool":
-        base["pool.static_split"] = dict(split)
+        base["comparison.static_split"] = dict(split)
     elif name == "no_tiers":
         base.update({"pool.host_tier_mb": 0.0, "pool.disk_tier_mb": 0.0})
     elif name == "no_warmup":
-        base["escalation.warmup"] = False
+        base["comparison.warmup"] = False
     elif name == "no_layer_sharing":
-        base.update({"pool.cross_member_sharing": False, "escalation.reuse_shared_layers": False})
+        base.update({"comparison.cross_member_sharing": False, "comparison.reuse_shared_layers": False})
     if host_tier_mb is not None and base.get("pool.host_tier_mb") != 0.0:   # a system set to none keeps none
         base["pool.host_tier_mb"] = host_tier_mb
     return base
@@ -186,7 +186,7 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     pages_for_tokens, tokens_per_block = pages_rule(family, config, num_pages)
     floor = {}
     for m in family.members:
-        reserve = config.pool.decode_reserve_blocks * tokens_per_block(m.name)
+        reserve = config.comparison.decode_reserve_blocks * tokens_per_block(m.name)
         pages = pages_for_tokens(m.name, longest + reserve)
         floor[m.name] = max(MIN_SPLIT_FRACTION, (pages + 0.5) / num_pages)
     fractions, notes = apply_floors(share, floor)

@@ -13,9 +13,9 @@ from tests.fakes import fake_vocab
 from tests.test_scheduler import Harness
 
 # 120 pages: s 60, m 30, l 30. Pages are 4 tokens of one layer; s/m/l have 2/4/6 layers, no residuals.
-BASELINE = {"pool.num_pages": 120, "pool.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
-            "router.use_affinity": False, "router.use_load": False, "escalation.cold_handover": True,
-            "escalation.reuse_shared_layers": False, "escalation.warmup": False}
+BASELINE = {"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
+            "comparison.use_affinity": False, "comparison.use_load": False, "comparison.cold_handover": True,
+            "comparison.reuse_shared_layers": False, "comparison.warmup": False}
 
 
 def deployments(low_confidence=(), **overrides) -> Harness:
@@ -56,7 +56,7 @@ def test_a_request_the_routed_slice_cannot_hold_goes_to_a_deployment_that_can():
 
 
 def test_rerouting_prefers_a_larger_member_over_a_smaller_one():
-    h = deployments(**{"pool.static_split": {"s": 0.25, "m": 0.25, "l": 0.5}})   # s 30, m 30, l 60
+    h = deployments(**{"comparison.static_split": {"s": 0.25, "m": 0.25, "l": 0.5}})   # s 30, m 30, l 60
     # 24 + 8 tokens = 8 blocks: s 16, m 32 (> 30), l 48 (<= 60): routed to m -> l, not s
     assert submit(h, "a", 24, complexity=0.5).member == "l"
 

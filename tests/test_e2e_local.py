@@ -28,7 +28,7 @@ async def generate(engine, rid, prompt, max_tokens=12, pinned=None, session=None
 
 
 def engine_for(**overrides):
-    base = {"family": FAMILY, "pool.num_pages": 600, "pool.host_tier_mb": 0, "escalation.warmup": False}
+    base = {"family": FAMILY, "pool.num_pages": 600, "pool.host_tier_mb": 0, "comparison.warmup": False}
     base.update(overrides)
     return LocalServing(load_config(overrides=base))
 

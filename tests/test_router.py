@@ -186,14 +186,14 @@ def test_everyone_saturated_stays_put(router):
 
 
 def test_use_affinity_false_ignores_cache_and_session():
-    router = Router(FAMILY, RouterConfig(use_affinity=False))
+    router = Router(FAMILY, RouterConfig(), use_affinity=False)
     decision = _route(router, _request(500), 0.62, matched={"tiny-l": 500}, session="tiny-l")
     assert decision.member == "tiny-m"
     assert all(c["affinity"] == 0.0 and c["session"] == 0.0 for c in decision.components.values())
 
 
 def test_use_load_false_ignores_load_and_never_downgrades():
-    router = Router(FAMILY, RouterConfig(use_load=False))
+    router = Router(FAMILY, RouterConfig(), use_load=False)
     decision = _route(router, _request(), 0.9, loads=_saturated_large_loads(router.config))
     assert decision.member == "tiny-l"
     assert decision.downgraded_from is None

@@ -36,7 +36,7 @@ def _starvation(stop_step: int = 270, **overrides) -> Harness:
 def test_single_server_policy_starves_the_large_member_until_the_small_stream_stops():
     # Per-member head-of-line bypass
     # lets every freed page go to the small stream.
-    h = _starvation(**{"scheduler.aging_steps": None, "scheduler.decode_reservation": "block"})
+    h = _starvation(**{"scheduler.aging_steps": None, "comparison.decode_reservation": "block"})
     assert _admitted_step(h, "big") == 272
     assert _admitted_step(_starvation(stop_step=330, **{"scheduler.aging_steps": None}), "big") == 335
 
@@ -86,8 +86,8 @@ def _preempt_events(h):
 def _contention(victim_order: str, tiers=None, host_room=True) -> Harness:
     """An older low-priority request on l, then a fresh important one: the one-block reserve
     overcommits 84 pages, so one must be preempted."""
-    h = Harness(tiers=tiers, **{"pool.num_pages": 84, "scheduler.decode_reservation": "block",
-                                "scheduler.victim_order": victim_order})
+    h = Harness(tiers=tiers, **{"pool.num_pages": 84, "comparison.decode_reservation": "block",
+                                "comparison.victim_order": victim_order})
     h.submit("old-low", [3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"), priority=1)
     for _ in range(3):
         h.step()
@@ -109,12 +109,12 @@ def test_victims_by_priority_not_age_and_no_admission_in_a_preempting_step():
 
 
 def test_escalated_request_is_preempted_after_a_fresh_one():
-    overrides = {"pool.num_pages": 110, "scheduler.decode_reservation": "block", "escalation.min_tokens": 4,
-                 "escalation.window_tokens": 4, "escalation.warmup": False,
+    overrides = {"pool.num_pages": 110, "comparison.decode_reservation": "block", "escalation.min_tokens": 4,
+                 "escalation.window_tokens": 4, "comparison.warmup": False,
                  "router.complexity_thresholds": [0.99, 0.995]}
     victims = {}
     for order in ("priority_progress", "youngest"):
-        h = Harness(low_confidence=("s",), **{**overrides, "scheduler.victim_order": order})
+        h = Harness(low_confidence=("s",), **{**overrides, "comparison.victim_order": order})
         h.submit("fresh", [9] + PROMPT, max_tokens=40, pinned_member=MemberName("m"))
         h.submit("esc", PROMPT, max_tokens=40)
         h.run(3000)
@@ -139,7 +139,7 @@ def test_preemption_swaps_to_the_host_tier_when_it_has_room_else_recomputes():
 
 def test_escalation_keeps_the_source_pages_pinned_until_the_target_admits():
     h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                          "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+                                          "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
     h.submit("e", PROMPT, max_tokens=12)
     while not any(e.kind is EventKind.ESCALATE for e in h.scheduler.events.recent()):
         h.step()
@@ -377,7 +377,7 @@ def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
     # Every s request escalates (low confidence on s); m requests finish there. Pinned requests cannot
     # escalate and count for nothing.
     h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                          "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+                                          "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
     h.submit("e1", PROMPT, max_tokens=12)
     h.submit("pinned", [7] + PROMPT, max_tokens=12, pinned_member=MemberName("s"))
     h.run(2000)
@@ -395,7 +395,7 @@ def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
     every admission of a burst (prefix sharing, nested handovers, a pool tight enough to wait) the cached
     bound must equal the sum over the running requests computed from scratch."""
     h = Harness(low_confidence=("s",), **{"pool.num_pages": 400, "escalation.min_tokens": 4,
-                                          "escalation.window_tokens": 4, "escalation.warmup": False,
+                                          "escalation.window_tokens": 4, "comparison.warmup": False,
                                           "router.complexity_thresholds": [0.3, 0.6]})
     demand, admission = h.scheduler.reservation, h.scheduler.admission
     original = admission.try_admit

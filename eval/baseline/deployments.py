@@ -36,8 +36,8 @@ class LegacyDeployments:
     """Placement, running cap and step members of separate per-member servers on one device."""
 
     def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager) -> None:
-        if config.pool.static_split is None:
-            raise ValueError("independent deployments need pool.static_split (each deployment's slice)")
+        if config.comparison.static_split is None:
+            raise ValueError("independent deployments need comparison.static_split (each deployment's slice)")
         self.family = family
         self.kv = kv
         self.capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}

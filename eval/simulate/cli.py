@@ -132,7 +132,7 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     split = None
     if setup.split is not None:
         split = setup.split           # per-member: the GPUs split the memory for every system alike
-        extra["pool.static_split"] = dict(split)
+        extra["comparison.static_split"] = dict(split)
     elif needs_split(settings.systems):     # the bench's own split search, on this deployment's pages
         family = setup.family or load_family(settings.family)
         split = static_split_for(trace, family, tokenizer,

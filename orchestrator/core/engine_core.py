@@ -92,7 +92,7 @@ class EngineCore:
         self.family = family
         self.clock = clock
         num_pages = config.num_arena_pages()
-        partitions = split_pages(num_pages, config.pool.static_split) if config.pool.static_split else None
+        partitions = split_pages(num_pages, config.comparison.static_split) if config.comparison.static_split else None
         self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
         self.tiers = build_tiers(config)
         self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),

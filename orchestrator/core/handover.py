@@ -53,7 +53,8 @@ class Handover:
         """A warm-up prefill of a likely escalation's prompt on the next member while that member (and the
         whole engine: members share the device) is idle; None when not worth it. The caller queues it."""
         cfg = self.config.escalation
-        if not (cfg.warmup and cfg.enabled and seq.monitor is not None and in_warmup_band(cfg, seq.complexity)):
+        if not (self.config.comparison.warmup and cfg.enabled and seq.monitor is not None
+                and in_warmup_band(cfg, seq.complexity)):
             return None
         target = escalation_target(self.family, seq.member, pinned=False)
         if target is None:
@@ -83,8 +84,8 @@ class Handover:
         if seq.roll_back_for_handover():
             seq.hashes = seq.hashes[:len(seq.token_ids) // self.kv.tokens_per_block(seq.member)]
         source = seq.member
-        cfg = self.config.escalation
-        if cfg.reuse_shared_layers and not cfg.cold_handover:
+        compare = self.config.comparison
+        if compare.reuse_shared_layers and not compare.cold_handover:
             # Keep the source's pages until the target admits the request: under pressure they would
             # otherwise be evicted before the handover reuses them.
             seq.pinned_kv, seq.kv = seq.kv, None

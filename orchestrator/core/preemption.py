@@ -37,7 +37,7 @@ class Youngest:
         return (-s.admit_order,)
 
 
-# scheduler.victim_order -> sort key over running requests: the smallest key is preempted first
+# comparison.victim_order -> sort key over running requests: the smallest key is preempted first
 VICTIM_ORDERS: dict[str, Callable[[Sequence], tuple]] = {o.name: o.key for o in (PriorityProgress, Youngest)}
 
 
@@ -57,23 +57,23 @@ class Preemption:
         self.forget = forget
         self.events = events
         self.stats = stats
-        self.victim_key = VICTIM_ORDERS[config.scheduler.victim_order]
+        self.victim_key = VICTIM_ORDERS[config.comparison.victim_order]
 
     def ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages
         are short, escalation pins are given up before a request would preempt itself, and victims are taken in
-        scheduler.victim_order from the same pool (slice, under a static split). Returns whether anything was
+        comparison.victim_order from the same pool (slice, under a static split). Returns whether anything was
         preempted."""
         preempted = False
         running = self.running
-        preallocate, grow = self.config.scheduler.preallocate_blocks, self.kv.grow
+        grow = self.kv.grow
         in_partition = self.reservation.in_partition
         for seq in running.snapshot():
             if seq.request_id not in running or not seq.is_decoding():
                 continue
             kv = seq.kv
             assert kv is not None       # a running request holds pages
-            if preallocate and grow(kv, len(seq.token_ids) + 1):
+            if grow(kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not grow(kv, len(seq.token_ids)):
                 victim = min((s for s in running if in_partition(s, seq.member)), key=self.victim_key)
@@ -94,7 +94,7 @@ class Preemption:
         recomputed either way."""
         kind = "recompute"
         host = self.tiers.host if self.tiers is not None else None
-        if (plan is not None and seq.kv is not None and host is not None and self.config.scheduler.swap_preempted
+        if (plan is not None and seq.kv is not None and host is not None and self.config.comparison.swap_preempted
                 and not seq.is_warmup):
             keyed = [(p, k) for p in seq.kv.all_pages() if (k := self.pool.key_of(p)) is not None]
             if keyed and len(keyed) * self.config.pool.page_bytes <= host.capacity_bytes - host.bytes_used:

@@ -175,7 +175,7 @@ class Reservation:
         self.running = running
         self.waiting = waiting
         self.capacity_pages = capacity_pages
-        self.partitioned = config.pool.static_split is not None
+        self.partitioned = config.comparison.static_split is not None
         self.ratio = NewTokenRatio(config.scheduler)
         # Caches, each valid for one (running.version, ratio) key: partition -> reserved_pages; partition ->
         # running demands; partition -> reserved_pages_bound (a sum of per-request terms: an admission adds its own)
@@ -309,7 +309,7 @@ class PeakReservation(Reservation):
             if cached is not None:
                 return cached
         constant, profiles = 0, []
-        slack = self.kv.tokens_per_block(member) if self.config.scheduler.preallocate_blocks else 1
+        slack = self.kv.tokens_per_block(member)     # a decode's next block is grown one token early (preemption.py)
         partitioned = self.partitioned
         for seq in self.running:
             if partitioned and seq.member != member:
@@ -368,14 +368,14 @@ class PeakReservation(Reservation):
 
 
 class BlockReservation(Reservation):
-    """Keep pool.decode_reserve_blocks blocks free per admission, whatever the running requests will need (the
+    """Keep comparison.decode_reserve_blocks blocks free per admission, whatever the running requests will need (the
     watermark of a single-model server)."""
 
     name = "block"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._reserve_pages = {m.name: self.config.pool.decode_reserve_blocks * self.kv.pages_per_block(m.name)
+        self._reserve_pages = {m.name: self.config.comparison.decode_reserve_blocks * self.kv.pages_per_block(m.name)
                                for m in self.family.members}
 
     def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:

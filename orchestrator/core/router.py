@@ -82,8 +82,8 @@ class Router:
                                  expected_delay_s / config.delay_saturation_s))
       pressure        config.pressure_weight * pool_pressure * pages_per_token / the largest pages_per_token
                       (a full pool makes page-hungry members dearer)
-    Affinity and session are 0 when config.use_affinity is False, load and pressure when config.use_load
-    is False. components[member] holds the weighted contributions (load and pressure are negative), so
+    Affinity and session are 0 when use_affinity is False, load and pressure when use_load is False
+    (comparison switches). components[member] holds the weighted contributions (load and pressure are negative), so
     they sum to scores[member]. The highest total wins, ties go to the smaller member.
     Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation), or
     busy (it already runs config.downgrade_running requests, or its expected delay is at least
@@ -95,14 +95,18 @@ class Router:
     rule alone (a busy, not a slow, winner) ignores it.
     """
 
-    __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus")
+    __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus", "use_affinity",
+                 "use_load")
 
-    def __init__(self, family: FamilySpec, config: RouterConfig, fit: FitPenalties | None = None) -> None:
+    def __init__(self, family: FamilySpec, config: RouterConfig, fit: FitPenalties | None = None, *,
+                 use_affinity: bool = True, use_load: bool = True) -> None:
         if not family.members:
             raise ValueError(f"family {family.name!r} has no members to route to")
         self.family = family
         self.config = config
         self.fit = fit or FitPenalties()
+        self.use_affinity = use_affinity
+        self.use_load = use_load
         self._names: tuple[str, ...] = tuple(family.member_names)
         self._num_members = len(self._names)
         self._thresholds = tuple(config.complexity_thresholds)
@@ -133,7 +137,7 @@ class Router:
         adequate = self.adequate_index(complexity)
         prompt_tokens = max(1, len(request.prompt_token_ids))
         saturation_tokens = max(1, config.load_saturation_tokens)
-        use_affinity, use_load = config.use_affinity, config.use_load
+        use_affinity, use_load = self.use_affinity, self.use_load
 
         scores: dict[str, float] = {}
         components: dict[str, dict[str, float]] = {}

@@ -53,7 +53,8 @@ class Scheduler:
         self.pool = pool
         self.kv = kv
         self.tiers = tiers
-        self.router = Router(family, config.router)
+        self.router = Router(family, config.router, use_affinity=config.comparison.use_affinity,
+                             use_load=config.comparison.use_load)
         self.estimator = estimator
         self.events = events if events is not None else EventLog()   # an empty log is falsy (__len__)
         self.stats = stats if stats is not None else Stats()
@@ -64,7 +65,7 @@ class Scheduler:
         # a request needing more is refused at once rather than left waiting for room that never comes.
         self.capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self.placement = policies.placement or SharedPoolPlacement(family, kv, self.capacity_pages)
-        self.reservation = RESERVATIONS[config.scheduler.decode_reservation](
+        self.reservation = RESERVATIONS[config.comparison.decode_reservation](
             family, config, pool, kv, self.running, self.waiting, self.capacity_pages)
         self.handover = Handover(family, config, kv, self.running, self.waiting, self.reservation, self.placement,
                                  self.events, self.stats)
@@ -131,7 +132,7 @@ class Scheduler:
         """Routes, then places; fills by_block_size with the prompt's block hashes so admission can reuse them."""
         matched: dict[str, int] = {}
         by_block_size = {} if by_block_size is None else by_block_size
-        if self.config.router.use_affinity and request.pinned_member is None:
+        if self.config.comparison.use_affinity and request.pinned_member is None:
             for name in self.family.member_names:
                 size = self.kv.tokens_per_block(name)
                 if size not in by_block_size:

@@ -184,7 +184,7 @@ class ProcessServing:
         self.child_main = child_main or engine_main
         local = config.engine.kind == "local"
         self.family = family or load_family(config.family,
-                                            per_member_lineage=local and not config.pool.cross_member_sharing)
+                                            per_member_lineage=local and not config.comparison.cross_member_sharing)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
