@@ -418,3 +418,42 @@ def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
         h.step()
     h.run(3000)
     assert len(checked) >= 5
+
+
+def _pins_versus_a_victim(num_pages: int = 74) -> Harness:
+    """b and a (priority 1: the first victim) decode on m; e starts on s, escalates to m and waits there with
+    its s pages pinned; then b's next block does not fit (one-block reserve, 74 pages)."""
+    h = Harness(low_confidence=("s",), **{"pool.num_pages": num_pages, "comparison.decode_reservation": "block",
+                                          "escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                          "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+    h.submit("b", [9] + PROMPT, max_tokens=30, pinned_member=MemberName("m"))
+    h.submit("a", [7] * 8, max_tokens=30, pinned_member=MemberName("m"), priority=1)
+    h.step()
+    h.step()
+    h.submit("e", PROMPT, max_tokens=12)
+    return h
+
+
+def test_escalation_pins_are_released_before_any_request_is_preempted():
+    h = _pins_versus_a_victim()
+    preemption = h.scheduler.preemption
+    preempt, seen = preemption.preempt, []
+
+    def recorded(seq, now_s, plan=None):      # the victim, and the waiting requests holding pins at that moment
+        seen.append((seq.request_id, round(now_s, 2),
+                     [s.request_id for s in h.scheduler.waiting if s.pinned_kv is not None]))
+        preempt(seq, now_s, plan)
+
+    preemption.preempt = recorded
+    e = h.scheduler.lifecycle.by_id["e"]
+    for _ in range(7):      # to step 9
+        h.step()
+    assert e.pinned_kv is not None and e.member == "m" and "e" not in h.scheduler.running   # escalated at 7
+    h.step()
+    # Step 10: b's next block does not fit while e waits with its s pages pinned: the pins go (e will recompute
+    # its lower layers on m), a keeps running. a is preempted at steps 14 and 38, with nothing pinned to give.
+    assert e.pinned_kv is None and seen == []
+    h.run(3000)
+    assert seen == [("a", 0.14, []), ("a", 0.38, [])]
+    assert [s.member for s in h.final("e").spans][:2] == ["s", "m"]
+    assert len(h.tokens("a")) == len(h.tokens("b")) == 30 and len(h.tokens("e")) == 12

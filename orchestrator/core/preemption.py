@@ -76,9 +76,9 @@ class Preemption:
             if grow(kv, len(seq.token_ids) + 1):
                 continue   # next step's slot is reserved too, off the critical path; no preemption for it
             while not grow(kv, len(seq.token_ids)):
+                if self.release_pins(seq.member):
+                    continue   # waiting escalations' pinned pages go before any running request's
                 victim = min((s for s in running if in_partition(s, seq.member)), key=self.victim_key)
-                if victim is seq and self.release_pins(seq.member):
-                    continue
                 self.preempt(victim, now_s, plan)
                 preempted = True
                 if victim is seq:
