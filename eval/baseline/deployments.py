@@ -1,4 +1,6 @@
-"""Independent deployments on a static split (the baseline that runs as `baseline`, later `baseline_legacy`): each member its own server on a fixed slice of the pages, taking turns on one device.
+"""Independent deployments on a static split: each member its own server on a fixed slice, turns on one device.
+
+This is the baseline that runs as `baseline` (to become `baseline_legacy` beside the fairer baselines).
 
 Built from the core's own Scheduler with three policy objects in place of MFS's (LegacyDeployments is all three):
 - placement: nothing is refused that some member's slice can hold: a request whose routed member's slice cannot
@@ -40,7 +42,7 @@ class LegacyDeployments:
             raise ValueError("independent deployments need comparison.static_split (each deployment's slice)")
         self.family = family
         self.kv = kv
-        self.capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self.member_cap = config.scheduler.max_running_requests
         self._turn = -1                 # index of the deployment that ran the last step
         self.num_reroutes = 0

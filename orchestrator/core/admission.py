@@ -1,9 +1,10 @@
-"""Admission: which waiting requests join the running batch this step, and the pages each attaches (prefix hits, reservation, aging holds)."""
+"""Admission: which waiting requests join the running batch this step, and the pages each one attaches."""
 from __future__ import annotations
 
 import itertools
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.events import EventKind, EventLog, Stats
@@ -14,6 +15,10 @@ from orchestrator.core.request_queue import RunningSet, WaitingQueue
 from orchestrator.core.reservation import Reservation
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import RequestState, StepPlan
+
+
+class RunningCap(Protocol):
+    def has_room(self, seq: Sequence, running: RunningSet) -> bool: ...
 
 
 class MaxRunning:
@@ -30,7 +35,7 @@ class Admission:
     def __init__(self, family: FamilySpec, config: MFSConfig, kv: KVCacheManager, running: RunningSet,
                  waiting: WaitingQueue, reservation: Reservation, handover: Handover,
                  capacity_pages: dict[str, int], forget: Callable[[Sequence], None],
-                 events: EventLog, stats: Stats, running_cap=None) -> None:
+                 events: EventLog, stats: Stats, running_cap: RunningCap | None = None) -> None:
         self.family = family
         self.config = config
         self.kv = kv

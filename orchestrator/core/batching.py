@@ -1,13 +1,18 @@
-"""Batch formation: which running requests step (every member's, for MFS), their decode tokens and prefill chunks under the step's token budget."""
+"""Batch formation: which running requests step, their decode tokens and prefill chunks under the token budget."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 from orchestrator.core.config import SchedulerConfig
 from orchestrator.core.events import Stats
 from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import MemberBatch, MemberName, SeqChunk, StepPlan
+
+
+class StepMembers(Protocol):
+    def select(self, running: RunningSet) -> Iterable[Sequence]: ...
 
 
 class EveryMember:
@@ -21,7 +26,7 @@ class EveryMember:
 class BatchFormer:
     """Decodes first (one token each), then prefill chunks in admission order until the token budget is spent."""
 
-    def __init__(self, config: SchedulerConfig, stats: Stats, step_members=None) -> None:
+    def __init__(self, config: SchedulerConfig, stats: Stats, step_members: StepMembers | None = None) -> None:
         self.config = config
         self.stats = stats
         self.step_members = step_members or EveryMember()

@@ -1,4 +1,4 @@
-"""Escalation in the scheduler: handing a request to a larger member, warming that member up, and the pins that keep the source's pages."""
+"""Escalation in the scheduler: the handover to a larger member, warm-up prefills, and the pins on the source pages."""
 from __future__ import annotations
 
 from orchestrator.core.config import MFSConfig
@@ -7,7 +7,7 @@ from orchestrator.core.escalation import (ConfidenceMonitor, EscalationRates, es
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
-from orchestrator.core.placement import SharedPoolPlacement
+from orchestrator.core.placement import Placement
 from orchestrator.core.request_queue import WARMUP_PRIORITY, RunningSet, WaitingQueue
 from orchestrator.core.reservation import Reservation
 from orchestrator.core.sequence import Sequence
@@ -27,7 +27,7 @@ def release_pin(seq: Sequence, kv: KVCacheManager, running: RunningSet) -> bool:
 
 class Handover:
     def __init__(self, family: FamilySpec, config: MFSConfig, kv: KVCacheManager, running: RunningSet,
-                 waiting: WaitingQueue, reservation: Reservation, placement: SharedPoolPlacement,
+                 waiting: WaitingQueue, reservation: Reservation, placement: Placement,
                  events: EventLog, stats: Stats) -> None:
         self.family = family
         self.config = config

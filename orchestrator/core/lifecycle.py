@@ -1,4 +1,4 @@
-"""How requests end: the registry of live requests, aborts and timeouts, finishing (pages stay cached), and the ageing of idle sessions' cache."""
+"""How requests end: the live-request registry, aborts and timeouts, finishing, and idle sessions' cache ageing."""
 from __future__ import annotations
 
 import heapq

@@ -6,6 +6,8 @@ a request to another member (RouteDecision.rerouted_from says so) or refuse an e
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
@@ -26,6 +28,12 @@ def check_fits(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str,
         if pages > capacity_pages[name]:
             raise InvalidRequestError(f"request needs {pages} KV pages on {name}; the pool can give it "
                                       f"at most {capacity_pages[name]}", param="max_tokens")
+
+
+class Placement(Protocol):
+    def check_fits(self, request: Request) -> None: ...
+    def place(self, decision: RouteDecision, request: Request) -> RouteDecision: ...
+    def accepts_escalation(self, seq: Sequence) -> bool: ...
 
 
 class SharedPoolPlacement:

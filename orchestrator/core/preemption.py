@@ -1,4 +1,4 @@
-"""Preemption: a page slot for every decoding request's next token, the victim order (chosen by name), swap or recompute."""
+"""Preemption: a slot for every decode's next token, the victim order (chosen by name), swap or recompute."""
 from __future__ import annotations
 
 from collections.abc import Callable

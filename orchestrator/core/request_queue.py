@@ -1,4 +1,4 @@
-"""The scheduler's request containers: waiting requests by priority (FCFS within one) and running ones in admission order."""
+"""The scheduler's request containers: waiting requests by priority (FCFS within one), running ones in order."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque

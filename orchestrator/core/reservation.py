@@ -1,5 +1,7 @@
-"""Reservation: the pages admitted requests will still need (what admission leaves free beside them) and how
-long a new request would wait for pages (the router's expected delay), chosen by name (peak | block).
+"""Reservation: the pages admitted requests will still need, and how long a new request would wait for pages.
+
+What admission leaves free beside the running requests, and the router's expected delay; chosen by name (peak |
+block).
 
 A running request grows to prompt + max_tokens tokens. Under `ignore_eos` (or `min_tokens` up to `max_tokens`)
 that length is exact, so its remaining decode pages are reserved exactly; otherwise a share `ratio` of the

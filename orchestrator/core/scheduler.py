@@ -1,4 +1,6 @@
-"""One scheduler for the whole family: intake and routing, then each step preemption, admission and batch formation, and the sampled tokens back into their requests.
+"""One scheduler for the whole family: intake and routing; per step preemption, admission, batches and the update.
+
+The update puts the sampled tokens back into their requests.
 
 Step shape: schedule(now) -> StepPlan (the engine runs it) -> update(plan, sampled, now) -> outputs. The policies
 are objects: reservation and victim order chosen by name in the config (reservation.py, preemption.py);
@@ -8,10 +10,9 @@ MFS's defaults, or eval's independent deployments). Pure: no torch, no I/O, the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from orchestrator.core.admission import Admission
-from orchestrator.core.batching import BatchFormer
+from orchestrator.core.admission import Admission, RunningCap
+from orchestrator.core.batching import BatchFormer, StepMembers
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
@@ -21,7 +22,7 @@ from orchestrator.core.handover import Handover
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.core.page_pool import PagePool
-from orchestrator.core.placement import SharedPoolPlacement
+from orchestrator.core.placement import Placement, SharedPoolPlacement
 from orchestrator.core.preemption import Preemption
 from orchestrator.core.request_queue import RunningSet, WaitingQueue
 from orchestrator.core.reservation import RESERVATIONS
@@ -38,9 +39,9 @@ class SchedulerPolicies:
     """Policies given by whoever builds the scheduler; None takes MFS's: SharedPoolPlacement (placement.py),
     MaxRunning (admission.py), EveryMember (batching.py)."""
 
-    placement: Any = None          # check_fits(request), place(decision, request), accepts_escalation(seq)
-    running_cap: Any = None        # has_room(seq, running)
-    step_members: Any = None       # select(running) -> the running requests that step
+    placement: Placement | None = None
+    running_cap: RunningCap | None = None
+    step_members: StepMembers | None = None
 
 
 class Scheduler:
@@ -63,7 +64,7 @@ class Scheduler:
         self.waiting = WaitingQueue()
         # Most pages each member can ever hold (its slice, minus the other members' floors, under its ceiling):
         # a request needing more is refused at once rather than left waiting for room that never comes.
-        self.capacity_pages = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self.placement = policies.placement or SharedPoolPlacement(family, kv, self.capacity_pages)
         self.reservation = RESERVATIONS[config.comparison.decode_reservation](
             family, config, pool, kv, self.running, self.waiting, self.capacity_pages)

@@ -1,4 +1,4 @@
-"""The pool's page counts for stats snapshots: by state, and by member (shared lineages count for the smallest member)."""
+"""The pool's page counts for stats snapshots, by state and by member (shared lineages count for the smallest)."""
 from __future__ import annotations
 
 from orchestrator.core.family import FamilySpec
