@@ -12,6 +12,7 @@ the running set's version and the ratio, so nobody clears them. Pure: no clock, 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
 from typing import NamedTuple
 
@@ -162,7 +163,7 @@ def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
     return best
 
 
-class Reservation:
+class Reservation(ABC):
     """The pool-demand arithmetic over the running set and the waiting queue. Subclasses say how much admission
     leaves free for the running requests' decode (reserved_pages, reserve_beside_running)."""
 
@@ -230,12 +231,13 @@ class Reservation:
         context = self.family.member(seq.member).context_tokens
         return self.kv.pages_for_tokens(seq.member, expected_final_tokens(seq, self.ratio.value, context))
 
+    @abstractmethod
     def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
-        raise NotImplementedError
+        """Pages reserved for the running requests' remaining decode in `member`'s pool."""
 
+    @abstractmethod
     def reserve_beside_running(self, seq: Sequence, match: PrefixMatch, held_pages: int) -> int:
         """Pages attach must leave free for the running requests (and seq's own decode) when seq joins them."""
-        raise NotImplementedError
 
     def delay_and_pressure(self, member: str, request: Request, step_cost_s: float | None) -> dict:
         """MemberLoad's expected_delay_s, pool_pressure and pages_per_token for `request` on `member`: the pages it
