@@ -1,29 +1,32 @@
 """The compared systems: MFS, the independent-deployment baseline and the ablations, and the static splits
 (traffic share with floors for `no_shared_pool`; proportional to weight bytes, the operator's default; the
-baseline's own split comes from eval/split_search.py). Pages per request: KVCacheManager.pages_for_tokens."""
+baseline's own split comes from eval/baseline/split_search.py). Pages per request: KVCacheManager.pages_for_tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eval.baseline.deployments import legacy_deployments_scheduler
 from orchestrator.core.config import MFSConfig, load_config
+from orchestrator.core.engine_core import SchedulerFactory
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing",
-           "mfs_pre13", "mfs_interleave", "mfs_spec")
-# The scheduler and router policies before issue 13. The baseline keeps them: they are what independent
-# vLLM-style servers do (no reservation of future decode pages beyond a watermark, preempt the newest,
-# one chunked-prefill token budget per step, FCFS per server). mfs_pre13 is MFS with them (an ablation).
-PRE13_POLICIES = {
-    "scheduler.decode_reservation": "block",
+           "mfs_single_server_policies")
+# The scheduler policies of a single-model server as the baseline runs it (no reservation of future decode
+# pages beyond a one-block watermark, preempt the newest, recompute, no aging, one chunked-prefill token budget
+# per step). mfs_single_server_policies is MFS with them and SINGLE_SERVER_ROUTING (an ablation).
+SINGLE_SERVER_POLICIES = {
+    "comparison.decode_reservation": "block",
     "scheduler.aging_steps": None,
-    "scheduler.victim_order": "youngest",
-    "scheduler.swap_preempted": False,
+    "comparison.victim_order": "youngest",
+    "comparison.swap_preempted": False,
     "scheduler.decode_step_token_budget": None,
 }
-PRE13_ROUTING = {
+# Routing without MFS's load terms: a session bonus, no pool pressure, no expected-delay load or downgrades.
+SINGLE_SERVER_ROUTING = {
     "router.session_bonus": 0.2,
     "router.pressure_weight": 0.0,
     "router.delay_saturation_s": 1e9,
@@ -72,38 +75,38 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         # budget, turns on the device, re-routes what its slice cannot hold), routing on complexity only,
         # escalation re-submits the whole conversation to a cold larger member, no tiers, no sharing.
         base.update({
-            "pool.static_split": dict(baseline_split or split),
-            "scheduler.independent_deployments": True,
-            "pool.cross_member_sharing": False,
+            "comparison.static_split": dict(baseline_split or split),
+            "comparison.cross_member_sharing": False,
             "pool.disk_tier_mb": 0.0,
-            "router.use_affinity": False,
-            "router.use_load": False,
-            "escalation.cold_handover": True,
-            "escalation.warmup": False,
-            "escalation.reuse_shared_layers": False,   # separate deployments share no layers
-            **PRE13_POLICIES,
+            "comparison.use_affinity": False,
+            "comparison.use_load": False,
+            "comparison.cold_handover": True,
+            "comparison.warmup": False,
+            "comparison.reuse_shared_layers": False,   # separate deployments share no layers
+            **SINGLE_SERVER_POLICIES,
         })
         if not baseline_host_tier:
             base["pool.host_tier_mb"] = 0.0
-    elif name == "mfs_pre13":
-        base.update({**PRE13_POLICIES, **PRE13_ROUTING})
-    elif name == "mfs_interleave":      # MFS with cheap members stepping more often (an option, not the default)
-        base["scheduler.member_interleave"] = "cost_weighted"
-    elif name == "mfs_spec":            # MFS with nested self-speculation (an option, not the default)
-        base["scheduler.self_speculation_tokens"] = 1
+    elif name == "mfs_single_server_policies":
+        base.update({**SINGLE_SERVER_POLICIES, **SINGLE_SERVER_ROUTING})
     elif name == "no_affinity":
-        base["router.use_affinity"] = False
+        base["comparison.use_affinity"] = False
     elif name == "no_shared_pool":
-        base["pool.static_split"] = dict(split)
+        base["comparison.static_split"] = dict(split)
     elif name == "no_tiers":
         base.update({"pool.host_tier_mb": 0.0, "pool.disk_tier_mb": 0.0})
     elif name == "no_warmup":
-        base["escalation.warmup"] = False
+        base["comparison.warmup"] = False
     elif name == "no_layer_sharing":
-        base.update({"pool.cross_member_sharing": False, "escalation.reuse_shared_layers": False})
+        base.update({"comparison.cross_member_sharing": False, "comparison.reuse_shared_layers": False})
     if host_tier_mb is not None and base.get("pool.host_tier_mb") != 0.0:   # a system set to none keeps none
         base["pool.host_tier_mb"] = host_tier_mb
     return base
+
+
+def system_scheduler(name: str) -> SchedulerFactory | None:
+    """The scheduler system `name` runs, when it is not MFS's own: the baseline's independent deployments."""
+    return legacy_deployments_scheduler if name == "baseline" else None
 
 
 def system_config(name: str, family: str, num_pages: int, split: dict[str, float] | None,
@@ -183,7 +186,7 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     pages_for_tokens, tokens_per_block = pages_rule(family, config, num_pages)
     floor = {}
     for m in family.members:
-        reserve = config.pool.decode_reserve_blocks * tokens_per_block(m.name)
+        reserve = config.comparison.decode_reserve_blocks * tokens_per_block(m.name)
         pages = pages_for_tokens(m.name, longest + reserve)
         floor[m.name] = max(MIN_SPLIT_FRACTION, (pages + 0.5) / num_pages)
     fractions, notes = apply_floors(share, floor)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eval.bench.metrics import RequestRecord, counter_delta, pages_timeline, prefix_hit_rates, summarize
-from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config
+from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config, system_scheduler
 from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec
 from orchestrator.core.config import load_config
 from orchestrator.core.family import FamilySpec, MemberSpec
@@ -54,7 +54,7 @@ def test_split_floors_use_the_page_rule_residual_pages_included():
     # handover of this config, what the old arithmetic forgot): 33 x (2+1) and 33 x (4+1)
     assert pages["tiny-l"] >= 33 * 8 and pages["tiny-m"] >= 33 * 5 and pages["tiny-s"] >= 33 * 3
     assert split.notes
-    load_config(overrides={"pool.static_split": split.fractions})   # the validator accepts it
+    load_config(overrides={"comparison.static_split": split.fractions})   # the validator accepts it
 
 
 def test_proportional_split_follows_weight_bytes(tmp_path):
@@ -100,15 +100,15 @@ def test_system_knobs():
     assert all(c.pool.num_pages == 256 for c in cfg.values())
     default = load_config()
     mfs = cfg["mfs"]
-    assert mfs.pool.static_split is None and mfs.router.use_affinity and mfs.escalation.warmup
-    assert mfs.pool.host_tier_mb == default.pool.host_tier_mb and mfs.pool.cross_member_sharing
+    assert mfs.comparison.static_split is None and mfs.comparison.use_affinity and mfs.comparison.warmup
+    assert mfs.pool.host_tier_mb == default.pool.host_tier_mb and mfs.comparison.cross_member_sharing
     b = cfg["baseline"]
-    assert b.pool.static_split == SPLIT and not b.pool.cross_member_sharing
-    assert b.scheduler.independent_deployments and not mfs.scheduler.independent_deployments
-    assert not cfg["no_shared_pool"].scheduler.independent_deployments
+    assert b.comparison.static_split == SPLIT and not b.comparison.cross_member_sharing
+    # only the baseline runs as independent deployments (the core's scheduler with eval's deployment policies)
+    assert [n for n in SYSTEMS if system_scheduler(n) is not None] == ["baseline"]
     searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
-    assert system_config("baseline", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == searched
-    assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).pool.static_split == SPLIT
+    assert system_config("baseline", "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == searched
+    assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == SPLIT
     assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (0.0, 0.0)
     # --baseline-host-tier: the deployments get MFS's host tier (the config's, or the node's when given); no disk
     hosted = system_config("baseline", "tiny", 256, SPLIT, baseline_host_tier=True)
@@ -116,29 +116,25 @@ def test_system_knobs():
     assert system_config("baseline", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 0.0
     assert system_config("mfs", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 512.0
     assert system_config("no_tiers", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 0.0
-    assert not b.router.use_affinity and not b.router.use_load
-    assert b.escalation.cold_handover and not b.escalation.warmup
-    assert not cfg["no_affinity"].router.use_affinity and cfg["no_affinity"].router.use_load
+    assert not b.comparison.use_affinity and not b.comparison.use_load
+    assert b.comparison.cold_handover and not b.comparison.warmup
+    assert not cfg["no_affinity"].comparison.use_affinity and cfg["no_affinity"].comparison.use_load
     nsp = cfg["no_shared_pool"]
-    assert nsp.pool.static_split == SPLIT and nsp.router.use_affinity and nsp.pool.host_tier_mb == default.pool.host_tier_mb
+    assert nsp.comparison.static_split == SPLIT and nsp.comparison.use_affinity and nsp.pool.host_tier_mb == default.pool.host_tier_mb
     assert (cfg["no_tiers"].pool.host_tier_mb, cfg["no_tiers"].pool.disk_tier_mb) == (0.0, 0.0)
-    assert not cfg["no_warmup"].escalation.warmup and not cfg["no_warmup"].escalation.cold_handover
+    assert not cfg["no_warmup"].comparison.warmup and not cfg["no_warmup"].comparison.cold_handover
     nls = cfg["no_layer_sharing"]
-    assert not nls.pool.cross_member_sharing and not nls.escalation.reuse_shared_layers
-    assert nls.pool.static_split is None and nls.router.use_affinity
-    # The baseline keeps the policies of independent vLLM-style servers; mfs_pre13 is MFS with them and
-    # their routing; mfs gets the defaults.
-    for name in ("baseline", "mfs_pre13"):
-        sched = cfg[name].scheduler
-        assert (sched.decode_reservation, sched.aging_steps, sched.victim_order, sched.decode_step_token_budget) == \
+    assert not nls.comparison.cross_member_sharing and not nls.comparison.reuse_shared_layers
+    assert nls.comparison.static_split is None and nls.comparison.use_affinity
+    # The baseline runs a single-model server's scheduler policies; mfs_single_server_policies is MFS with
+    # them and routing without load terms; mfs gets the defaults.
+    for name in ("baseline", "mfs_single_server_policies"):
+        sched, compare = cfg[name].scheduler, cfg[name].comparison
+        assert (compare.decode_reservation, sched.aging_steps, compare.victim_order, sched.decode_step_token_budget) == \
             ("block", None, "youngest", None)
-    assert cfg["mfs_pre13"].router.session_bonus == 0.2 and cfg["mfs_pre13"].pool.static_split is None
-    assert (mfs.scheduler.decode_reservation, mfs.scheduler.victim_order) == ("peak", "priority_progress")
-    assert (mfs.scheduler.member_interleave, cfg["mfs_interleave"].scheduler.member_interleave) == \
-        ("lockstep", "cost_weighted")
-    assert cfg["mfs_interleave"].pool.static_split is None and cfg["mfs_interleave"].router.use_affinity
-    # self-speculation is an option: only mfs_spec drafts; the baseline's deployments share no layers to draft on
-    assert [cfg[n].scheduler.self_speculation_tokens for n in ("mfs", "baseline", "mfs_spec")] == [0, 0, 1]
+    single = cfg["mfs_single_server_policies"]
+    assert single.router.session_bonus == 0.2 and single.comparison.static_split is None
+    assert (mfs.comparison.decode_reservation, mfs.comparison.victim_order) == ("peak", "priority_progress")
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
 
@@ -350,9 +346,9 @@ def test_tiny_end_to_end_bench(tmp_path):
     from orchestrator.core.family import load_family
 
     baseline_config = result["settings"]["configs"]["baseline"]
-    assert baseline_config["scheduler"]["independent_deployments"]
+    assert baseline_config["comparison"]["static_split"] and not baseline_config["comparison"]["cross_member_sharing"]
     search = result["baseline_split_search"]
-    assert search["best"] == result["settings"]["baseline_split"] == baseline_config["pool"]["static_split"]
+    assert search["best"] == result["settings"]["baseline_split"] == baseline_config["comparison"]["static_split"]
     assert len(search["scores"]) == search["num_feasible"] >= 1 and "simulated" in search["objective"]
     proportional = result["baseline_proportional"]
     assert proportional["fractions"] == pytest.approx(proportional_split(load_family(str(family_dir()))))

@@ -24,7 +24,7 @@ def test_yaml_and_overrides(tmp_path):
     ("pool:\n  num_pages: many\n", "pool.num_pages': expected an integer"),
     ("router:\n  profile: fastest\n", "router.profile"),
     ("escalation:\n  enabled: 3\n", "escalation.enabled': expected true or false"),
-    ("pool:\n  static_split: {tiny-s: 0.5, tiny-l: 0.2}\n", "sum to 1"),
+    ("comparison:\n  static_split: {tiny-s: 0.5, tiny-l: 0.2}\n", "sum to 1"),
     ("- a list\n", "mapping"),
     ("pool: [\n", "not valid YAML"),
 ])
@@ -53,7 +53,7 @@ def test_engine_threads_leave_a_core_for_the_event_loop(monkeypatch):
     assert engine_threads(None) == 15
 
 
-def test_config_md_yaml_loads_and_lists_every_scheduler_and_router_knob(tmp_path):
+def test_config_md_yaml_loads_and_lists_every_knob(tmp_path):
     # Every knob documented. The YAML block of docs/CONFIG.md must load as it stands and name
     # every field of the scheduler and router sections.
     import dataclasses
@@ -72,3 +72,7 @@ def test_config_md_yaml_loads_and_lists_every_scheduler_and_router_knob(tmp_path
     for section, cls in (("scheduler", SchedulerConfig), ("router", RouterConfig)):
         missing = {f.name for f in dataclasses.fields(cls)} - set(data[section])
         assert not missing, f"docs/CONFIG.md {section} lacks {sorted(missing)}"
+    from orchestrator.core.config import ComparisonSwitches, DeveloperFlags
+    for cls in (ComparisonSwitches, DeveloperFlags):     # their tables
+        missing = {f.name for f in dataclasses.fields(cls)} - set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+        assert not missing, f"docs/CONFIG.md lacks {sorted(missing)}"

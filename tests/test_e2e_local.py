@@ -1,6 +1,5 @@
 """End to end on the shipped tiny family through the real local engine (LocalServing): a multi-turn
-session hitting its own cache, an exact escalation handover mid-stream, a disk-tier hit after restart, and the
-cost-weighted member interleave keeping every request's greedy tokens."""
+session hitting its own cache, an exact escalation handover mid-stream and a disk-tier hit after restart."""
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +28,7 @@ async def generate(engine, rid, prompt, max_tokens=12, pinned=None, session=None
 
 
 def engine_for(**overrides):
-    base = {"family": FAMILY, "pool.num_pages": 600, "pool.host_tier_mb": 0, "escalation.warmup": False}
+    base = {"family": FAMILY, "pool.num_pages": 600, "pool.host_tier_mb": 0, "comparison.warmup": False}
     base.update(overrides)
     return LocalServing(load_config(overrides=base))
 
@@ -124,39 +123,3 @@ def test_disk_tier_answers_after_restart(tmp_path):
                                                                  "disk": final.num_cached_prompt_tokens}
 
 
-def test_cost_weighted_interleave_gives_each_request_the_tokens_it_gets_alone():
-    """scheduler.member_interleave: cost_weighted on the real engine: tiny-s steps more often than tiny-l, so
-    steps run subsets of the nested members (and of their merged forward); greedy tokens must not change."""
-    async def scenario():
-        alone = engine_for(**{"escalation.enabled": False})
-        weighted = engine_for(**{"escalation.enabled": False, "scheduler.member_interleave": "cost_weighted"})
-        interleave = weighted.scheduler._interleave
-        decide, decisions = interleave.choose, []
-
-        def recorded(running):                      # observe each step's decision
-            chosen = decide(running)
-            decisions.append((frozenset(m for m, n in running.items() if n), frozenset(chosen)))
-            return chosen
-
-        interleave.choose = recorded
-        await alone.start()
-        await weighted.start()
-        try:
-            prompt = alone.tokenizer.apply_chat_template(QUESTION)
-            solo = {m: (await generate(alone, f"a-{m}", prompt, max_tokens=16, pinned=m))[0]
-                    for m in alone.family.member_names}
-            together = await asyncio.gather(*(generate(weighted, f"w-{m}", prompt, max_tokens=16, pinned=m)
-                                              for m in weighted.family.member_names))
-            return solo, {out.member: tokens for tokens, out in together}, decisions, weighted.stats()
-        finally:
-            await alone.stop()
-            await weighted.stop()
-
-    solo, together, decisions, stats = run(scenario())
-    assert together == solo and all(len(t) == 16 for t in solo.values())
-    everyone = frozenset(solo)
-    all_busy = [chosen for busy, chosen in decisions if busy == everyone]
-    assert all_busy and all("tiny-s" in chosen for chosen in all_busy)          # the pacer runs every step
-    assert any("tiny-l" not in chosen for chosen in all_busy)                    # tiny-l sat some out
-    assert sum("tiny-l" in c for c in all_busy) < sum("tiny-m" in c for c in all_busy) < len(all_busy)
-    assert stats["pages"]["by_state"]["used"] == 0

@@ -45,7 +45,7 @@ def test_tuned_malloc_serves_a_4mb_buffer_from_the_heap():
 
 def test_config_bounds():
     config = MFSConfig()
-    assert config.engine.malloc_mmap_threshold_mb == 32
-    config.engine.malloc_mmap_threshold_mb = 64
+    assert config.developer.malloc_mmap_threshold_mb == 32
+    config.developer.malloc_mmap_threshold_mb = 64
     with pytest.raises(ConfigError):
         config.validate()

@@ -114,7 +114,6 @@ def test_escalation_chain_never_loops():
 def test_warmup_band_is_half_open_and_respects_switches():
     config = EscalationConfig(warmup_band=[0.3, 0.4])
     assert [in_warmup_band(config, c) for c in (0.29, 0.3, 0.35, 0.4)] == [False, True, True, False]
-    assert not in_warmup_band(EscalationConfig(warmup=False), 0.35)
     assert not in_warmup_band(EscalationConfig(enabled=False), 0.35)
 
 

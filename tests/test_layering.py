@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -50,3 +51,33 @@ def test_dashboard_talks_to_the_system_only_over_http_and_files():
         bad = {imp for imp in imports_of(path) if imp.split(".")[0] in ("engines", "torch")
                or imp.startswith("orchestrator.core.scheduler") or imp.startswith("orchestrator.serve.serving")}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+# A module path above the core written as data (importlib by name, build lists): eval.*, orchestrator.serve.*
+# or their file paths. Docstrings and comments may name them; code may not.
+ABOVE_CORE_IN_STRINGS = re.compile(r"\b(eval|orchestrator[./]serve)[./][A-Za-z_]")
+
+
+def code_strings(path: Path) -> list[str]:
+    """Every string constant of the module that is not a docstring."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+
+
+def test_core_names_no_eval_or_serve_module_in_its_code():
+    offenders = {path.name: hits for path in sorted(CORE_DIR.glob("*.py"))
+                 if (hits := [s for s in code_strings(path) if ABOVE_CORE_IN_STRINGS.search(s)])}
+    assert not offenders, offenders
+
+
+def test_the_core_strings_check_sees_a_module_name():
+    assert ABOVE_CORE_IN_STRINGS.search("eval.simulate.node") and ABOVE_CORE_IN_STRINGS.search("orchestrator.serve.cli")
+    assert ABOVE_CORE_IN_STRINGS.search("eval/simulate/node.py")
+    assert not ABOVE_CORE_IN_STRINGS.search("evaluation") and not ABOVE_CORE_IN_STRINGS.search("served by")

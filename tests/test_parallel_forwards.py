@@ -1,4 +1,4 @@
-"""engine.parallel_forwards: a step's forward split in two halves on two threads gives the tokens of one forward,
+"""developer.parallel_forwards: a step's forward split in two halves on two threads gives the tokens of one forward,
 in chunk order, and a failing half fails the step instead of hanging it."""
 from __future__ import annotations
 

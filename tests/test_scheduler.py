@@ -20,7 +20,7 @@ class Harness:
         self.family = family or nested_family()
         self.config = fake_config(**overrides)
         cfg = self.config
-        partitions = split_pages(cfg.pool.num_pages, cfg.pool.static_split) if cfg.pool.static_split else None
+        partitions = split_pages(cfg.pool.num_pages, cfg.comparison.static_split) if cfg.comparison.static_split else None
         self.pool = PagePool(cfg.pool.num_pages, partitions, limits=cfg.pool.member_limits,
                              members=self.family.member_names)
         self.tiers = tiers
@@ -119,7 +119,7 @@ def test_independent_family_never_shares_kv():
 
 def test_escalation_hands_over_mid_stream_and_reuses_shared_layers():
     h = Harness(low_confidence=("s", "m"), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                              "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+                                              "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
     decision = h.submit("e", PROMPT, max_tokens=12)
     assert decision.member == "s"
     h.run()
@@ -145,10 +145,10 @@ def test_preemption_under_page_pressure_gives_identical_output():
     for i in range(4):
         reference.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
     reference.run()
-    # With exact lengths (ignore_eos) the default reservation never overcommits, so this
-    # test forces the one-block reserve to get preemptions; the default must get none.
-    for reservation, preempts in (("block", True), ("remaining", False), ("peak", False)):
-        tight = Harness(**{"pool.num_pages": 84, "scheduler.decode_reservation": reservation})
+    # With exact lengths (ignore_eos) the peak reservation never overcommits; the one-block reserve
+    # (block) does, and preempts.
+    for reservation, preempts in (("block", True), ("peak", False)):
+        tight = Harness(**{"pool.num_pages": 84, "comparison.decode_reservation": reservation})
         for i in range(4):   # l: 6 pages per block, 14 blocks; each request grows to 11
             tight.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
         tight.run(2000)
@@ -206,7 +206,7 @@ def test_a_request_beyond_what_other_members_floors_leave_is_refused_not_left_to
 
 
 def test_static_split_isolates_members():
-    h = Harness(**{"pool.num_pages": 120, "pool.static_split": {"s": 0.5, "m": 0.25, "l": 0.25}})
+    h = Harness(**{"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.25, "l": 0.25}})
     h.submit("a", PROMPT, max_tokens=4, pinned_member=MemberName("m"))
     h.run()
     owners = {h.pool.owner(p) for p in range(120) if h.pool.key_of(p) is not None}
@@ -282,7 +282,7 @@ def test_session_ttl_makes_idle_sessions_evict_first():
 
 def test_rollback_drops_the_low_confidence_window_and_holds_it_back():
     h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                          "escalation.on_escalate": "rollback", "escalation.warmup": False,
+                                          "escalation.on_escalate": "rollback", "comparison.warmup": False,
                                           "router.complexity_thresholds": [0.99, 0.995]})
     h.submit("r", PROMPT, max_tokens=10)
     h.run()
@@ -299,7 +299,7 @@ def test_without_intermediate_outputs_a_request_gets_its_first_and_final_output_
     runs = {}
     for streamed in (True, False):
         h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                              "escalation.on_escalate": on_escalate, "escalation.warmup": False,
+                                              "escalation.on_escalate": on_escalate, "comparison.warmup": False,
                                               "router.complexity_thresholds": [0.99, 0.995]})
         h.submit("r", PROMPT, max_tokens=12, intermediate_outputs=streamed)
         h.submit("p", PROMPT[:9], max_tokens=5, pinned_member=MemberName("m"), intermediate_outputs=streamed)
@@ -339,8 +339,8 @@ def test_stop_string_abort_counts_as_finished_and_double_abort_is_harmless():
 def test_request_that_fills_its_slice_alone_is_admitted_without_a_reserve():
     # m's slice is 30 pages; the prompt takes 25, the decode reserve would need 5 more: alone it must
     # still run (its whole length fits the slice), never wait for headroom nobody else can free.
-    h = Harness(**{"pool.num_pages": 120, "pool.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
-                   "pool.decode_reserve_blocks": 2})
+    h = Harness(**{"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
+                   "comparison.decode_reserve_blocks": 2})
     h.submit("fills", PROMPT, max_tokens=4, pinned_member=MemberName("m"))
     h.run(50)
     assert len(h.tokens("fills")) == 4
@@ -371,7 +371,7 @@ def test_chunk_tables_are_the_live_tables_cut_to_the_chunk_and_never_change_afte
         plan = h.step()
         for batch in plan.batches:
             for chunk in batch.chunks:
-                kv = h.scheduler._running["a"].kv if "a" in h.scheduler._running else None
+                kv = h.scheduler.running.get(RequestId("a")).kv if "a" in h.scheduler.running else None
                 blocks = -(-(chunk.start_pos + len(chunk.token_ids)) // 4)
                 if kv is not None:
                     assert chunk.block_tables == [t[:blocks] for t in kv.block_tables]
@@ -408,12 +408,12 @@ def test_memoized_private_page_count_equals_the_pools_count_at_every_step(scenar
     (pages going shared and back), hand-overs that reuse a nested member's lower layers, preemption."""
     if scenario == "escalation":
         h = Harness(low_confidence=("s", "m"), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                                  "escalation.warmup": False,
+                                                  "comparison.warmup": False,
                                                   "router.complexity_thresholds": [0.99, 0.995]})
         for i in range(3):
             h.submit(f"e{i}", PROMPT + [i + 3], max_tokens=12)
     elif scenario == "preemption":
-        h = Harness(**{"pool.num_pages": 84, "scheduler.decode_reservation": "block"})
+        h = Harness(**{"pool.num_pages": 84, "comparison.decode_reservation": "block"})
         for i in range(4):
             h.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
     else:
@@ -428,7 +428,7 @@ def test_memoized_private_page_count_equals_the_pools_count_at_every_step(scenar
         if not h.scheduler.has_work():
             break
         h.step()
-        for seq in h.scheduler._running.values():
+        for seq in h.scheduler.running:
             if seq.kv is None:
                 continue
             pages = seq.kv.all_pages()

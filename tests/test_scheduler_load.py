@@ -5,7 +5,7 @@ preempting step, swap vs recompute, escalation pins, stall-aware prefill budget,
 """
 from __future__ import annotations
 
-from orchestrator.core.demand import victim_key
+from orchestrator.core.preemption import VICTIM_ORDERS
 from orchestrator.core.events import EventKind
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import HostTier, TieredStore
@@ -33,9 +33,10 @@ def _starvation(stop_step: int = 270, **overrides) -> Harness:
     return h
 
 
-def test_block_reserve_without_aging_starves_the_large_member_until_the_small_stream_stops():
-    # Per-member head-of-line bypass lets every freed page go to the small stream.
-    h = _starvation(**{"scheduler.aging_steps": None, "scheduler.decode_reservation": "block"})
+def test_single_server_policy_starves_the_large_member_until_the_small_stream_stops():
+    # Per-member head-of-line bypass
+    # lets every freed page go to the small stream.
+    h = _starvation(**{"scheduler.aging_steps": None, "comparison.decode_reservation": "block"})
     assert _admitted_step(h, "big") == 272
     assert _admitted_step(_starvation(stop_step=330, **{"scheduler.aging_steps": None}), "big") == 335
 
@@ -73,9 +74,9 @@ def test_victim_order_priority_then_fresh_before_escalated_then_least_progress()
             _seq("important", priority=-1, generated=0, computed=0, admit_order=8),
             _seq("unimportant", priority=3, generated=50, computed=60, admit_order=0),
             _seq("warmup", priority=100, warmup=True, admit_order=4)]
-    order = [s.request_id for s in sorted(seqs, key=victim_key("priority_progress"))]
+    order = [s.request_id for s in sorted(seqs, key=VICTIM_ORDERS["priority_progress"])]
     assert order == ["warmup", "unimportant", "little-cheap", "little", "much", "escalated", "important"]
-    assert [s.request_id for s in sorted(seqs, key=victim_key("youngest"))][:2] == ["escalated", "important"]
+    assert [s.request_id for s in sorted(seqs, key=VICTIM_ORDERS["youngest"])][:2] == ["escalated", "important"]
 
 
 def _preempt_events(h):
@@ -85,8 +86,8 @@ def _preempt_events(h):
 def _contention(victim_order: str, tiers=None, host_room=True) -> Harness:
     """An older low-priority request on l, then a fresh important one: the one-block reserve
     overcommits 84 pages, so one must be preempted."""
-    h = Harness(tiers=tiers, **{"pool.num_pages": 84, "scheduler.decode_reservation": "block",
-                                "scheduler.victim_order": victim_order})
+    h = Harness(tiers=tiers, **{"pool.num_pages": 84, "comparison.decode_reservation": "block",
+                                "comparison.victim_order": victim_order})
     h.submit("old-low", [3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"), priority=1)
     for _ in range(3):
         h.step()
@@ -100,7 +101,7 @@ def test_victims_by_priority_not_age_and_no_admission_in_a_preempting_step():
     h = _contention("priority_progress")
     assert {e.request_id for e in _preempt_events(h)} == {"old-low"}
     old = _contention("youngest")
-    assert _preempt_events(old)[0].request_id == "new-high"     # the pre-issue rule
+    assert _preempt_events(old)[0].request_id == "new-high"     # the single-server rule (youngest)
     for run in (h, old):
         events = run.scheduler.events.recent()
         preempting = {e.time_s for e in events if e.kind is EventKind.PREEMPT}
@@ -108,12 +109,12 @@ def test_victims_by_priority_not_age_and_no_admission_in_a_preempting_step():
 
 
 def test_escalated_request_is_preempted_after_a_fresh_one():
-    overrides = {"pool.num_pages": 110, "scheduler.decode_reservation": "block", "escalation.min_tokens": 4,
-                 "escalation.window_tokens": 4, "escalation.warmup": False,
+    overrides = {"pool.num_pages": 110, "comparison.decode_reservation": "block", "escalation.min_tokens": 4,
+                 "escalation.window_tokens": 4, "comparison.warmup": False,
                  "router.complexity_thresholds": [0.99, 0.995]}
     victims = {}
     for order in ("priority_progress", "youngest"):
-        h = Harness(low_confidence=("s",), **{**overrides, "scheduler.victim_order": order})
+        h = Harness(low_confidence=("s",), **{**overrides, "comparison.victim_order": order})
         h.submit("fresh", [9] + PROMPT, max_tokens=40, pinned_member=MemberName("m"))
         h.submit("esc", PROMPT, max_tokens=40)
         h.run(3000)
@@ -138,11 +139,11 @@ def test_preemption_swaps_to_the_host_tier_when_it_has_room_else_recomputes():
 
 def test_escalation_keeps_the_source_pages_pinned_until_the_target_admits():
     h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                          "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+                                          "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
     h.submit("e", PROMPT, max_tokens=12)
     while not any(e.kind is EventKind.ESCALATE for e in h.scheduler.events.recent()):
         h.step()
-    seq = h.scheduler._by_id["e"]
+    seq = h.scheduler.lifecycle.by_id["e"]
     assert seq.member == "m" and seq.kv is None and seq.pinned_kv is not None
     pinned = seq.pinned_kv.all_pages()
     assert all(h.pool.refcount(p) >= 1 for p in pinned) and h.pool.num_used_pages("s") == len(pinned)
@@ -191,7 +192,7 @@ def test_expected_delay_downgrade_fires_in_the_scheduler_and_is_counted():
 
 
 def test_peak_growth_counts_what_ends_before_the_peak():
-    from orchestrator.core.demand import decode_profile, peak_growth
+    from orchestrator.core.reservation import decode_profile, peak_growth
 
     def pages(n):               # 4 tokens a block, 2 pages a block
         return -(-n // 4) * 2
@@ -208,7 +209,7 @@ def test_peak_growth_counts_what_ends_before_the_peak():
 def test_pool_demand_pages_rule_is_the_layouts():
     """PoolDemand computes pages_for_tokens per member as one expression (hot at GPU scale): the layout's rule."""
     h = Harness()
-    demand = h.scheduler.demand
+    demand = h.scheduler.reservation
     for member in h.family.member_names:
         context = h.family.member(member).context_tokens
         for n in (0, 1, 3, 4, 5, 17, context - 1, context, context + 9):
@@ -218,7 +219,7 @@ def test_pool_demand_pages_rule_is_the_layouts():
 def test_the_reservation_bound_and_the_delay_inputs_match_their_definitions():
     """reserved_pages_bound and the router's running demands, read per arrival, against the definitions they
     inline (expected_final_tokens, future_pages) on a running mix: decoding, prefilling, open length."""
-    from orchestrator.core.demand import expected_final_tokens, is_length_fixed
+    from orchestrator.core.reservation import expected_final_tokens, is_length_fixed
 
     h = Harness(**{"scheduler.prefill_chunk_tokens": 8})
     h.submit("a", PROMPT, max_tokens=20, pinned_member=MemberName("m"))
@@ -226,9 +227,9 @@ def test_the_reservation_bound_and_the_delay_inputs_match_their_definitions():
     h.submit("c", PROMPT[:7], max_tokens=30, pinned_member=MemberName("s"))
     for steps in range(8):
         h.step()
-        demand, kv = h.scheduler.demand, h.kv
-        demand.clear()
-        running = list(h.scheduler._running.values())
+        demand, kv = h.scheduler.reservation, h.kv
+        h.scheduler.running.changed()
+        running = list(h.scheduler.running)
         assert running
         expected = 0
         for seq in running:
@@ -262,9 +263,9 @@ def _shared_prefix_run(num_pages: int, c_max: int, b_max: int, b_tail: list[int]
         if step == b_step:
             h.submit("b", HANDOVER_PROMPT + b_tail, max_tokens=b_max, pinned_member=MemberName("m"))
         h.step()
-        h.scheduler.demand.clear()
+        h.scheduler.running.changed()
         states.append((step, h.scheduler.reserved_pages("m"), h.pool.num_available_pages("m"),
-                       sorted(str(r) for r in h.scheduler._running)))
+                       sorted(str(s.request_id) for s in h.scheduler.running)))
         if not h.scheduler.has_work():
             break
     return h, states
@@ -291,8 +292,8 @@ def test_reservation_with_shared_pages_counts_them_as_kept():
     h.submit("c", list(range(60, 68)), max_tokens=20, pinned_member=MemberName("m"))
     h.submit("a", HANDOVER_PROMPT, max_tokens=3, pinned_member=MemberName("s"))
     h.step()
-    demand, seqs = h.scheduler.demand, h.scheduler._running
-    a_pages = seqs[RequestId("a")].kv.all_pages()
+    demand = h.scheduler.reservation
+    a_pages = h.scheduler.running.get(RequestId("a")).kv.all_pages()
     base = demand.reserved_pages("m")
     assert base == 16
     one = demand.reserved_pages("m", [a_pages[0]])
@@ -323,7 +324,7 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
     candidate step over every request (the plain O(n^2) definition), on random decoding requests."""
     import random
 
-    from orchestrator.core.demand import decode_profile, peak_growth
+    from orchestrator.core.reservation import decode_profile, peak_growth
 
     def every_candidate(profiles):
         best = 0
@@ -353,71 +354,30 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
         assert peak_growth(profiles) == every_candidate(profiles)
 
 
-def _floor_run(floor_share, small_prompt=PROMPT[:8], small_member="s", small_max_tokens=8):
+def test_an_aged_requests_held_pages_keep_a_later_small_request_waiting():
     """A long l request ("hog", 140 tokens = 210 pages of 256) runs; a second l request ("aged", 60 pages)
-    cannot fit beside it and ages past scheduler.aging_steps (its pages held); at step 80 a small request
-    arrives that fits in the 46 free pages but not beside the aged request's held pages."""
-    h = Harness(**{"scheduler.member_floor_share": floor_share, "escalation.enabled": False})
+    cannot fit beside it and ages past scheduler.aging_steps (its pages held); at step 80 a small s request
+    arrives that fits in the 46 free pages but not beside the aged request's held pages: it waits for the hog."""
+    h = Harness(**{"escalation.enabled": False})
     h.submit("hog", [3] * 20, max_tokens=120, pinned_member=MemberName("l"))
     h.step()
     h.submit("aged", [4] * 20, max_tokens=20, pinned_member=MemberName("l"))
     for step in range(2, 400):
         if step == 80:
-            h.submit("small", small_prompt, max_tokens=small_max_tokens, pinned_member=MemberName(small_member))
+            h.submit("small", PROMPT[:8], max_tokens=8, pinned_member=MemberName("s"))
         h.step()
         if not h.scheduler.has_work():
             break
-    return h
-
-
-def test_member_floor_lets_a_small_member_past_another_members_aged_hold():
-    off = _floor_run(None)
-    on = _floor_run(0.25)
-    hog_done = _admitted_step(off, "aged")
-    # Without a floor the aged l request's held pages block the small member until the hog ends.
-    assert _admitted_step(off, "small") == hog_done == 122
-    # With a floor of a quarter of the pool (64 pages), s holds nothing and needs 8: admitted on arrival,
-    # beside the hog's reservation; the aged request is not delayed by it (it waits for the hog either way).
-    assert _admitted_step(on, "small") == 80
-    assert _admitted_step(on, "aged") == hog_done
-    for h in (off, on):
-        counters = h.scheduler.snapshot(h.now)["counters"]
-        assert counters["preemptions"] == 0
-        assert [(e.request_id) for e in h.scheduler.events.recent() if e.kind is EventKind.HOLD] == ["aged"]
-
-
-def test_member_floor_does_not_apply_above_the_floor_or_to_a_static_split():
-    # A small-member request needing more than its floor (16 pages of 256 at 0.0625) is an ordinary request.
-    assert _admitted_step(_floor_run(0.0625, small_prompt=[6] * 40, small_max_tokens=8), "small") == 122
-    h = Harness(**{"scheduler.member_floor_share": 0.25, "pool.static_split": {"s": 0.25, "m": 0.25, "l": 0.5}})
-    assert h.scheduler._floor_usage() is None
-
-
-def test_member_floor_holds_an_under_floor_head_against_members_over_their_floor():
-    # The hog (l, 210 pages) runs; an m request under m's floor (64 pages) needs 60 pages, more than the 46
-    # free: its pages are held. A small l request arriving after it would fit in the free pages: without a
-    # floor it is admitted at once (per-member head-of-line bypass), with one it waits behind the m head.
-    def run(floor_share):
-        h = Harness(**{"scheduler.member_floor_share": floor_share, "escalation.enabled": False,
-                       "scheduler.aging_steps": None})
-        h.submit("hog", [3] * 20, max_tokens=120, pinned_member=MemberName("l"))
-        h.step()
-        h.submit("m-head", [4] * 40, max_tokens=20, pinned_member=MemberName("m"))     # 15 blocks x 4 pages
-        h.step()
-        h.submit("l-late", [5] * 8, max_tokens=4, pinned_member=MemberName("l"))       # 3 blocks x 6 pages
-        h.run(1000)
-        return h
-    off, on = run(None), run(0.25)
-    assert _admitted_step(off, "l-late") == 3 and _admitted_step(off, "m-head") == 122
-    assert _admitted_step(on, "m-head") == 122 and _admitted_step(on, "l-late") == 122
-    assert on.scheduler.snapshot(on.now)["counters"]["preemptions"] == 0
+    assert _admitted_step(h, "small") == _admitted_step(h, "aged") == 122
+    assert h.scheduler.snapshot(h.now)["counters"]["preemptions"] == 0
+    assert [e.request_id for e in h.scheduler.events.recent() if e.kind is EventKind.HOLD] == ["aged"]
 
 
 def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
     # Every s request escalates (low confidence on s); m requests finish there. Pinned requests cannot
     # escalate and count for nothing.
     h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 4, "escalation.window_tokens": 4,
-                                          "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+                                          "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
     h.submit("e1", PROMPT, max_tokens=12)
     h.submit("pinned", [7] + PROMPT, max_tokens=12, pinned_member=MemberName("s"))
     h.run(2000)
@@ -430,69 +390,27 @@ def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
     assert h.scheduler.loads()["m"].escalation_rate == 0.0 and h.scheduler.escalation_rates._count == {"s": 2, "m": 2}
 
 
-def _admission_order(order: str, aging_steps: int | None, late_short: bool = False) -> list[str]:
-    """One running request (batch cap 1); a long and a short fresh request wait behind it on the same member."""
-    h = Harness(**{"scheduler.max_running_requests": 1, "scheduler.queue_order": order,
-                   "scheduler.aging_steps": aging_steps, "escalation.enabled": False})
-    h.submit("running", PROMPT, max_tokens=10, pinned_member=MemberName("m"))
-    h.step()
-    h.submit("long", [4] + PROMPT, max_tokens=30, pinned_member=MemberName("m"))
-    if late_short:
-        for _ in range(4):      # the long one waits past the aging bound and is held
-            h.step()
-        assert h.scheduler._by_id["long"].held
-    h.submit("short", [5] + PROMPT, max_tokens=3, pinned_member=MemberName("m"))
-    h.run(1000)
-    admits = [e.request_id for e in h.scheduler.events.recent() if e.kind is EventKind.ADMIT]
-    assert h.tokens("long") and h.tokens("short")
-    return [r for r in admits if r in ("long", "short")]
-
-
-def test_shortest_first_admits_the_shorter_fresh_request_first_but_never_passes_an_aged_one():
-    assert _admission_order("fcfs", None) == ["long", "short"]
-    assert _admission_order("shortest_first", None) == ["short", "long"]
-    assert _admission_order("shortest_first", 3, late_short=True) == ["long", "short"]   # held: keeps its place
-    assert _admission_order("fcfs", 3, late_short=True) == ["long", "short"]
-
-
-def test_shortest_first_delay_estimate_counts_only_the_requests_ranked_ahead():
-    delays = {}
-    for order, queued in (("fcfs", True), ("shortest_first", True), ("shortest_first", False)):
-        h = Harness(**{"scheduler.max_running_requests": 1, "scheduler.queue_order": order,
-                       "escalation.enabled": False})
-        h.submit("running", PROMPT, max_tokens=40, pinned_member=MemberName("m"))
-        h.step()
-        if queued:
-            h.submit("long", [4] * 200, max_tokens=30, pinned_member=MemberName("m"))
-        h.step()
-        h.step()
-        probe = Request(RequestId("probe"), list(PROMPT), SamplingParams(max_tokens=2, ignore_eos=True), h.now)
-        delays[order, queued] = h.scheduler.loads(probe)["m"].expected_delay_s
-    # Shortest first: the long request waits behind the probe, so the probe's wait is as if it were not queued.
-    assert delays["shortest_first", True] == delays["shortest_first", False] < delays["fcfs", True]
-
-
 def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
     """PoolDemand.admitted adds the new request's term to the cached bound instead of recomputing it: after
     every admission of a burst (prefix sharing, nested handovers, a pool tight enough to wait) the cached
     bound must equal the sum over the running requests computed from scratch."""
     h = Harness(low_confidence=("s",), **{"pool.num_pages": 400, "escalation.min_tokens": 4,
-                                          "escalation.window_tokens": 4, "escalation.warmup": False,
+                                          "escalation.window_tokens": 4, "comparison.warmup": False,
                                           "router.complexity_thresholds": [0.3, 0.6]})
-    demand, scheduler = h.scheduler.demand, h.scheduler
-    original = scheduler._try_admit
+    demand, admission = h.scheduler.reservation, h.scheduler.admission
+    original = admission.try_admit
     checked = []
 
     def checked_admit(seq, *args, **kwargs):
         admitted = original(seq, *args, **kwargs)
         part = demand.partition_of(seq.member)
         if admitted and part in demand._bounds:
-            fresh = sum(demand.future_pages(s) for s in scheduler._running.values())
+            fresh = sum(demand.future_pages(s) for s in h.scheduler.running)
             assert demand._bounds[part] == fresh, seq.request_id
             checked.append(seq.request_id)
         return admitted
 
-    scheduler._try_admit = checked_admit
+    admission.try_admit = checked_admit
     for step in range(60):
         if step % 10 == 0:
             for i in range(4):      # a burst: several admissions in one step, some sharing a prefix
@@ -500,3 +418,42 @@ def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
         h.step()
     h.run(3000)
     assert len(checked) >= 5
+
+
+def _pins_versus_a_victim(num_pages: int = 74) -> Harness:
+    """b and a (priority 1: the first victim) decode on m; e starts on s, escalates to m and waits there with
+    its s pages pinned; then b's next block does not fit (one-block reserve, 74 pages)."""
+    h = Harness(low_confidence=("s",), **{"pool.num_pages": num_pages, "comparison.decode_reservation": "block",
+                                          "escalation.min_tokens": 4, "escalation.window_tokens": 4,
+                                          "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
+    h.submit("b", [9] + PROMPT, max_tokens=30, pinned_member=MemberName("m"))
+    h.submit("a", [7] * 8, max_tokens=30, pinned_member=MemberName("m"), priority=1)
+    h.step()
+    h.step()
+    h.submit("e", PROMPT, max_tokens=12)
+    return h
+
+
+def test_escalation_pins_are_released_before_any_request_is_preempted():
+    h = _pins_versus_a_victim()
+    preemption = h.scheduler.preemption
+    preempt, seen = preemption.preempt, []
+
+    def recorded(seq, now_s, plan=None):      # the victim, and the waiting requests holding pins at that moment
+        seen.append((seq.request_id, round(now_s, 2),
+                     [s.request_id for s in h.scheduler.waiting if s.pinned_kv is not None]))
+        preempt(seq, now_s, plan)
+
+    preemption.preempt = recorded
+    e = h.scheduler.lifecycle.by_id["e"]
+    for _ in range(7):      # to step 9
+        h.step()
+    assert e.pinned_kv is not None and e.member == "m" and "e" not in h.scheduler.running   # escalated at 7
+    h.step()
+    # Step 10: b's next block does not fit while e waits with its s pages pinned: the pins go (e will recompute
+    # its lower layers on m), a keeps running. a is preempted at steps 14 and 38, with nothing pinned to give.
+    assert e.pinned_kv is None and seen == []
+    h.run(3000)
+    assert seen == [("a", 0.14, []), ("a", 0.38, [])]
+    assert [s.member for s in h.final("e").spans][:2] == ["s", "m"]
+    assert len(h.tokens("a")) == len(h.tokens("b")) == 30 and len(h.tokens("e")) == 12

@@ -49,9 +49,9 @@ class LedgerMachine(RuleBasedStateMachine):
     def pages_are_owned_exactly_once(self):
         pool, scheduler = self.h.pool, self.h.scheduler
         pool.check_invariants()
-        held = Counter(p for seq in scheduler._running.values() for p in seq.kv.all_pages())
+        held = Counter(p for seq in scheduler.running for p in seq.kv.all_pages())
         # An escalated request keeps its source pages pinned while it waits for the target.
-        held.update(p for queue in scheduler._waiting.values() for seq in queue if seq.pinned_kv is not None
+        held.update(p for seq in scheduler.waiting if seq.pinned_kv is not None
                     for p in seq.pinned_kv.all_pages())
         for page in range(pool.num_pages):
             assert pool.refcount(page) == held.get(page, 0), f"page {page}: refcount {pool.refcount(page)} vs {held.get(page, 0)}"
@@ -92,18 +92,18 @@ class ReservationMachine(RuleBasedStateMachine):
         self.counter = 0
         self.live: set[str] = set()
         scheduler = self.h.scheduler
-        original = scheduler._preempt
+        original = scheduler.preemption.preempt
 
         def checked_preempt(seq, now_s, plan=None):
             if plan is None:      # drop_failed_loads: a tier block was lost, not a policy choice
                 return original(seq, now_s, plan)
-            candidates = [s for s in scheduler._running.values() if scheduler.demand.in_partition(s, seq.member)]
-            assert seq is min(candidates, key=scheduler._victim_key), "victim out of policy order"
+            candidates = [s for s in scheduler.running if scheduler.reservation.in_partition(s, seq.member)]
+            assert seq is min(candidates, key=scheduler.preemption.victim_key), "victim out of policy order"
             if seq.num_escalations:
                 assert not any(c.num_escalations == 0 and c.request.priority >= seq.request.priority
                                for c in candidates), "an escalated request went before a fresh one"
             original(seq, now_s, plan)
-        scheduler._preempt = checked_preempt
+        scheduler.preemption.preempt = checked_preempt
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), tail=st.lists(st.integers(3, 40), max_size=10),
           max_tokens=st.integers(1, 40), member=st.sampled_from([None, "s", "m", "l"]),
@@ -134,15 +134,14 @@ class ReservationMachine(RuleBasedStateMachine):
         scheduler, pool = self.h.scheduler, self.h.pool
         pool.check_invariants()
         # Admission tries the one-pass bound before the exact peak: it must never be below it.
-        scheduler.demand.clear()
-        bound = scheduler.demand.reserved_pages_bound("s")
-        assert scheduler.demand.reserved_pages("s") <= bound
+        scheduler.running.changed()
+        bound = scheduler.reservation.reserved_pages_bound("s")
+        assert scheduler.reservation.reserved_pages("s") <= bound
         counters = scheduler.snapshot(self.h.now)["counters"]
         assert counters["preemptions"] == sum(counters["preemptions_by_kind"].values())
         if self.exact:
             assert counters["preemptions"] == 0, "a running request with exact length was preempted"
-            pinned = sum(len(seq.pinned_kv.all_pages()) for q in scheduler._waiting.values() for seq in q
-                         if seq.pinned_kv is not None)
+            pinned = sum(len(seq.pinned_kv.all_pages()) for seq in scheduler.waiting if seq.pinned_kv is not None)
             assert scheduler.reserved_pages("s") <= pool.num_available_pages("s") + pinned
 
     def teardown(self):

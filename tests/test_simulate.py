@@ -568,10 +568,10 @@ def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pi
     sessions = [[(PROMPT, 4, 0.0), (PROMPT + [9] * 30, 3, 1.0)], [(list(range(100, 160)), 5, 0.0)]]
     trace = trace_of(sessions, [0.0, 0.5])
     configs, split = system_configs(setup, settings, trace, tokenizer)
-    traffic = dict(configs["baseline"].pool.static_split)
+    traffic = dict(configs["baseline"].comparison.static_split)
     about = search_baseline_split(setup, settings, trace, [1.0, 2.0], split, configs, library(), tokenizer)
     assert about["baseline_split_mode"] == "search"
-    assert configs["baseline"].pool.static_split == about["baseline_split"]     # the baseline runs the chosen split
+    assert configs["baseline"].comparison.static_split == about["baseline_split"]     # the baseline runs the chosen split
     pilot = about["baseline_proportional"]
     assert pilot["rate"] == 1.0 and pilot["metrics"]["num_requests"] == 3       # the pilot ran, simulated, at the lightest rate
     assert about["baseline_split_search"]["num_candidates"] > 100
@@ -582,7 +582,7 @@ def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pi
     about = search_baseline_split(setup, fixed, trace, [1.0, 2.0], split, configs, library(), tokenizer)
     assert about == {"baseline_split_mode": "fixed", "baseline_split": given,
                      "baseline_fixed": {"fractions": given, "rule": "given with --baseline-split"}}
-    assert configs["baseline"].pool.static_split == given
+    assert configs["baseline"].comparison.static_split == given
 
 
 def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_deployments_together(tmp_path):
@@ -596,11 +596,10 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
     configs, _ = system_configs(setup, settings, trace_of([[(PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
     per_engine = GPU_SCHEDULER["scheduler.max_running_requests"]
     assert configs["mfs"].scheduler.max_running_requests == 3 * per_engine
-    assert configs["baseline"].scheduler.independent_deployments
-    assert configs["baseline"].scheduler.max_running_requests == per_engine     # per deployment (DeploymentsScheduler)
+    assert configs["baseline"].scheduler.max_running_requests == per_engine     # per deployment (eval/baseline)
     # GPU families: no wait-avoiding downgrade into a member that escalates most of its requests back out
     assert configs["mfs"].router.downgrade_max_escalation_rate == 0.5
-    assert not configs["baseline"].router.use_load          # the baseline never downgrades
+    assert not configs["baseline"].comparison.use_load          # the baseline never downgrades
     # Both systems' steps are capped by the same token budget (the CPU's stall-aware 512 starved GPU prefill)
     for name in ("mfs", "baseline"):
         sched = configs[name].scheduler
@@ -698,15 +697,6 @@ def test_a_paper_familys_operator_split_follows_its_members_weights_not_the_toke
     total = sum(weight_bytes(c) for _, c in configs)
     assert split == pytest.approx({n: weight_bytes(c) / total for n, c in configs})
     assert split["a"] < split["b"] < split["c"]
-
-
-def test_a_system_with_self_speculation_is_named_as_run_without_it():
-    from eval.simulate.cli import unmodelled_notes
-    from eval.systems import system_config
-    configs = {n: system_config(n, "tiny", 256, None) for n in ("mfs", "mfs_spec")}
-    assert unmodelled_notes(configs) == ["scheduler.self_speculation_tokens: not modelled (the simulated engine "
-                                         "returns one token a step), so mfs_spec ran as without it"]
-    assert unmodelled_notes({"mfs": configs["mfs"]}) == []
 
 
 def test_a_paper_scale_trace_is_rebuilt_byte_for_byte_by_its_command_and_named_in_the_result(tmp_path):

@@ -37,7 +37,7 @@ PROMPTS = {
 MAX_TOKENS = 10
 # Every window looks unconfident (threshold above 1) and routing picks tiny-s: s -> m -> l after 4 tokens each.
 ESCALATING = {"escalation.threshold": 1.01, "escalation.min_tokens": 4, "escalation.window_tokens": 4,
-              "escalation.warmup": False, "router.complexity_thresholds": [0.99, 0.995]}
+              "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]}
 ESCALATION_PROMPT = "Explain how a bicycle gear works and why a lower gear makes climbing a hill easier."
 ESCALATION_MODES = ("keep", "rollback")
 

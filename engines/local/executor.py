@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -17,7 +16,6 @@ from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
-from engines.local.speculation import accepted, draft, rows_of, speculating
 
 
 def nests_in(small: PagedCausalLM, large: PagedCausalLM) -> bool:
@@ -115,10 +113,6 @@ class LocalExecutor:
         if merge_nested:
             self.nested_pairs = {(a.name, b.name) for a in family.members for b in family.members
                                  if a.num_layers < b.num_layers and nests_in(self.models[a.name], self.models[b.name])}
-        # member -> the smallest member nested in it: its drafter for self-speculation (engines/local/speculation.py)
-        self.drafters: dict[str, PagedCausalLM] = {}
-        for small, large in sorted(self.nested_pairs, key=lambda p: self.models[p[0]].config.num_layers, reverse=True):
-            self.drafters[large] = self.models[small]
 
     def model(self, member_name: str) -> PagedCausalLM:
         return self.models[member_name]
@@ -132,11 +126,6 @@ class LocalExecutor:
         per batch, returns tokens in chunk order across batches."""
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
-        drafted = self._draft(batches)                            # request -> its drafts (one chunk a request)
-        if drafted:                                               # each drafting chunk becomes 1 + k one-token rows
-            batches = [replace(b, chunks=[r for c in b.chunks for r in (rows_of(c, drafted[c.request_id])
-                                                                        if c.request_id in drafted else (c,))])
-                       for b in batches]
         logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_chunks, vocab]
         for host, indices in merge_groups([self.models[b.member].member for b in batches], self.nested_pairs):
             chunks = [c for i in indices for c in batches[i].chunks]
@@ -152,33 +141,7 @@ class LocalExecutor:
             sampling_chunks = [c for c in batch.chunks if c.sample]
             eos = self.models[batch.member].member.eos_token_ids
             sampled.extend(self.sampler.sample(logits[i], sampling_chunks, eos))
-        return self._accept(sampled, drafted) if drafted else sampled
-
-    def _draft(self, batches: list[MemberBatch]) -> dict[RequestId, list[int]]:
-        """Drafts for every chunk that asks and whose member has a drafter, one drafter pass per position."""
-        jobs: dict[str, list[SeqChunk]] = {}                      # drafter -> its chunks
-        for batch in batches:
-            drafter = self.drafters.get(batch.member)
-            if drafter is not None:
-                jobs.setdefault(drafter.member.name, []).extend(c for c in batch.chunks if speculating(c))
-        return {rid: tokens for name, chunks in jobs.items() if chunks
-                for rid, tokens in draft(self.models[name], self.arena, chunks).items()}
-
-    @staticmethod
-    def _accept(sampled: list[SampledToken], drafted: dict[RequestId, list[int]]) -> list[SampledToken]:
-        """The rows' tokens back to one run per chunk: a drafting chunk keeps its accepted prefix. A request has
-        one chunk per step, and its rows are consecutive in the sampled list (expanded in place)."""
-        kept: list[SampledToken] = []
-        t = 0
-        while t < len(sampled):
-            tokens = drafted.get(sampled[t].request_id)
-            if tokens is None:
-                kept.append(sampled[t])
-                t += 1
-            else:
-                kept.extend(accepted(sampled[t:t + 1 + len(tokens)], tokens))
-                t += 1 + len(tokens)
-        return kept
+        return sampled
 
     def _forward(self, model: PagedCausalLM, chunks: list[SeqChunk], exits: list[int]) -> torch.Tensor:
         """One forward, or (parallel_forwards) two over the chunks' first and second part at once: torch's ops
@@ -186,8 +149,6 @@ class LocalExecutor:
         step belong to different requests and write disjoint page slots, so the halves never touch the same
         bytes; the logits come back in chunk order."""
         split = split_point(chunks) if self._helper is not None else 0
-        while 0 < split < len(chunks) and chunks[split].request_id == chunks[split - 1].request_id:
-            split += 1          # a drafting request's rows read each other's K/V: one half has them all
         if split == len(chunks):
             split = 0
         if split == 0:

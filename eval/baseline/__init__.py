@@ -1,1 +1,2 @@
-"""The independent-deployment baseline: how its deployments split the KV memory, and how they serve."""
+"""The baselines MFS is compared with: separate deployments of the family's members (built from the core's public
+scheduler and policy objects), and how they split the KV memory."""

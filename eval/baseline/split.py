@@ -110,7 +110,7 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
                                max_running=config.scheduler.max_running_requests,
                                max_batch_tokens=config.scheduler.max_batch_tokens,
                                prefill_chunk_tokens=config.scheduler.prefill_chunk_tokens,
-                               reserve_blocks=config.pool.decode_reserve_blocks)
+                               reserve_blocks=config.comparison.decode_reserve_blocks)
     route = lambda ids: router.adequate_member(estimator.score(ids))  # noqa: E731 - complexity only, as the baseline
     sessions = {rate: sim_sessions(trace.at_rate(rate), records, route) for rate in rates}
     search = search_split(simulator, sessions, extra=[proportional, split.fractions])

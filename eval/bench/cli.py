@@ -21,7 +21,8 @@ from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, pa
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
-from eval.systems import DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split, system_config
+from eval.systems import (DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split,
+                          system_config, system_scheduler)
 from eval.bench.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
                                   trace_digest, with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
@@ -112,12 +113,13 @@ def static_split_for(trace: Trace, family: FamilySpec, tokenizer: FamilyTokenize
 
 
 async def run_system(name: str, config: Any, trace: Trace, on_done=None,
-                     instrument=None) -> tuple[list[RequestRecord], dict]:
+                     instrument=None, scheduler_factory=None) -> tuple[list[RequestRecord], dict]:
     """instrument(engine), when given, is called right before the replay (profilers); if it returns a
-    callable, that is called right after the replay, before anything else runs on the engine."""
+    callable, that is called right after the replay, before anything else runs on the engine.
+    scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
     from orchestrator.serve.serving import LocalServing
 
-    engine = LocalServing(config)
+    engine = LocalServing(config, scheduler_factory=scheduler_factory or system_scheduler(name))
     await engine.start()
     try:
         members = list(engine.family.member_names)
@@ -226,7 +228,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             def run_pilot(fractions: dict[str, float], rate: float):
                 config = config_for("baseline", settings, split, fractions)
                 on_done = (lambda _r: progress.update(1)) if progress is not None else None
-                records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rate), on_done))
+                records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rate), on_done,
+                                                            scheduler_factory=system_scheduler("baseline")))
                 return config, records, without_rows(metrics)
 
             estimator = complexity_estimator(family_tokenizer(family))

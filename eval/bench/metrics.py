@@ -8,7 +8,6 @@ from typing import Any
 from orchestrator.core.events import percentile
 
 TIERS = ("arena", "host", "disk")
-REROUTE_PREFIX = "reroute"      # RouteDecision.reason of a request the independent deployments re-routed
 
 
 @dataclass(slots=True)
@@ -26,7 +25,8 @@ class RequestRecord:
     members: list[str] = field(default_factory=list)   # span members in order (>1 distinct = escalated)
     tokens_by_member: dict[str, int] = field(default_factory=dict)   # kept output tokens per member (spans)
     error: str | None = None
-    route_reason: str | None = None            # the scheduler's RouteDecision.reason ("reroute..." = re-routed)
+    route_reason: str | None = None            # the scheduler's RouteDecision.reason
+    rerouted_from: str | None = None           # RouteDecision.rerouted_from: placement moved it off this member
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)   # per output token (mfs bench --record-confidences)
@@ -58,7 +58,7 @@ class RequestRecord:
     @property
     def rerouted(self) -> bool:
         """Sent to a larger member than routing chose because the chosen member's slice cannot hold it."""
-        return bool(self.route_reason and self.route_reason.startswith(REROUTE_PREFIX))
+        return self.rerouted_from is not None
 
     @property
     def escalated(self) -> bool:

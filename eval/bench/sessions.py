@@ -63,6 +63,7 @@ def record_output(record: RequestRecord, out: RequestOutput, now: float) -> None
         record.members.append(out.member)
     if out.route is not None:
         record.route_reason = out.route.reason
+        record.rerouted_from = out.route.rerouted_from
     if out.error:
         record.error = out.error
     if out.finished:

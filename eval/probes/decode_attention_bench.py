@@ -4,7 +4,7 @@
    SDPA, over an arena of served size with every layer's pages at different places (so the keys come from
    DRAM, as in a serving engine; the same pages for every layer would sit in the L3 cache);
 2. a whole tiny-l step (N decodes at that context, with or without a 128-token prefill chunk every other step)
-   with one forward against two forwards on two threads (engine.parallel_forwards);
+   with one forward against two forwards on two threads (developer.parallel_forwards);
 3. optionally (--profile) the step's torch operators by self CPU time (the kernel runs outside torch and is
    not listed), and the step's matmul shapes timed hot (weights in cache) against what they achieve in the step.
 

@@ -108,15 +108,15 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
     parser.add_argument("--rounds", type=int, default=2, help="alternating engine/HF rounds; best kept")
     parser.add_argument("--malloc-mmap-threshold-mb", type=int, default=32,
-                        help="the engine's glibc malloc setting (engine.malloc_mmap_threshold_mb; process-wide, so "
+                        help="the engine's glibc malloc setting (developer.malloc_mmap_threshold_mb; process-wide, so "
                              "transformers runs under it too; 0 = glibc defaults)")
     parser.add_argument("--torch-attention", action="store_true",
-                        help="the engine's decode attention as gather + SDPA (engine.native_attention: false)")
+                        help="the engine's decode attention as gather + SDPA (developer.native_attention: false)")
     parser.add_argument("--torch-layer-ops", action="store_true",
                         help="RMSNorm, rope + K/V write and SiLU-and-multiply as torch operators "
-                             "(engine.native_layer_ops: false)")
+                             "(developer.native_layer_ops: false)")
     parser.add_argument("--parallel-forwards", type=int, choices=(1, 2), default=1,
-                        help="the engine's forwards per step (engine.parallel_forwards); the engine then runs "
+                        help="the engine's forwards per step (developer.parallel_forwards); the engine then runs "
                              "threads/K intra-op threads per forward, so both sides use --threads cores in all "
                              "(2 with --threads 2 is how `mfs serve` runs the engine on 2 cores)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")

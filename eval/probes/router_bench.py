@@ -126,7 +126,7 @@ def run_full_path(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = 2000,
     samples = []
     for call in range(WARMUP_CALLS + calls):
         t0 = time.perf_counter_ns()
-        decision = scheduler._route(request, estimator.score(prompt), float(call))
+        decision = scheduler.route(request, estimator.score(prompt), float(call))
         if call >= WARMUP_CALLS:
             samples.append(time.perf_counter_ns() - t0)
     samples.sort()

@@ -33,7 +33,7 @@ from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
-from eval.systems import needs_split, system_config
+from eval.systems import needs_split, system_config, system_scheduler
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, trace_digest,
                                   with_history)
 from eval.simulate import compiled
@@ -135,19 +135,12 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
     return trace
 
 
-def unmodelled_notes(configs: dict) -> list[str]:
-    """One line per configured feature the simulated engine does not model, naming the systems that set it."""
-    drafting = sorted(n for n, c in configs.items() if c.scheduler.self_speculation_tokens > 0)
-    return [f"scheduler.self_speculation_tokens: not modelled (the simulated engine returns one token a step), "
-            f"so {', '.join(drafting)} ran as without it"] if drafting else []
-
-
 def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, tokenizer) -> tuple[dict, Any]:
     extra = {**setup.overrides, **settings.extra_overrides}
     split = None
     if setup.split is not None:
         split = setup.split           # per-member: the GPUs split the memory for every system alike
-        extra["pool.static_split"] = dict(split)
+        extra["comparison.static_split"] = dict(split)
     elif needs_split(settings.systems):     # the bench's own split search, on this deployment's pages
         family = setup.family or load_family(settings.family)
         split = static_split_for(trace, family, tokenizer,
@@ -159,10 +152,10 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
                for name in settings.systems}
     if setup.family is not None:
         # A GPU family's cap (GPU_SCHEDULER) is one engine's batch: independent deployments get it per member
-        # (DeploymentsScheduler), so a system running every member in one engine gets it once per member too:
-        # the same number of sequences in flight, not a third of it.
-        for config in configs.values():
-            if not config.scheduler.independent_deployments:
+        # (eval/baseline/deployments.py), so a system running every member in one engine gets it once per member
+        # too: the same number of sequences in flight, not a third of it.
+        for name, config in configs.items():
+            if system_scheduler(name) is None:
                 config.scheduler.max_running_requests *= len(setup.member_names)
     return configs, split
 
@@ -170,15 +163,17 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
 def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
                vocab_size: int, stats_interval_s: float,
                replies: dict[str, list[int]] | None = None,
-               keep_nodes: list | None = None) -> tuple[SimRun, dict[str, Any]]:
+               keep_nodes: list | None = None, scheduler_factory=None) -> tuple[SimRun, dict[str, Any]]:
     """replies: request key -> token ids of a real run of this system on this trace, replayed (validation).
-    keep_nodes: see driver.simulate (a forked worker's shortcut past freeing the nodes)."""
+    keep_nodes: see driver.simulate (a forked worker's shortcut past freeing the nodes).
+    scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
+    scheduler_factory = scheduler_factory or system_scheduler(name)
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
                            members_in_parallel=setup.members_in_parallel, replies=replies)
 
     def make_nodes(clock, events, on_output):
-        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output)
+        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory)
                 for i in range(setup.placement.num_nodes)]
 
     run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
@@ -217,7 +212,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
         config = config_on(fractions)
         at_rate = trace.at_rate(rate)
         run, metrics = run_system("baseline_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
-                                  stats_interval_for(at_rate))
+                                  stats_interval_for(at_rate), scheduler_factory=system_scheduler("baseline"))
         return config, run.records, without_rows(metrics)
 
     chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
@@ -315,7 +310,6 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
     notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served")
-    notes.extend(unmodelled_notes(configs))
     if setup.host_tier_mb is not None:
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for the systems that keep one; the "
                      "baseline: " + ("the same, as one LRU its deployments share (--baseline-host-tier)"

@@ -27,18 +27,20 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = REPO / "build" / "compiled_core"
 MANIFEST = "manifest.json"
 
-# What is compiled: the per-token and per-arrival path of a simulation (docs/BENCHMARKS.md 8.3's profiles).
+# What is compiled: the per-token and per-arrival path of a simulation (docs/SIMULATOR.md, "Speed").
 # Every module here type-checks under mypy (mypyc refuses a module that does not), and none reads its own
 # __file__ (an extension's __file__ is in the build folder).
 MODULES = (
-    "orchestrator.core.page_pool", "orchestrator.core.kv_cache", "orchestrator.core.demand",
-    "orchestrator.core.pool_demand", "orchestrator.core.sequence", "orchestrator.core.scheduler",
-    "orchestrator.core.deployments", "orchestrator.core.escalation", "orchestrator.core.tiers",
+    "orchestrator.core.page_pool", "orchestrator.core.kv_cache", "orchestrator.core.sequence",
+    "orchestrator.core.scheduler", "orchestrator.core.admission", "orchestrator.core.batching",
+    "orchestrator.core.handover", "orchestrator.core.lifecycle", "orchestrator.core.placement",
+    "orchestrator.core.preemption", "orchestrator.core.request_queue", "orchestrator.core.reservation",
+    "orchestrator.core.snapshot", "orchestrator.core.escalation", "orchestrator.core.tiers",
     "orchestrator.core.block_hash", "orchestrator.core.complexity", "orchestrator.core.events",
     "orchestrator.core.types", "orchestrator.core.kv_layout", "orchestrator.core.router",
-    "orchestrator.core.interleave",
+    "eval.baseline.deployments",
     "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",
-    "eval.simulate.confidence", "eval.simulate.cost_model",
+    "eval.simulate.confidence", "eval.simulate.escalation_model", "eval.simulate.cost_model",
 )
 
 

@@ -74,9 +74,9 @@ def _executor(family, config):
 
     return LocalExecutor(family, num_pages=ARENA_PAGES, page_bytes=config.pool.page_bytes, dtype=config.engine.dtype,
                          device="cpu", num_threads=engine_threads(config.engine.num_threads),
-                         malloc_mmap_threshold_mb=config.engine.malloc_mmap_threshold_mb,
-                         native_attention=config.engine.native_attention,
-                         native_layer_ops=config.engine.native_layer_ops)
+                         malloc_mmap_threshold_mb=config.developer.malloc_mmap_threshold_mb,
+                         native_attention=config.developer.native_attention,
+                         native_layer_ops=config.developer.native_layer_ops)
 
 
 def ride_overlaps(family, config, executor=None) -> dict[str, float]:

@@ -25,7 +25,7 @@ IDLE_RETRY_S = 0.01
 class SimNode:
     def __init__(self, name: str, config: MFSConfig, family: FamilySpec | None, clock: VirtualClock,
                  events: EventQueue, make_executor: Callable[[FamilySpec, int, int], SimExecutor],
-                 on_output: Callable[[RequestOutput, float], None]) -> None:
+                 on_output: Callable[[RequestOutput, float], None], scheduler_factory=None) -> None:
         from orchestrator.serve.serving import LocalServing
 
         self.name = name
@@ -34,7 +34,7 @@ class SimNode:
         self.on_output = on_output
         # LocalServing builds the core (and loads the family as the bench does when none is given); it is never
         # started: no thread, no asyncio. Its executor is set once the pool size is known.
-        self.serving = LocalServing(config, family=family, clock=clock)
+        self.serving = LocalServing(config, family=family, clock=clock, scheduler_factory=scheduler_factory)
         self.family = self.serving.family
         self.scheduler = self.serving.scheduler
         self.executor = make_executor(self.family, self.serving.pool.num_pages, config.pool.page_bytes)

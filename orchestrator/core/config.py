@@ -1,7 +1,9 @@
 """MFS configuration: one dataclass tree, loaded from YAML in one place and validated with clear errors.
 
-Every policy knob lives here (documented in docs/CONFIG.md). Nothing else reads the environment or
-parses YAML for settings.
+Every policy knob lives here (documented in docs/CONFIG.md). The sections an operator sets are pool, scheduler,
+router, escalation and engine; `comparison` holds the switches the compared systems of eval/ flip (a baseline's
+static split, an ablation's cold handover) and `developer` the engine's implementation toggles: serving MFS
+leaves both at their defaults. Nothing else reads the environment or parses YAML for settings.
 """
 from __future__ import annotations
 
@@ -13,9 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-
-MEMBER_INTERLEAVE_MODES = ("lockstep", "cost_weighted")    # scheduler.member_interleave (interleave.py)
 
 
 class ConfigError(ValueError):
@@ -33,13 +32,10 @@ class PoolConfig:
     page_bytes: int = 16384              # one page = one layer's K and V for one block of tokens
     kv_memory_mb: float = 64.0           # arena size, used when num_pages is not set
     num_pages: int | None = None
-    decode_reserve_blocks: int = 1       # blocks kept free per admitted request for its decode
     host_tier_mb: float = 256.0          # 0 disables the host tier
     disk_tier_mb: float = 0.0            # 0 disables the disk tier
     disk_dir: str = ".cache/mfs/kv"
-    static_split: dict[str, float] | None = None   # baseline only: fixed fraction of pages per member
     member_limits: dict[str, MemberLimit] = field(default_factory=dict)
-    cross_member_sharing: bool = True    # nested families share lower-layer pages; False = per-member lineages
     session_ttl_s: float | None = None   # cached pages of an idle session become first to evict after this
 
 
@@ -49,30 +45,13 @@ class SchedulerConfig:
     max_batch_tokens: int = 2048         # tokens per step over all prefill chunks and decodes
     prefill_chunk_tokens: int = 512
     max_queue: int = 512                 # waiting requests beyond this are refused (HTTP 429)
-    preallocate_blocks: bool = True      # reserve a decoding request's next block one token early
     request_timeout_s: float | None = 600.0
-    # --- issue 13: admission against demand, aging, preemption, stall-aware batching (docs/CONFIG.md)
-    decode_reservation: str = "peak"      # peak | remaining | block (pre-issue-13: pool.decode_reserve_blocks)
+    # admission against demand, aging, preemption, stall-aware batching (docs/CONFIG.md)
     new_token_ratio_init: float = 0.7     # share of max_tokens reserved when the length is not fixed
     new_token_ratio_min: float = 0.1      # floor of that share as it decays
     new_token_ratio_decay: float = 0.001  # per step while no request runs short
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
-    victim_order: str = "priority_progress"   # priority_progress | youngest (pre-issue-13)
-    swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
-    member_floor_share: float | None = None   # share of the pool each member's admissions can always get (shared pool)
-    queue_order: str = "fcfs"             # fcfs | shortest_first (fresh requests by expected remaining decode)
-    member_interleave: str = "lockstep"   # lockstep | cost_weighted (cheap members step more often: interleave.py)
-    member_step_costs: dict[str, float] | None = None   # relative forward cost per member (None: weight bytes)
-    # Nested families: a greedy decode on a member with a smaller member nested in it drafts this many tokens
-    # per step on the smallest one's layers and checks them in the same step (0 = off), while at most
-    # self_speculation_max_decodes requests decode: beyond that the checks cost more than they save (docs/CONFIG.md)
-    self_speculation_tokens: int = 0
-    self_speculation_max_decodes: int = 2
-    # issue 12: the benchmark's baseline. With pool.static_split, every member runs as its own deployment
-    # (own batch cap and step budget, turns on the device, re-routes instead of refusing):
-    # orchestrator/core/deployments.py
-    independent_deployments: bool = False
 
 
 @dataclass(slots=True)
@@ -98,14 +77,11 @@ class RouterConfig:
     affinity_min_tokens: int = 32         # matches shorter than this earn no affinity
     session_bonus: float | None = None    # added to the session's last member; None = 0 nested, 0.2 otherwise
     load_saturation_tokens: int = 4096    # queued+running tokens at which a member counts as saturated
-    use_affinity: bool = True
-    use_load: bool = True
-    # --- issue 13: whole-device routing (docs/CONFIG.md)
+    # whole-device routing (docs/CONFIG.md)
     delay_saturation_s: float = 1.0       # expected wait at which a member's load term is full
     pressure_weight: float = 0.3          # global pool pressure x the member's pages per token
     downgrade_delay_s: float = 0.25       # the winner's expected wait that triggers a downgrade
     downgrade_max_gap: float = 0.15       # quality guard: complexity at most this far above the smaller band
-    downgrade_delay_fraction: float | None = None  # also trigger at this share of the request's decode time
     downgrade_running: int | None = 2     # also trigger when the winner already runs this many requests (CPU-sized)
     downgrade_max_escalation_rate: float | None = None  # no downgrade into a member escalating more of its requests
 
@@ -120,11 +96,8 @@ class EscalationConfig:
     threshold: float = 0.12
     min_tokens: int = 8                   # never escalate before this many generated tokens
     on_escalate: str = "keep"             # keep | rollback (drop the last low-confidence window)
-    reuse_shared_layers: bool = True      # nested family: start the target at the source's exit depth
-    warmup: bool = True                   # prefill likely escalations on the next member while it is idle
     warmup_band: list[float] = field(default_factory=lambda: [0.3, 0.4])  # complexity band that warms up
     warmup_max_running: int = 4           # warm up only while the whole engine runs at most this many requests
-    cold_handover: bool = False           # baseline: the target gets no cache from the source
 
 
 @dataclass(slots=True)
@@ -135,20 +108,44 @@ class EngineConfig:
     triton_url: str = "127.0.0.1:8001"
     triton_metrics_url: str | None = None
     num_threads: int | None = None
-    # issue 15: the orchestrator core (local: scheduler + model; triton: routing + token rules + streams) in its
-    # own process (separate) or in the HTTP process (thread); separate keeps the event loop's per-token work and
+    # the orchestrator core (local: scheduler + model; triton: routing + token rules + streams) in its own
+    # process (separate) or in the HTTP process (thread); separate keeps the event loop's per-token work and
     # the core off each other's GIL
     process: str = "separate"             # separate | thread
-    # issue 15: glibc mmap threshold for the engine's process (engines/local/malloc_tuning.py); 0 = glibc default
+
+
+@dataclass(slots=True)
+class ComparisonSwitches:
+    """What eval's compared systems flip to run something other than MFS (eval/systems.py); serving MFS leaves
+    every one at its default."""
+
+    static_split: dict[str, float] | None = None   # fixed fraction of the pages per member (no shared pool)
+    cross_member_sharing: bool = True    # nested families share lower-layer pages; False = per-member lineages
+    use_affinity: bool = True            # routing reads the prefix cache and sessions
+    use_load: bool = True                # routing reads load (and may downgrade)
+    warmup: bool = True                  # prefill likely escalations on the next member while it is idle
+    reuse_shared_layers: bool = True     # nested family: an escalation starts the target at the source's exit depth
+    cold_handover: bool = False          # an escalation's target gets no cache from the source
+    decode_reservation: str = "peak"     # peak | block (reservation.py)
+    decode_reserve_blocks: int = 1       # block: blocks kept free per admitted request for its decode
+    victim_order: str = "priority_progress"   # priority_progress | youngest (preemption.py)
+    swap_preempted: bool = True          # save a victim's blocks to the host tier when it has room
+
+
+@dataclass(slots=True)
+class DeveloperFlags:
+    """The local engine's implementation toggles, for A/B measurements of the engine itself."""
+
+    # glibc mmap threshold for the engine's process (engines/local/malloc_tuning.py); 0 = glibc default
     malloc_mmap_threshold_mb: int = 32
-    # issue 15: float32 CPU decode attention reads K/V in place from the pages (a C kernel compiled on first
-    # use, engines/local/paged_decode.py); false keeps gather + SDPA
+    # float32 CPU decode attention reads K/V in place from the pages (a C kernel compiled on first use,
+    # engines/local/paged_decode.py); false keeps gather + SDPA
     native_attention: bool = True
     # float32 CPU forwards run RMSNorm, rope + the K/V write, and SiLU-and-multiply as one native call each
     # (engines/local/layer_kernels.py); false keeps the torch operators
     native_layer_ops: bool = True
-    # issue 15: 2 splits each CPU forward of a step in two halves computed on two threads (1: one forward);
-    # None: 2 for a one-thread CPU engine in its own process on >= 2 cores, else 1 (serve/serving.py)
+    # 2 splits each CPU forward of a step in two halves computed on two threads (1: one forward); None: 2 for a
+    # one-thread CPU engine in its own process on >= 2 cores, else 1 (serve/serving.py)
     parallel_forwards: int | None = None
 
 
@@ -160,46 +157,40 @@ class MFSConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     escalation: EscalationConfig = field(default_factory=EscalationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    comparison: ComparisonSwitches = field(default_factory=ComparisonSwitches)
+    developer: DeveloperFlags = field(default_factory=DeveloperFlags)
 
     def validate(self) -> None:
         _check(self.pool.page_bytes > 0, "pool.page_bytes", "must be positive")
         _check(self.pool.num_pages is None or self.pool.num_pages > 0, "pool.num_pages", "must be positive")
         _check(self.pool.kv_memory_mb > 0, "pool.kv_memory_mb", "must be positive")
         _check(self.pool.host_tier_mb >= 0 and self.pool.disk_tier_mb >= 0, "pool.*_tier_mb", "must be >= 0")
-        if self.pool.static_split is not None:
-            total = sum(self.pool.static_split.values())
-            _check(all(v > 0 for v in self.pool.static_split.values()) and abs(total - 1.0) < 1e-6,
-                   "pool.static_split", f"fractions must be positive and sum to 1 (got {total})")
+        split = self.comparison.static_split
+        if split is not None:
+            total = sum(split.values())
+            _check(all(v > 0 for v in split.values()) and abs(total - 1.0) < 1e-6,
+                   "comparison.static_split", f"fractions must be positive and sum to 1 (got {total})")
         _check(self.scheduler.max_running_requests > 0, "scheduler.max_running_requests", "must be positive")
         _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
         sched = self.scheduler
-        _check(sched.decode_reservation in ("peak", "remaining", "block"), "scheduler.decode_reservation",
-               f"must be peak, remaining or block, got {sched.decode_reservation!r}")
+        compare = self.comparison
+        _check(compare.decode_reservation in ("peak", "block"), "comparison.decode_reservation",
+               f"must be peak or block, got {compare.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
                "needs 0 < new_token_ratio_min <= new_token_ratio_init <= 1")
         _check(sched.new_token_ratio_decay >= 0, "scheduler.new_token_ratio_decay", "must be >= 0")
         _check(sched.aging_steps is None or sched.aging_steps > 0, "scheduler.aging_steps", "must be positive or null")
-        _check(sched.victim_order in ("priority_progress", "youngest"), "scheduler.victim_order",
-               f"must be priority_progress or youngest, got {sched.victim_order!r}")
-        _check(sched.queue_order in ("fcfs", "shortest_first"), "scheduler.queue_order",
-               f"must be fcfs or shortest_first, got {sched.queue_order!r}")
+        _check(compare.victim_order in ("priority_progress", "youngest"), "comparison.victim_order",
+               f"must be priority_progress or youngest, got {compare.victim_order!r}")
         _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
                "scheduler.decode_step_token_budget", "must be positive or null")
-        _check(0 <= sched.self_speculation_tokens <= 8, "scheduler.self_speculation_tokens", "must be in [0, 8]")
-        _check(sched.self_speculation_max_decodes >= 1, "scheduler.self_speculation_max_decodes", "must be >= 1")
-        _check(sched.member_floor_share is None or 0 < sched.member_floor_share <= 1, "scheduler.member_floor_share",
-               "must be in (0, 1] or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
         _check(self.router.downgrade_max_gap >= 0, "router.downgrade_max_gap", "must be >= 0")
-        _check(self.router.downgrade_delay_fraction is None or self.router.downgrade_delay_fraction > 0,
-               "router.downgrade_delay_fraction", "must be > 0 or null")
         _check(self.router.downgrade_max_escalation_rate is None or 0 <= self.router.downgrade_max_escalation_rate <= 1,
                "router.downgrade_max_escalation_rate", "must be in [0, 1] or null")
         _check(self.router.downgrade_running is None or self.router.downgrade_running >= 1,
                "router.downgrade_running", "must be >= 1 or null")
-        _check(not self.scheduler.independent_deployments or self.pool.static_split is not None,
-               "scheduler.independent_deployments", "needs pool.static_split (each deployment's slice)")
         _check(self.router.profile in self.router.profiles, "router.profile",
                f"{self.router.profile!r} is not one of {sorted(self.router.profiles)}")
         thresholds = self.router.complexity_thresholds
@@ -211,15 +202,13 @@ class MFSConfig:
                f"must be keep or rollback, got {self.escalation.on_escalate!r}")
         _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
         _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
-        _check(self.scheduler.member_interleave in MEMBER_INTERLEAVE_MODES, "scheduler.member_interleave",
-               f"must be one of {', '.join(MEMBER_INTERLEAVE_MODES)}, got {self.scheduler.member_interleave!r}")
         _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
         _check(self.engine.process in ("separate", "thread"), "engine.process",
                f"must be separate or thread, got {self.engine.process!r}")
-        _check(0 <= self.engine.malloc_mmap_threshold_mb <= 32, "engine.malloc_mmap_threshold_mb",
+        _check(0 <= self.developer.malloc_mmap_threshold_mb <= 32, "developer.malloc_mmap_threshold_mb",
                "must be in [0, 32] (glibc's ceiling on 64-bit)")
-        _check(self.engine.parallel_forwards in (None, 1, 2), "engine.parallel_forwards",
-               f"must be 1, 2 or null (auto), got {self.engine.parallel_forwards!r}")
+        _check(self.developer.parallel_forwards in (None, 1, 2), "developer.parallel_forwards",
+               f"must be 1, 2 or null (auto), got {self.developer.parallel_forwards!r}")
         _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
                f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
 

@@ -26,7 +26,6 @@ from orchestrator.core.family import FamilySpec, dtype_bytes
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
-from orchestrator.core.deployments import DeploymentsScheduler
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
@@ -34,6 +33,8 @@ from orchestrator.core.types import FinishReason, PageId, Request, RequestId, Re
 # A request's destination: every RequestOutput in order, or one MFSError when the engine step failed.
 # Called on the engine thread; it must not block or raise (hand the item to another thread's queue).
 Sink = Callable[[RequestOutput | MFSError], None]
+# Builds the scheduler from the pieces EngineCore made (Scheduler's own signature): eval's baselines pass one.
+SchedulerFactory = Callable[..., Scheduler]
 IDLE_WAIT_S = 0.05          # an idle loop re-checks this often even without a wake-up
 NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for pages): do not spin
 
@@ -86,23 +87,21 @@ class EngineCore:
 
     def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
                  clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
-                 cpu_clock: Callable[[], float] | None = None):
+                 cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None):
         self.config = config
         self.family = family
         self.clock = clock
         num_pages = config.num_arena_pages()
-        partitions = split_pages(num_pages, config.pool.static_split) if config.pool.static_split else None
+        partitions = split_pages(num_pages, config.comparison.static_split) if config.comparison.static_split else None
         self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
         self.tiers = build_tiers(config)
         self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
                                  self.tiers, record_residuals=records_residuals(config))
         self.events = EventLog()
         self.stats_counters = Stats()
-        # The independent-deployment baseline is the same loop over a scheduler with per-member slices,
-        # budgets and batch caps (eval's baseline; orchestrator/core/deployments.py).
-        scheduler_class = DeploymentsScheduler if config.scheduler.independent_deployments else Scheduler
-        self.scheduler = scheduler_class(family, config, self.pool, self.kv, estimator, self.tiers, self.events,
-                                         self.stats_counters)
+        # MFS's scheduler, or one eval's baselines compose from the core's scheduler and their own policies
+        self.scheduler = (scheduler_factory or Scheduler)(family, config, self.pool, self.kv, estimator, self.tiers,
+                                                          self.events, self.stats_counters)
         self.executor: StepExecutor | None = None     # set before run(): building a model takes a while
         self.lock = threading.Lock()
         self.wake = threading.Event()

@@ -119,9 +119,9 @@ def in_warmup_band(config: EscalationConfig, complexity: float) -> bool:
     """True when a request's complexity sits just below a boundary: worth prefilling the next member.
 
     The band is [low, high) so a complexity at `high` (routed to the larger member already) is out.
-    False when escalation or warm-up is disabled.
+    False when escalation is disabled (the caller checks comparison.warmup).
     """
-    if not (config.enabled and config.warmup):
+    if not config.enabled:
         return False
     low, high = config.warmup_band
     return low <= complexity < high

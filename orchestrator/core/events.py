@@ -171,7 +171,7 @@ class Stats:
             self._generated_tokens[member] = self._generated_tokens.get(member, 0) + generated_tokens
 
     def on_member_steps(self, members: Iterable[str]) -> None:
-        """One step ran these members' forwards (with member_interleave cost_weighted, a share of the steps)."""
+        """One step ran these members' forwards."""
         with self._lock:
             for member in members:
                 self._member_steps[member] = self._member_steps.get(member, 0) + 1

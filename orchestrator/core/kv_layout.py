@@ -12,8 +12,8 @@ from orchestrator.core.family import FamilySpec, MemberSpec, dtype_bytes
 
 def records_residuals(config: MFSConfig) -> bool:
     """Residual pages are worth writing only when a warm escalation may read them."""
-    esc = config.escalation
-    return esc.enabled and esc.reuse_shared_layers and not esc.cold_handover
+    compare = config.comparison
+    return config.escalation.enabled and compare.reuse_shared_layers and not compare.cold_handover
 
 
 class KVLayout:

@@ -81,13 +81,12 @@ class Router:
                                  expected_delay_s / config.delay_saturation_s))
       pressure        config.pressure_weight * pool_pressure * pages_per_token / the largest pages_per_token
                       (a full pool makes page-hungry members dearer)
-    Affinity and session are 0 when config.use_affinity is False, load and pressure when config.use_load
-    is False. components[member] holds the weighted contributions (load and pressure are negative), so
+    Affinity and session are 0 when use_affinity is False, load and pressure when use_load is False
+    (comparison switches). components[member] holds the weighted contributions (load and pressure are negative), so
     they sum to scores[member]. The highest total wins, ties go to the smaller member.
     Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation), or
     busy (it already runs config.downgrade_running requests, or its expected delay is at least
-    config.downgrade_delay_s, or that share config.downgrade_delay_fraction of the request's decode time
-    there) moves to the largest smaller member that is neither saturated nor expected to wait that long,
+    config.downgrade_delay_s) moves to the largest smaller member that is neither saturated nor expected to wait that long,
     and (busy rule) whose complexity band ends at most config.downgrade_max_gap below the request's
     complexity: the quality guard. With config.downgrade_max_escalation_rate, a smaller member whose recent
     escalation rate is above it is no target of a downgrade that avoids a wait (saturated, or expected delay):
@@ -95,14 +94,18 @@ class Router:
     rule alone (a busy, not a slow, winner) ignores it.
     """
 
-    __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus")
+    __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus", "use_affinity",
+                 "use_load")
 
-    def __init__(self, family: FamilySpec, config: RouterConfig, fit: FitPenalties | None = None) -> None:
+    def __init__(self, family: FamilySpec, config: RouterConfig, fit: FitPenalties | None = None, *,
+                 use_affinity: bool = True, use_load: bool = True) -> None:
         if not family.members:
             raise ValueError(f"family {family.name!r} has no members to route to")
         self.family = family
         self.config = config
         self.fit = fit or FitPenalties()
+        self.use_affinity = use_affinity
+        self.use_load = use_load
         self._names: tuple[str, ...] = tuple(family.member_names)
         self._num_members = len(self._names)
         self._thresholds = tuple(config.complexity_thresholds)
@@ -133,7 +136,7 @@ class Router:
         adequate = self.adequate_index(complexity)
         prompt_tokens = max(1, len(request.prompt_token_ids))
         saturation_tokens = max(1, config.load_saturation_tokens)
-        use_affinity, use_load = config.use_affinity, config.use_load
+        use_affinity, use_load = self.use_affinity, self.use_load
 
         scores: dict[str, float] = {}
         components: dict[str, dict[str, float]] = {}
@@ -186,11 +189,10 @@ class Router:
                 tokens = loads.get(winner, _IDLE).total_tokens
                 why = f"{winner} saturated ({tokens} >= {config.load_saturation_tokens} tokens)"
             else:
-                decode_tokens = request.sampling.max_tokens
-                target = self._delay_downgrade_target(best_index, complexity, loads, decode_tokens)
+                target = self._delay_downgrade_target(best_index, complexity, loads)
                 if target is not None:
                     load = loads.get(winner, _IDLE)
-                    trigger = self._trigger_s(load, decode_tokens)
+                    trigger = config.downgrade_delay_s
                     if load.expected_delay_s >= trigger:
                         why = f"{winner} expected wait {load.expected_delay_s * 1000:.0f} ms >= {trigger * 1000:.0f} ms"
                     else:
@@ -222,24 +224,14 @@ class Router:
         limit = self.config.downgrade_max_escalation_rate
         return limit is None or load.escalation_rate <= limit
 
-    def _trigger_s(self, load: MemberLoad, decode_tokens: int) -> float:
-        """The expected wait at which a member counts as too slow for this request: downgrade_delay_s, or
-        with downgrade_delay_fraction that share of the request's own decode time there when smaller
-        (a wait costs a short reply more per token than a long one)."""
-        trigger = self.config.downgrade_delay_s
-        fraction = self.config.downgrade_delay_fraction
-        if fraction is not None and load.step_s > 0.0:
-            trigger = min(trigger, fraction * max(1, decode_tokens) * load.step_s)
-        return trigger
-
     def _delay_downgrade_target(self, winner_index: int, complexity: float,
-                                loads: dict[str, MemberLoad], decode_tokens: int = 1) -> int | None:
+                                loads: dict[str, MemberLoad]) -> int | None:
         """Largest smaller member whose expected delay is under the trigger, when the winner's is not and
         the request's complexity is at most downgrade_max_gap above that member's band (else None)."""
         config, names = self.config, self._names
         winner = loads.get(names[winner_index], _IDLE)
         busy = config.downgrade_running is not None and winner.num_running >= config.downgrade_running
-        slow = winner.expected_delay_s >= self._trigger_s(winner, decode_tokens)
+        slow = winner.expected_delay_s >= config.downgrade_delay_s
         if not busy and not slow:
             return None
         for index in range(winner_index - 1, -1, -1):
@@ -250,7 +242,7 @@ class Router:
             # The escalation guard is for downgrades that avoid a wait: a request that escalates back waits
             # for the larger member anyway. One that avoids the busy member's step (running count) keeps
             # the tokens it made on the smaller member when it escalates, so it is not held back.
-            if load.expected_delay_s < self._trigger_s(load, decode_tokens) and (not slow or self._stays(load)):
+            if load.expected_delay_s < config.downgrade_delay_s and (not slow or self._stays(load)):
                 return index
         return None
 

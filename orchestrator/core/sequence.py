@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.config import EscalationConfig
 from orchestrator.core.escalation import ON_ESCALATE_ROLLBACK, ConfidenceMonitor
-from orchestrator.core.kv_cache import SeqKV
+from orchestrator.core.kv_cache import KVCacheManager, SeqKV
 from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
                                 RequestState, RouteDecision, tuple_new)
 
@@ -58,6 +58,15 @@ class Sequence:
     def is_decoding(self) -> bool:
         n = len(self.token_ids)
         return self.num_computed_tokens == n - 1 and n > self.num_prompt_tokens
+
+    def drop_pages(self, kv: KVCacheManager) -> None:
+        """Its pages go back (full blocks stay cached under their keys) and its computed progress restarts."""
+        if self.kv is not None:
+            kv.release(self.kv)
+            self.kv = None
+        self.num_computed_tokens = 0
+        self.shared_until_tokens = 0
+        self.shared_depth = 0
 
     # ------------------------------------------------------------------ token rules (every engine's)
     # The scheduler (local engine) and TritonServing (members behind Triton) both go through these, so a

@@ -110,6 +110,7 @@ class RouteDecision:
     matched_prefix_tokens: dict[str, int]             # member -> tokens cached (any tier)
     complexity: float                                 # estimator output in [0, 1]
     downgraded_from: MemberName | None = None
+    rerouted_from: MemberName | None = None         # placement moved it here: that member could not hold it
 
 
 # ----------------------------------------------------------------------------- step plan (core -> engine)
@@ -137,10 +138,6 @@ class SeqChunk:
     residual_table: list[PageId] | None = None   # input pages when start_layer > 0
     residual_table_out: list[PageId] | None = None
     num_generated: int = 0                       # tokens already generated (min_tokens, seeded sampling)
-    # Greedy decode only: the engine may draft up to this many tokens with a member nested in this one and
-    # check them in the same step (the tables cover positions up to start_pos + draft_tokens); it then
-    # returns 1 to draft_tokens + 1 tokens for this chunk, in order. An engine that cannot draft returns one.
-    draft_tokens: int = 0
 
 
 @dataclass(slots=True)

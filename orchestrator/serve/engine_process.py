@@ -32,7 +32,6 @@ from orchestrator.core import errors
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import EngineUnavailableError, MFSError
 from orchestrator.core.family import FamilySpec, load_family
-from orchestrator.core.interleave import member_costs
 from orchestrator.core.types import FinishReason, MemberSpan, Request, RequestId, RequestOutput
 from orchestrator.serve.output_stream import OutputStream, put_all
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -185,12 +184,9 @@ class ProcessServing:
         self.child_main = child_main or engine_main
         local = config.engine.kind == "local"
         self.family = family or load_family(config.family,
-                                            per_member_lineage=local and not config.pool.cross_member_sharing)
+                                            per_member_lineage=local and not config.comparison.cross_member_sharing)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
-        if config.scheduler.member_interleave != "lockstep":
-            # checked against the family here, so a bad value is one line from `mfs serve`, not a failed child
-            member_costs(self.family, config.scheduler.member_step_costs)
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
         # request id -> (its event loop, its stream); written on the loop, read by the pipe reader thread
         self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}

@@ -18,7 +18,7 @@ from typing import Any
 from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import StepExecutor
-from orchestrator.core.engine_core import EngineCore
+from orchestrator.core.engine_core import EngineCore, SchedulerFactory
 from orchestrator.core.errors import EngineUnavailableError
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, StepPlan
@@ -30,15 +30,17 @@ log = logging.getLogger("mfs.serving")
 
 class LocalServing:
     def __init__(self, config: MFSConfig, family: FamilySpec | None = None,
-                 executor: StepExecutor | None = None, clock: Callable[[], float] = time.monotonic):
+                 executor: StepExecutor | None = None, clock: Callable[[], float] = time.monotonic,
+                 scheduler_factory: SchedulerFactory | None = None):
         self.config = config
-        self.family = family or load_family(config.family, per_member_lineage=not config.pool.cross_member_sharing)
+        self.family = family or load_family(config.family, per_member_lineage=not config.comparison.cross_member_sharing)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
         self.clock = clock
         self.core = EngineCore(config, self.family, estimator_for_vocab(self.tokenizer.vocab_texts()), clock,
-                               step_clock=time.perf_counter, cpu_clock=time.thread_time)
+                               step_clock=time.perf_counter, cpu_clock=time.thread_time,
+                               scheduler_factory=scheduler_factory)
         self._batcher = StepBatcher(self.core.detach)
         self.core.on_delivered = self._batcher.flush      # one event-loop wake-up per step, not per request
         self.pool, self.kv, self.tiers, self.scheduler = self.core.pool, self.core.kv, self.core.tiers, self.core.scheduler
@@ -93,10 +95,10 @@ class LocalServing:
         threads = engine_threads(cfg.engine.num_threads)
         return LocalExecutor(self.family, num_pages=self.pool.num_pages, page_bytes=cfg.pool.page_bytes,
                              dtype=cfg.engine.dtype, device=device, num_threads=threads,
-                             malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
-                             native_attention=cfg.engine.native_attention,
-                             native_layer_ops=cfg.engine.native_layer_ops,
-                             parallel_forwards=parallel_forwards(cfg.engine.parallel_forwards, device, threads,
+                             malloc_mmap_threshold_mb=cfg.developer.malloc_mmap_threshold_mb,
+                             native_attention=cfg.developer.native_attention,
+                             native_layer_ops=cfg.developer.native_layer_ops,
+                             parallel_forwards=parallel_forwards(cfg.developer.parallel_forwards, device, threads,
                                                                  own_process))
 
     def _is_running(self) -> bool:
@@ -169,7 +171,7 @@ def available_cores() -> int:
 
 
 def parallel_forwards(configured: int | None, device: str, threads: int, own_process: bool) -> int:
-    """engine.parallel_forwards, or its default: 2 for a CPU engine with one intra-op thread in a process of its
+    """developer.parallel_forwards, or its default: 2 for a CPU engine with one intra-op thread in a process of its
     own on a machine with a second core (the core the HTTP edge barely uses: 1.00-1.09x vLLM-CPU against
     0.87-0.95x with 1, docs/BENCHMARKS.md section 10); 1 beside an event loop, where the second thread would
     fight it for the core (the lesson of BENCHMARKS 5.0), on CUDA, or with more intra-op threads."""

@@ -87,7 +87,8 @@ class TritonServing:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._router = Router(self.family, self.config.router)
+        self._router = Router(self.family, self.config.router, use_affinity=self.config.comparison.use_affinity,
+                              use_load=self.config.comparison.use_load)
         self._accepting = True
         await self.client.connect()
         await self._probe_once()

@@ -125,7 +125,7 @@ class MemberWorker:
         self.config = load_config(overrides={
             "family": str(family_dir), "pool.num_pages": num_pages, "pool.page_bytes": page_bytes,
             "engine.kind": "local", "engine.device": "cpu", "engine.dtype": dtype, "engine.num_threads": 1,
-            "escalation.enabled": False, "escalation.warmup": False, "pool.host_tier_mb": 0.0,
+            "escalation.enabled": False, "comparison.warmup": False, "pool.host_tier_mb": 0.0,
         })
         self.kv = KVBlockStats(spec.tokens_per_block(page_bytes, dtype_bytes(dtype)), spec.num_layers)
         self.core = None
@@ -145,11 +145,11 @@ class MemberWorker:
         self.core.executor = LocalExecutor(self.family, num_pages=self.core.pool.num_pages,
                                            page_bytes=cfg.pool.page_bytes, dtype=cfg.engine.dtype, device="cpu",
                                            num_threads=cfg.engine.num_threads,
-                                           malloc_mmap_threshold_mb=cfg.engine.malloc_mmap_threshold_mb,
-                                           native_attention=cfg.engine.native_attention,
-                                           native_layer_ops=cfg.engine.native_layer_ops,
+                                           malloc_mmap_threshold_mb=cfg.developer.malloc_mmap_threshold_mb,
+                                           native_attention=cfg.developer.native_attention,
+                                           native_layer_ops=cfg.developer.native_layer_ops,
                                            # auto = 1 here: Triton's own threads share the process
-                                           parallel_forwards=cfg.engine.parallel_forwards or 1)
+                                           parallel_forwards=cfg.developer.parallel_forwards or 1)
         self._running = True
         self._thread = threading.Thread(target=self.core.run, args=(lambda: self._running,),
                                         name=f"mfs-{self.member}", daemon=True)

@@ -1,28 +1,31 @@
-"""Independent deployments (the benchmark's baseline): re-route instead of refuse, one deployment per step,
-per-deployment batch caps, escalations only to a slice that holds the request. Fakes, exact states."""
+"""Independent deployments (eval/baseline/deployments.py, the benchmark's baseline: the core's scheduler with the
+deployments' policies): re-route instead of refuse, one deployment per step, per-deployment batch caps,
+escalations only to a slice that holds the request. Fakes, exact states."""
 from __future__ import annotations
 
 import pytest
 
+from eval.baseline.deployments import LegacyDeployments, legacy_deployments_scheduler
 from orchestrator.core.complexity import ComplexityEstimator
-from orchestrator.core.config import ConfigError, load_config
-from orchestrator.core.deployments import DeploymentsScheduler
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 from tests.fakes import fake_vocab
 from tests.test_scheduler import Harness
 
 # 120 pages: s 60, m 30, l 30. Pages are 4 tokens of one layer; s/m/l have 2/4/6 layers, no residuals.
-BASELINE = {"pool.num_pages": 120, "pool.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
-            "router.use_affinity": False, "router.use_load": False, "escalation.cold_handover": True,
-            "escalation.reuse_shared_layers": False, "escalation.warmup": False,
-            "scheduler.independent_deployments": True}
+BASELINE = {"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
+            "comparison.use_affinity": False, "comparison.use_load": False, "comparison.cold_handover": True,
+            "comparison.reuse_shared_layers": False, "comparison.warmup": False}
 
 
 def deployments(low_confidence=(), **overrides) -> Harness:
     h = Harness(low_confidence=low_confidence, **{**BASELINE, **overrides})
-    h.scheduler = DeploymentsScheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
+    h.scheduler = legacy_deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
     return h
+
+
+def deployments_of(h: Harness) -> LegacyDeployments:
+    return h.scheduler.placement
 
 
 def submit(h: Harness, rid: str, num_prompt_tokens: int, complexity: float, max_tokens: int = 8, start: int = 10):
@@ -36,22 +39,24 @@ def test_a_request_the_routed_slice_cannot_hold_goes_to_a_deployment_that_can():
     h = deployments()
     # 20 + 8 tokens = 7 blocks: s 14 pages, m 28 (<= 30), l 42 (> 30)
     decision = submit(h, "big", 20, complexity=0.9)               # routed to l, which cannot hold it
-    assert decision.member == "m" and decision.reason.startswith("reroute:l->m")
-    assert submit(h, "small", 20, complexity=0.1, start=50).member == "s"   # fits where routed: unchanged
-    assert h.scheduler.num_reroutes == 1
+    assert decision.member == "m" and decision.rerouted_from == "l"
+    assert decision.reason.startswith("re-routed l->m (slice too small)")
+    small = submit(h, "small", 20, complexity=0.1, start=50)
+    assert small.member == "s" and small.rerouted_from is None            # fits where routed: unchanged
+    assert deployments_of(h).num_reroutes == 1
     h.run()
     assert h.final("big").spans[0].member == "m" and len(h.tokens("big")) == 8
     # 120 + 8 tokens = 32 blocks: s needs 64 > 60, m 128, l 192: no deployment can hold it
     with pytest.raises(InvalidRequestError, match="no deployment can hold"):
         submit(h, "huge", 120, complexity=0.1, start=200)
     # the shared scheduler refuses what any member cannot hold (the old baseline's refusals)
-    shared = Harness(**{**BASELINE, "scheduler.independent_deployments": False})
+    shared = Harness(**BASELINE)
     with pytest.raises(InvalidRequestError):
         shared.submit("big", list(range(10, 30)), max_tokens=8)
 
 
 def test_rerouting_prefers_a_larger_member_over_a_smaller_one():
-    h = deployments(**{"pool.static_split": {"s": 0.25, "m": 0.25, "l": 0.5}})   # s 30, m 30, l 60
+    h = deployments(**{"comparison.static_split": {"s": 0.25, "m": 0.25, "l": 0.5}})   # s 30, m 30, l 60
     # 24 + 8 tokens = 8 blocks: s 16, m 32 (> 30), l 48 (<= 60): routed to m -> l, not s
     assert submit(h, "a", 24, complexity=0.5).member == "l"
 
@@ -70,7 +75,7 @@ def test_deployments_take_turns_on_the_device():
     assert ran.count("s") == ran.count("m") == 6                 # one prefill (+ first token) and 5 decodes each
     assert len(h.tokens("a")) == len(h.tokens("b")) == 6
     # the shared scheduler runs both members in every step
-    shared = Harness(**{**BASELINE, "scheduler.independent_deployments": False})
+    shared = Harness(**BASELINE)
     shared.submit("a", list(range(10, 18)), max_tokens=6, pinned_member=MemberName("s"))
     shared.submit("b", list(range(60, 68)), max_tokens=6, pinned_member=MemberName("m"))
     assert sorted(b.member for b in shared.step().batches) == ["m", "s"]
@@ -82,7 +87,7 @@ def test_each_deployment_has_its_own_batch_cap():
     submit(h, "s2", 8, complexity=0.1, start=40)
     submit(h, "m1", 8, complexity=0.5, start=80)
     h.step()
-    running = {seq.request_id: seq.member for seq in h.scheduler._running.values()}
+    running = {seq.request_id: seq.member for seq in h.scheduler.running}
     assert running == {"s1": "s", "m1": "m"}                     # one per deployment; s2 waits for s1
     h.run()
     assert all(len(h.tokens(r)) == 8 for r in ("s1", "s2", "m1"))
@@ -96,9 +101,10 @@ def test_escalation_only_to_a_deployment_that_can_hold_the_request():
     h.run()
     assert [s.member for s in h.final("fits").spans][:2] == ["s", "m"]
     assert [s.member for s in h.final("too_big").spans] == ["s"] and len(h.tokens("too_big")) == 8
-    assert h.scheduler.num_escalations_skipped == 1
+    assert deployments_of(h).num_escalations_skipped == 1
 
 
 def test_independent_deployments_need_a_static_split():
-    with pytest.raises(ConfigError, match="independent_deployments"):
-        load_config(overrides={"scheduler.independent_deployments": True})
+    h = Harness()
+    with pytest.raises(ValueError, match="static_split"):
+        legacy_deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))

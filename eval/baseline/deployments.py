@@ -1,0 +1,125 @@
+"""Independent deployments on a static split: each member its own server on a fixed slice, turns on one device.
+
+This is the baseline that runs as `baseline` (to become `baseline_legacy` beside the fairer baselines).
+
+Built from the core's own Scheduler with three policy objects in place of MFS's (LegacyDeployments is all three):
+- placement: nothing is refused that some member's slice can hold: a request whose routed member's slice cannot
+  hold it goes to the smallest larger member that can (else the largest smaller one), as a load balancer that
+  knows each deployment's limits would send it; the RouteDecision says so (rerouted_from) and it is counted.
+  An escalation whose target slice cannot hold the request is not made (that server would refuse it).
+- running cap: each deployment has its own batch cap (scheduler.max_running_requests).
+- step members: the deployments take turns on the device: one step runs one deployment's batch, with its own
+  step token budget, round robin over the deployments with work (separate processes time-slice one
+  accelerator; none sees the others' batches).
+The rest of the baseline (its static split, the single-server scheduler policies, no sharing, cold handovers)
+is configuration: eval/systems.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.escalation import escalation_target
+from orchestrator.core.events import EventLog, Stats
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.page_pool import PagePool
+from orchestrator.core.placement import check_fits
+from orchestrator.core.request_queue import RunningSet
+from orchestrator.core.scheduler import Scheduler, SchedulerPolicies
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.tiers import TieredStore
+from orchestrator.core.types import MemberName, Request, RouteDecision
+
+
+class LegacyDeployments:
+    """Placement, running cap and step members of separate per-member servers on one device."""
+
+    def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager) -> None:
+        if config.comparison.static_split is None:
+            raise ValueError("independent deployments need comparison.static_split (each deployment's slice)")
+        self.family = family
+        self.kv = kv
+        self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        self.member_cap = config.scheduler.max_running_requests
+        self._turn = -1                 # index of the deployment that ran the last step
+        self.num_reroutes = 0
+        self.num_escalations_skipped = 0
+
+    # ------------------------------------------------------------------ placement
+    def holds(self, member: str, request: Request) -> bool:
+        """The member's slice can hold the request whole and its context the prompt."""
+        needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        return (len(request.prompt_token_ids) < self.family.member(member).context_tokens
+                and self.kv.pages_for_tokens(member, needed_tokens) <= self.capacity_pages[member])
+
+    def placement(self, routed: str, request: Request) -> str | None:
+        """The routed member if it holds the request, else the smallest larger member that does, else the
+        largest smaller one; None when no deployment can."""
+        names = list(self.family.member_names)
+        index = names.index(routed)
+        for name in [*names[index:], *reversed(names[:index])]:
+            if self.holds(name, request):
+                return name
+        return None
+
+    def check_fits(self, request: Request) -> None:
+        if request.pinned_member is not None:
+            check_fits(self.family, self.kv, self.capacity_pages, request)
+            return
+        if not any(self.holds(name, request) for name in self.family.member_names):
+            needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+            sizes = ", ".join(f"{n} {self.kv.pages_for_tokens(n, needed_tokens)}/{self.capacity_pages[n]}"
+                              for n in self.family.member_names)
+            raise InvalidRequestError(f"no deployment can hold the request ({needed_tokens} tokens; pages "
+                                      f"needed/slice: {sizes})", param="max_tokens")
+
+    def place(self, decision: RouteDecision, request: Request) -> RouteDecision:
+        if request.pinned_member is not None:
+            return decision
+        member = self.placement(decision.member, request)
+        if member is None or member == decision.member:
+            return decision
+        self.num_reroutes += 1
+        return dataclasses.replace(decision, member=MemberName(member), rerouted_from=decision.member,
+                                   reason=f"re-routed {decision.member}->{member} (slice too small); "
+                                          f"{decision.reason}")
+
+    def accepts_escalation(self, seq: Sequence) -> bool:
+        target = escalation_target(self.family, seq.member, pinned=seq.request.pinned_member is not None)
+        if target is not None and not self.holds(target, seq.request):
+            seq.monitor = None          # that deployment would refuse it: stay, and stop watching
+            self.num_escalations_skipped += 1
+            return False
+        return True
+
+    # ------------------------------------------------------------------ per-deployment caps and turns
+    def has_room(self, seq: Sequence, running: RunningSet) -> bool:
+        return running.num_on(seq.member) < self.member_cap
+
+    def select(self, running: RunningSet) -> list[Sequence]:
+        """One deployment per step (the next with running requests after the last one served), in admission
+        order; the others' requests keep their pages and wait for their turn."""
+        names = list(self.family.member_names)
+        busy = {s.member for s in running}
+        if not busy:
+            return []
+        for offset in range(1, len(names) + 1):
+            index = (self._turn + offset) % len(names)
+            if names[index] in busy:
+                self._turn = index
+                break
+        chosen = names[self._turn]
+        return [s for s in running if s.member == chosen]
+
+
+def legacy_deployments_scheduler(family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
+                                 estimator: ComplexityEstimator, tiers: TieredStore | None = None,
+                                 events: EventLog | None = None, stats: Stats | None = None) -> Scheduler:
+    """The core's Scheduler with LegacyDeployments' policies (EngineCore's scheduler_factory signature)."""
+    deployments = LegacyDeployments(family, config, pool, kv)
+    return Scheduler(family, config, pool, kv, estimator, tiers, events, stats,
+                     policies=SchedulerPolicies(placement=deployments, running_cap=deployments,
+                                                step_members=deployments))

@@ -1,0 +1,142 @@
+"""Admission: which waiting requests join the running batch this step, and the pages each one attaches."""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.handover import Handover, release_pin
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.request_queue import RunningSet, WaitingQueue
+from orchestrator.core.reservation import Reservation
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.types import RequestState, StepPlan
+
+
+class RunningCap(Protocol):
+    def has_room(self, seq: Sequence, running: RunningSet) -> bool: ...
+
+
+class MaxRunning:
+    """One batch for the family: at most scheduler.max_running_requests requests run at once."""
+
+    def __init__(self, max_running_requests: int) -> None:
+        self.max_running_requests = max_running_requests
+
+    def has_room(self, seq: Sequence, running: RunningSet) -> bool:
+        return len(running) < self.max_running_requests
+
+
+class Admission:
+    def __init__(self, family: FamilySpec, config: MFSConfig, kv: KVCacheManager, running: RunningSet,
+                 waiting: WaitingQueue, reservation: Reservation, handover: Handover,
+                 capacity_pages: dict[str, int], forget: Callable[[Sequence], None],
+                 events: EventLog, stats: Stats, running_cap: RunningCap | None = None) -> None:
+        self.family = family
+        self.config = config
+        self.kv = kv
+        self.running = running
+        self.waiting = waiting
+        self.reservation = reservation
+        self.handover = handover
+        self.capacity_pages = capacity_pages
+        self.forget = forget
+        self.events = events
+        self.stats = stats
+        self.running_cap = running_cap or MaxRunning(config.scheduler.max_running_requests)
+        self._admit_counter = itertools.count()
+
+    def admit(self, plan: StepPlan, now_s: float) -> None:
+        """FCFS within a priority with per-member head-of-line blocking (one member's full pool never blocks
+        another), except that a request waiting scheduler.aging_steps or longer has its pages held: later
+        requests in its pool are admitted only if they fit beside them (no starvation)."""
+        aging = self.config.scheduler.aging_steps
+        held: dict[str | None, int] = {}           # partition -> pages held for aged requests
+        blocked: set[str] = set()                  # members whose head did not fit this step
+        waiting, step = self.waiting, self.waiting.step
+        for priority in waiting.priorities():
+            queue = waiting.take(priority)
+            kept: deque[Sequence] = deque()
+            while queue:
+                seq = queue.popleft()
+                part = self.reservation.partition_of(seq.member)
+                if (not self.running_cap.has_room(seq, self.running) or seq.member in blocked
+                        or not self.try_admit(seq, plan, now_s, held.get(part, 0))):
+                    if seq.is_warmup:
+                        self.forget(seq)   # a warm-up that cannot run now is worthless later
+                        continue
+                    blocked.add(seq.member)
+                    aged = aging is not None and step - seq.enqueued_step >= aging
+                    if aged:
+                        held[part] = held.get(part, 0) + self.reservation.demand_pages(seq)
+                    if aged and not seq.held:
+                        seq.held = True
+                        self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
+                                         waited_steps=step - seq.enqueued_step)
+                    kept.append(seq)
+            waiting.put_back(priority, kept)
+        if not self.running and waiting:
+            # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
+            for name in self.family.member_names:
+                self.handover.release_pins(name)
+
+    def try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
+        if seq.is_warmup and self.running.num_on(seq.member):
+            return False
+        compare = self.config.comparison
+        # Hashes chain per block size: extend what routing or an earlier member computed.
+        seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
+        allow_shared = compare.reuse_shared_layers and not compare.cold_handover
+        match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
+        if match.num_shared_blocks:
+            # A handover holds one residual input page per shared block to its end, beyond
+            # pages_for_tokens: if its whole length would then exceed the pool, it recomputes the lower
+            # layers instead (else alone, admitted without a reserve, it would preempt itself).
+            longest = len(seq.token_ids) + max(0, seq.request.sampling.max_tokens - seq.num_generated)
+            if (self.kv.pages_for_tokens(seq.member, longest) + match.num_shared_blocks
+                    > self.capacity_pages[seq.member]):
+                match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=False)
+        # Headroom matters only when others share the pages: alone, a request always fits (intake checked its
+        # whole length against the capacity), so it must never wait for a reserve.
+        in_partition = self.reservation.in_partition
+        reserve_pages = 0
+        if any(in_partition(s, seq.member) for s in self.running):
+            reserve_pages = self.reservation.reserve_beside_running(seq, match, held_pages)
+        if not seq.held:
+            reserve_pages += held_pages   # an aged request's pages are not for later arrivals
+        # Warm-ups never evict: they use idle memory only.
+        attached = self.kv.attach(seq.member, match, seq.hashes, len(seq.token_ids),
+                                  reserve_pages=reserve_pages, evict=not seq.is_warmup)
+        if attached is None:
+            return False
+        seq.kv, loads = attached
+        plan.page_loads.extend(loads)
+        seq.num_computed_tokens = match.num_full_tokens
+        seq.shared_until_tokens = match.num_full_tokens + match.num_shared_tokens
+        seq.shared_depth = match.shared_depth
+        seq.state = RequestState.RUNNING
+        seq.admit_order = next(self._admit_counter)
+        self.running.add(seq)
+        self.reservation.admitted(seq)
+        release_pin(seq, self.kv, self.running)     # the target holds what it reuses now
+        seq.held = False
+        if seq.num_admissions == 0 and not seq.is_warmup:
+            self.stats.on_queue_wait(seq.member, now_s - seq.request.arrival_s)
+        seq.num_admissions += 1
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = min(match.num_full_tokens, seq.num_prompt_tokens)
+        if seq.count_query:
+            tiers = {t.value: n * match.tokens_per_block for t, n in match.tier_blocks.items()}
+            self.stats.on_prefix_query(seq.member, len(seq.token_ids), tiers)
+            seq.count_query = False
+            if seq.warmup_member == seq.member:
+                # The first admission on the warmed member: a prefix hit there is the warm-up paying off.
+                self.stats.on_warmup(issued=False, hit=match.num_full_blocks > 0)
+                seq.warmup_member = None
+        self.events.emit(EventKind.ADMIT, now_s, seq.request_id, seq.member, cached_tokens=match.num_full_tokens,
+                         shared_tokens=match.num_shared_tokens, loads=len(loads))
+        return True

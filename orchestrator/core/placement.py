@@ -1,0 +1,54 @@
+"""Placement: whether a request fits the pool at intake, where a routed request finally runs, whether it may escalate.
+
+MFS has one pool: every member can take every request its capacity holds, so routing's choice stands and every
+escalation target is open. Another placement (eval's independent deployments, each on its own slice) may move
+a request to another member (RouteDecision.rerouted_from says so) or refuse an escalation. Pure core.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.types import Request, RouteDecision
+
+
+def check_fits(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str, int], request: Request) -> None:
+    """Every member the request may run on (escalation included) can hold it whole; else InvalidRequestError."""
+    needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+    candidates = [request.pinned_member] if request.pinned_member else family.member_names
+    for name in candidates:
+        member = family.member(name)
+        if len(request.prompt_token_ids) >= member.context_tokens:
+            raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens; member {name} "
+                                      f"holds {member.context_tokens}", param="prompt")
+        pages = kv.pages_for_tokens(name, needed_tokens)
+        if pages > capacity_pages[name]:
+            raise InvalidRequestError(f"request needs {pages} KV pages on {name}; the pool can give it "
+                                      f"at most {capacity_pages[name]}", param="max_tokens")
+
+
+class Placement(Protocol):
+    def check_fits(self, request: Request) -> None: ...
+    def place(self, decision: RouteDecision, request: Request) -> RouteDecision: ...
+    def accepts_escalation(self, seq: Sequence) -> bool: ...
+
+
+class SharedPoolPlacement:
+    """One pool for the family: a request runs where routing sends it, and may escalate anywhere."""
+
+    def __init__(self, family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str, int]) -> None:
+        self.family = family
+        self.kv = kv
+        self.capacity_pages = capacity_pages
+
+    def check_fits(self, request: Request) -> None:
+        check_fits(self.family, self.kv, self.capacity_pages, request)
+
+    def place(self, decision: RouteDecision, request: Request) -> RouteDecision:
+        return decision
+
+    def accepts_escalation(self, seq: Sequence) -> bool:
+        return True

@@ -1,0 +1,112 @@
+"""Preemption: a slot for every decode's next token, the victim order (chosen by name), swap or recompute."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.page_pool import PagePool
+from orchestrator.core.request_queue import RunningSet, WaitingQueue
+from orchestrator.core.reservation import Reservation
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.tiers import TieredStore
+from orchestrator.core.types import RequestState, StepPlan
+
+
+class PriorityProgress:
+    """Warm-ups and lower priorities (larger numbers) first; a fresh request before an escalated one (it already
+    paid for a handover and a user is watching it stream); then the least progress (fewest generated tokens),
+    then the cheapest recompute (fewest computed tokens), then the youngest."""
+
+    name = "priority_progress"
+
+    @staticmethod
+    def key(s: Sequence) -> tuple:
+        return (not s.is_warmup, -s.request.priority, s.num_escalations > 0, s.num_generated,
+                s.num_computed_tokens, -s.admit_order)
+
+
+class Youngest:
+    """The most recently admitted first (what a single-model server does)."""
+
+    name = "youngest"
+
+    @staticmethod
+    def key(s: Sequence) -> tuple:
+        return (-s.admit_order,)
+
+
+# comparison.victim_order -> sort key over running requests: the smallest key is preempted first
+VICTIM_ORDERS: dict[str, Callable[[Sequence], tuple]] = {o.name: o.key for o in (PriorityProgress, Youngest)}
+
+
+class Preemption:
+    def __init__(self, config: MFSConfig, pool: PagePool, kv: KVCacheManager, tiers: TieredStore | None,
+                 running: RunningSet, waiting: WaitingQueue, reservation: Reservation,
+                 release_pins: Callable[[str], bool], forget: Callable[[Sequence], None],
+                 events: EventLog, stats: Stats) -> None:
+        self.config = config
+        self.pool = pool
+        self.kv = kv
+        self.tiers = tiers
+        self.running = running
+        self.waiting = waiting
+        self.reservation = reservation
+        self.release_pins = release_pins
+        self.forget = forget
+        self.events = events
+        self.stats = stats
+        self.victim_key = VICTIM_ORDERS[config.comparison.victim_order]
+
+    def ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
+        """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages
+        are short, escalation pins are given up before a request would preempt itself, and victims are taken in
+        comparison.victim_order from the same pool (slice, under a static split). Returns whether anything was
+        preempted."""
+        preempted = False
+        running = self.running
+        grow = self.kv.grow
+        in_partition = self.reservation.in_partition
+        for seq in running.snapshot():
+            if seq.request_id not in running or not seq.is_decoding():
+                continue
+            kv = seq.kv
+            assert kv is not None       # a running request holds pages
+            if grow(kv, len(seq.token_ids) + 1):
+                continue   # next step's slot is reserved too, off the critical path; no preemption for it
+            while not grow(kv, len(seq.token_ids)):
+                if self.release_pins(seq.member):
+                    continue   # waiting escalations' pinned pages go before any running request's
+                victim = min((s for s in running if in_partition(s, seq.member)), key=self.victim_key)
+                self.preempt(victim, now_s, plan)
+                preempted = True
+                if victim is seq:
+                    break
+        running.changed()               # tables grew
+        return preempted
+
+    def preempt(self, seq: Sequence, now_s: float, plan: StepPlan | None = None) -> None:
+        """Pages go back (full blocks stay cached under their keys), the request waits at the queue front and
+        resumes identically. Swap: when the host tier has room for the victim's full blocks they are copied there
+        now (plan.page_saves), so its resume reloads them instead of recomputing even if the arena evicts them
+        meanwhile; recompute: they stay only as long as the arena keeps them. The last, partial block is
+        recomputed either way."""
+        kind = "recompute"
+        host = self.tiers.host if self.tiers is not None else None
+        if (plan is not None and seq.kv is not None and host is not None and self.config.comparison.swap_preempted
+                and not seq.is_warmup):
+            keyed = [(p, k) for p in seq.kv.all_pages() if (k := self.pool.key_of(p)) is not None]
+            if keyed and len(keyed) * self.config.pool.page_bytes <= host.capacity_bytes - host.bytes_used:
+                plan.page_saves.extend(keyed)
+                kind = "swap"
+        seq.drop_pages(self.kv)
+        self.running.remove(seq)
+        if seq.is_warmup:
+            self.forget(seq)
+            return
+        seq.state = RequestState.PREEMPTED
+        seq.count_query = False
+        self.waiting.push(seq, front=True)
+        self.stats.on_preemption(kind)
+        self.events.emit(EventKind.PREEMPT, now_s, seq.request_id, seq.member, preemption=kind)

@@ -1,0 +1,399 @@
+"""Reservation: the pages admitted requests will still need, and how long a new request would wait for pages.
+
+What admission leaves free beside the running requests, and the router's expected delay; chosen by name (peak |
+block).
+
+A running request grows to prompt + max_tokens tokens. Under `ignore_eos` (or `min_tokens` up to `max_tokens`)
+that length is exact, so its remaining decode pages are reserved exactly; otherwise a share `ratio` of the
+remaining tokens is reserved, where the ratio decays step by step while nobody runs short and jumps back to its
+initial value when one does (the retract-on-shortage scheme of SGLang's new-token ratio). Its caches are keyed by
+the running set's version and the ratio, so nobody clears them. Pure: no clock, no I/O.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterable
+from typing import NamedTuple
+
+from orchestrator.core.config import MFSConfig, SchedulerConfig
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.kv_cache import KVCacheManager, PrefixMatch
+from orchestrator.core.page_pool import PagePool
+from orchestrator.core.request_queue import RunningSet, WaitingQueue
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.types import PageId, Request, SamplingParams, tuple_new
+
+
+class NewTokenRatio:
+    """The share of a request's remaining max_tokens expected to be generated when its length is open."""
+
+    __slots__ = ("init", "minimum", "decay", "value")
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.init = config.new_token_ratio_init
+        self.minimum = config.new_token_ratio_min
+        self.decay = config.new_token_ratio_decay
+        self.value = self.init
+
+    def on_step(self) -> None:
+        self.value = max(self.minimum, self.value - self.decay)
+
+    def on_shortage(self) -> None:
+        """A decode ran short of pages: the estimate was too optimistic, start again from the top."""
+        self.value = self.init
+
+
+def is_length_fixed(seq: Sequence) -> bool:
+    return _fixed(seq.request.sampling)
+
+
+def _fixed(sampling: SamplingParams) -> bool:
+    return sampling.ignore_eos or sampling.min_tokens >= sampling.max_tokens
+
+
+def expected_rest_tokens(sampling: SamplingParams, num_generated: int, ratio: float) -> int:
+    """Tokens a request is still expected to generate: all of max_tokens left when its length is fixed,
+    a share `ratio` of them otherwise."""
+    remaining = max(0, sampling.max_tokens - num_generated)
+    return remaining if _fixed(sampling) else math.ceil(remaining * ratio)
+
+
+def expected_final_tokens(seq: Sequence, ratio: float, context_tokens: int) -> int:
+    """Tokens this request is expected to hold when it ends (prompt + generated so far + expected rest)."""
+    if seq.is_warmup:
+        return len(seq.token_ids)          # a warm-up only prefills
+    return min(context_tokens, len(seq.token_ids) + expected_rest_tokens(seq.request.sampling, seq.num_generated,
+                                                                        ratio))
+
+
+class RunningDemand(NamedTuple):
+    """One admitted request as the delay estimate sees it (a tuple: the router's estimate builds one per
+    running request after every step; a frozen dataclass's __init__ set each field through Python)."""
+
+    held_pages: int          # pages it holds now (returned when it ends)
+    future_pages: int        # pages reserved for its remaining decode
+    remaining_steps: int     # decode steps until it ends (expected)
+
+
+def steps_until_fit(need_pages: int, available_pages: int, running: Iterable[RunningDemand]) -> int | None:
+    """Decode steps until `need_pages` fit, if the running requests end in order of their remaining
+    steps and nothing else arrives: 0 when they fit now, None when they never do."""
+    if need_pages <= available_pages:
+        return 0
+    free = available_pages
+    for demand in sorted(running, key=lambda d: d.remaining_steps):
+        free += demand.held_pages + demand.future_pages
+        if need_pages <= free:
+            return demand.remaining_steps
+    return None
+
+
+class DecodeProfile(NamedTuple):
+    """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token
+    per step (every decoding request decodes in every step) and ends after `steps_left` steps. Growth is
+    computed per asked step, not tabulated for every step (peak_growth reads it, inlined, at growth_steps only).
+    A tuple, as RunningDemand: one is built per running request on every arrival."""
+
+    steps_left: int               # steps until it ends
+    tokens_now: int
+    final_tokens: int
+    held_pages: int
+    private_pages: int            # pages only it references: available again when it ends
+    pages_for: Callable[[int], int]
+    slack_tokens: int             # the scheduler may grow a request's table this many tokens ahead
+    tokens_per_block: int         # pages_for(n) changes only where n - 1 is a multiple of this
+
+    def growth_at(self, t: int) -> int:
+        """Pages it will have allocated beyond now at step t (0 <= t < steps_left)."""
+        return max(0, self.pages_for(min(self.final_tokens, self.tokens_now + t + self.slack_tokens)) - self.held_pages)
+
+    def growth_steps(self) -> range:
+        """The steps t in [1, steps_left) where growth_at(t) may differ from growth_at(t - 1): where the tokens
+        it covers, tokens_now + t + slack, start a new block (pages_for is a whole number of blocks of the
+        capped length, and the min / max around it only flatten steps, never add one)."""
+        size, covered = self.tokens_per_block, self.tokens_now + self.slack_tokens
+        # the first t >= 1 with covered + t - 1 a multiple of size, then every size steps, while it covers no more
+        # than final_tokens (beyond, pages_for reads final_tokens: no change)
+        return range((-covered) % size + 1, min(self.steps_left, self.final_tokens - covered + 1), size)
+
+    @property
+    def growth_pages(self) -> tuple[int, ...]:
+        return tuple(self.growth_at(t) for t in range(self.steps_left))
+
+
+def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pages: int, private_pages: int,
+                   pages_for: Callable[[int], int], slack_tokens: int, tokens_per_block: int) -> DecodeProfile:
+    """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation);
+    tokens_per_block: the block size behind pages_for."""
+    return tuple_new(DecodeProfile, (steps_left, tokens_now, final_tokens, held_pages, private_pages, pages_for,
+                                     slack_tokens, tokens_per_block))
+
+
+def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
+    """The most pages the requests will need beyond now at any future step: the growth of those still
+    running minus the private pages of those that ended. It only changes direction when one ends, so
+    the maximum is just before some end (or now).
+
+    One sweep over the steps where the total changes (O(n log n); evaluating every candidate step over every
+    request was O(n^2): ~10^4 growth_at calls per arrival at GPU scale): the total at step 0, then each
+    request's growth where it starts a block, and at its end minus the growth it reached and its private
+    pages; the maximum of the running total read just before each end."""
+    base, changes, candidates = 0, [], set()
+    for p in profiles:
+        # growth_at(t) inlined (it runs per block start of every running request on every arrival)
+        pages_for, final, covered, held = p.pages_for, p.final_tokens, p.tokens_now + p.slack_tokens, p.held_pages
+        last = max(0, pages_for(min(final, covered)) - held)
+        base += last
+        for t in p.growth_steps():
+            grown = max(0, pages_for(min(final, covered + t)) - held)
+            if grown != last:
+                changes.append((t, grown - last))
+                last = grown
+        changes.append((p.steps_left, -last - p.private_pages))
+        candidates.add(p.steps_left - 1)
+    changes.sort()
+    best, total, i, n = 0, base, 0, len(changes)
+    for t in sorted(candidates):
+        while i < n and changes[i][0] <= t:
+            total += changes[i][1]
+            i += 1
+        if total > best:
+            best = total
+    return best
+
+
+class Reservation(ABC):
+    """The pool-demand arithmetic over the running set and the waiting queue. Subclasses say how much admission
+    leaves free for the running requests' decode (reserved_pages, reserve_beside_running)."""
+
+    name = ""
+
+    def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
+                 running: RunningSet, waiting: WaitingQueue, capacity_pages: dict[str, int]) -> None:
+        self.family = family
+        self.config = config
+        self.pool = pool
+        self.kv = kv
+        self.running = running
+        self.waiting = waiting
+        self.capacity_pages = capacity_pages
+        self.partitioned = config.comparison.static_split is not None
+        self.ratio = NewTokenRatio(config.scheduler)
+        # Caches, each valid for one (running.version, ratio) key: partition -> reserved_pages; partition ->
+        # running demands; partition -> reserved_pages_bound (a sum of per-request terms: an admission adds its own)
+        self._key: tuple[int, float] | None = None
+        self._cache: dict[str | None, int] = {}
+        self._demands: dict[str | None, list[RunningDemand]] = {}
+        self._bounds: dict[str | None, int] = {}
+        # member -> (tokens per block, pages per block, context tokens): read per running request on every arrival
+        # and admission (kv.pages_for_tokens through three calls cost more than the sums)
+        self._geometry = {m.name: (kv.tokens_per_block(m.name), kv.pages_per_block(m.name), m.context_tokens)
+                          for m in family.members}
+        # member -> pages_for_tokens(member, n) as one expression (tests/test_scheduler_load.py checks it)
+        self._pages_for = {name: _pages_rule(*geometry) for name, geometry in self._geometry.items()}
+
+    def _fresh(self) -> None:
+        key = (self.running.version, self.ratio.value)
+        if key != self._key:
+            self._key = key
+            self._cache.clear()
+            self._demands.clear()
+            self._bounds.clear()
+
+    def admitted(self, seq: Sequence) -> None:
+        """`seq` was just added to the running set: another running request's future_pages reads only that
+        request, so the bound of seq's partition grows by seq's term; the exact reservation and the delay inputs
+        also depend on which pages are shared, so they are recomputed."""
+        bounds = dict(self._bounds) if self._key == (self.running.version - 1, self.ratio.value) else {}
+        self._fresh()
+        self._bounds.update(bounds)
+        part = self.partition_of(seq.member)
+        if part in bounds:
+            self._bounds[part] += self.future_pages(seq)
+
+    def partition_of(self, member: str) -> str | None:
+        return member if self.partitioned else None
+
+    def in_partition(self, seq: Sequence, member: str) -> bool:
+        return not self.partitioned or seq.member == member
+
+    def future_pages(self, seq: Sequence) -> int:
+        """Pages a running request will still allocate for its expected decode."""
+        if seq.kv is None:
+            return 0
+        _, per_block, context = self._geometry[seq.member]
+        final = expected_final_tokens(seq, self.ratio.value, context)
+        return max(0, self._pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
+
+    def demand_pages(self, seq: Sequence) -> int:
+        """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
+        context = self.family.member(seq.member).context_tokens
+        return self.kv.pages_for_tokens(seq.member, expected_final_tokens(seq, self.ratio.value, context))
+
+    @abstractmethod
+    def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
+        """Pages reserved for the running requests' remaining decode in `member`'s pool."""
+
+    @abstractmethod
+    def reserve_beside_running(self, seq: Sequence, match: PrefixMatch, held_pages: int) -> int:
+        """Pages attach must leave free for the running requests (and seq's own decode) when seq joins them."""
+
+    def delay_and_pressure(self, member: str, request: Request, step_cost_s: float | None) -> dict:
+        """MemberLoad's expected_delay_s, pool_pressure and pages_per_token for `request` on `member`: the pages it
+        and the queue ahead of it in the same pool need, against the free pages beyond the reservation and the
+        pages the running requests return as they end, plus the queued tokens over the step budget, in steps."""
+        self._fresh()
+        spec = self.family.member(member)
+        ppb = self.kv.pages_per_block(member)
+        pages_per_token = ppb / self.kv.tokens_per_block(member)
+        reserved = self.reserved_pages(member)
+        capacity = max(1, self.capacity_pages[member])
+        used = self.pool.num_used_pages(member if self.partitioned else None)   # shared pages count once
+        pressure = min(1.0, (used + reserved) / capacity)
+        step_s = step_cost_s or 0.0
+        if len(request.prompt_token_ids) >= spec.context_tokens:
+            return {"pool_pressure": pressure, "pages_per_token": pages_per_token, "step_s": step_s}
+        need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
+        queued_tokens = 0
+        for seq in self.waiting:
+            # Ahead of it: its own member's queue (FCFS per member) and every held (aged) request;
+            # other members' waiting requests are bypassed (per-member head-of-line).
+            if not seq.is_warmup and self.in_partition(seq, member) and (seq.member == member or seq.held):
+                need += self.demand_pages(seq)
+                queued_tokens += len(seq.token_ids)
+        available = self.pool.num_available_pages(member) - reserved
+        part = self.partition_of(member)
+        demands = self._demands.get(part)
+        if demands is None:     # the same for every member of a partition and every arrival until the next change
+            demands = self._demands[part] = self._running_demands(member)
+        steps = steps_until_fit(need, available, demands)
+        if steps is None:
+            steps = max((d.remaining_steps for d in demands), default=0)
+        budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
+        delay_s = (steps + queued_tokens / max(1, budget)) * step_s
+        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token,
+                "step_s": step_s}
+
+    def _running_demands(self, member: str) -> list[RunningDemand]:
+        """RunningDemand of each running request holding pages in `member`'s partition."""
+        ratio, geometry, pages_for = self.ratio.value, self._geometry, self._pages_for
+        partitioned = self.partitioned
+        demands = []
+        for s in self.running:
+            if s.kv is None or (partitioned and s.member != member):
+                continue
+            _, per_block, context = geometry[s.member]
+            final = expected_final_tokens(s, ratio, context)
+            held = len(s.kv.block_tables[0]) * per_block
+            demands.append(tuple_new(RunningDemand, (held, max(0, pages_for[s.member](final) - held),
+                                                     max(0, final - len(s.token_ids)) + 1)))
+        return demands
+
+
+class PeakReservation(Reservation):
+    """Admit only beside the peak of the running requests' future page demand: decoding requests of fixed length
+    are followed step by step (their growth, then their private pages back when they end), the others count at
+    their expected remaining pages."""
+
+    name = "peak"
+
+    def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
+        """Pages reserved for the running requests' remaining decode in `member`'s pool.
+
+        claimed_pages: arena pages an admission is about to share (its prefix hits). A running request's private
+        page among them stops being private, so its end returns nothing: the reservation the admission must leave
+        free is the one after the sharing, not before."""
+        self._fresh()
+        # Only a page held by exactly one request now can change its owner's credit.
+        claimed = frozenset(p for p in claimed_pages if self.pool.refcount(p) == 1)
+        part = self.partition_of(member)
+        if not claimed:
+            cached = self._cache.get(part)
+            if cached is not None:
+                return cached
+        constant, profiles = 0, []
+        slack = self.kv.tokens_per_block(member)     # a decode's next block is grown one token early (preemption.py)
+        partitioned = self.partitioned
+        for seq in self.running:
+            if partitioned and seq.member != member:
+                continue
+            if seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
+                _, per_block, context = self._geometry[seq.member]
+                final = expected_final_tokens(seq, 1.0, context)
+                held = len(seq.kv.block_tables[0]) * per_block
+                if claimed:
+                    pages = seq.kv.all_pages()
+                    private = self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
+                else:
+                    private = self.kv.num_private_pages(seq.kv)
+                profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
+                                               self._pages_for[seq.member], slack, self._geometry[seq.member][0]))
+            else:
+                constant += self.future_pages(seq)
+        reserved = constant + peak_growth(profiles)
+        if not claimed:
+            self._cache[part] = reserved
+        return reserved
+
+    def reserved_pages_bound(self, member: str) -> int:
+        """An upper bound of reserved_pages(member) in one pass: each decoding request of fixed length counted at
+        its whole growth to its end (peak_growth never reserves more for it)."""
+        self._fresh()
+        part = self.partition_of(member)
+        cached = self._cache.get(part)
+        if cached is not None:
+            return cached
+        bound = self._bounds.get(part)
+        if bound is None:
+            partitioned = self.partitioned
+            bound = self._bounds[part] = sum(self.future_pages(seq) for seq in self.running
+                                             if not partitioned or seq.member == member)
+        return bound
+
+    def reserve_beside_running(self, seq: Sequence, match: PrefixMatch, held_pages: int) -> int:
+        """The running requests' reservation plus seq's own decode. The exact peak costs O(running^2) at GPU
+        scale, so the one-pass bound is used when even it leaves room for every page seq could take (all its
+        pages and residual inputs, pinned hits included, plus the held pages): attach then admits exactly as it
+        would with the exact one."""
+        member = seq.member
+        own = max(0, self.demand_pages(seq) - self.kv.pages_for_tokens(member, len(seq.token_ids)))
+        other_pages = own + (0 if seq.held else held_pages)
+        bound = self.reserved_pages_bound(member)
+        blocks = -(-len(seq.token_ids) // self.kv.tokens_per_block(member))
+        pages = blocks * self.kv.pages_per_block(member) + match.num_shared_blocks
+        available = self.pool.counts()["free"] if seq.is_warmup else self.pool.num_available_pages(member)
+        if pages + bound + other_pages <= available:
+            return bound + own   # the bound credits no returned pages: prefix claims cannot push the peak above it
+        # Its prefix hits on a running request's private pages take them off that request's return.
+        claimed = (self.kv.arena_hits(member, match, seq.hashes)
+                   if match.num_full_blocks or match.num_shared_blocks else ())
+        return self.reserved_pages(member, claimed) + own
+
+
+class BlockReservation(Reservation):
+    """Keep comparison.decode_reserve_blocks blocks free per admission, whatever the running requests will need (the
+    watermark of a single-model server)."""
+
+    name = "block"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reserve_pages = {m.name: self.config.comparison.decode_reserve_blocks * self.kv.pages_per_block(m.name)
+                               for m in self.family.members}
+
+    def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
+        return 0
+
+    def reserve_beside_running(self, seq: Sequence, match: PrefixMatch, held_pages: int) -> int:
+        return self._reserve_pages[seq.member]
+
+
+RESERVATIONS: dict[str, type[Reservation]] = {cls.name: cls for cls in (PeakReservation, BlockReservation)}
+
+
+def _pages_rule(tokens_per_block: int, pages_per_block: int, context_tokens: int) -> Callable[[int], int]:
+    """KVLayout.pages_for_tokens for one member, as a closure over its numbers."""
+    def pages_for(num_tokens: int) -> int:
+        return -(-min(num_tokens, context_tokens) // tokens_per_block) * pages_per_block
+    return pages_for
