@@ -24,7 +24,7 @@ from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments,
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.quality import member_token_share
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
-from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary
+from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary, Confidences
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
@@ -160,7 +160,7 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     return configs, split
 
 
-def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
+def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Confidences,
                vocab_size: int, stats_interval_s: float,
                replies: dict[str, list[int]] | None = None,
                keep_nodes: list | None = None, scheduler_factory=None) -> tuple[SimRun, dict[str, Any]]:
@@ -197,7 +197,7 @@ def stats_interval_for(trace: Trace) -> float:
 
 
 def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
-                          confidences: ConfidenceLibrary, tokenizer) -> dict[str, Any]:
+                          confidences: Confidences, tokenizer) -> dict[str, Any]:
     """The bench's own baseline split (eval/baseline/split.py), with the pilot simulated: the baseline on the
     operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
     solo decode steps. Replaces configs["baseline"]; returns what the JSON says about the split."""
@@ -221,7 +221,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
 
-def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: ConfidenceLibrary, vocab_size: int,
+def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: Confidences, vocab_size: int,
               interval_s: float, jobs: int = 1) -> dict[str, Any]:
     """Every system on `trace` (one rate): the point's JSON block (eval.bench.result.rate_point). jobs > 1:
     the systems run in forked processes (each simulation is a function of its inputs alone: same output)."""
@@ -235,7 +235,7 @@ def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: Confide
     return rate_point(trace.spec.rate_sessions_per_s, records_by_system, systems)
 
 
-def _records_and_metrics(name: str, config, setup: SimSetup, trace: Trace, confidences: ConfidenceLibrary,
+def _records_and_metrics(name: str, config, setup: SimSetup, trace: Trace, confidences: Confidences,
                          vocab_size: int, interval_s: float, keep_nodes: list | None = None) -> tuple[list, dict[str, Any]]:
     run, metrics = run_system(name, config, setup, trace, confidences, vocab_size, interval_s,
                               keep_nodes=keep_nodes)
