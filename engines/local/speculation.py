@@ -21,7 +21,7 @@ from engines.local.model import PagedCausalLM
 
 def speculating(chunk: SeqChunk) -> bool:
     return chunk.draft_tokens > 0 and chunk.sample and len(chunk.token_ids) == 1 and chunk.start_layer == 0 \
-        and chunk.sampling.temperature == 0
+        and chunk.sampling.temperature == 0 and not chunk.sampling.penalized    # the drafter's argmax is raw
 
 
 def draft(drafter: PagedCausalLM, arena: KVArena, chunks: list[SeqChunk]) -> dict[RequestId, list[int]]:

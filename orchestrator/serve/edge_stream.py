@@ -215,18 +215,36 @@ async def _stream(gen: Generation, first: tuple[str, list[dict]]) -> AsyncIterat
 
 
 class SSEResponse(StreamingResponse):
-    """Closes the generation even when the client leaves before the body iterator ever started."""
+    """Closes the generation even when the client leaves before the body iterator ever started, and cancels it
+    when the client takes no data for stall_s: uvicorn stops writing to a socket whose peer does not read (its
+    write buffer is bounded by flow control) and the engine's outputs for the request are bounded by max_tokens,
+    so a stalled reader holds at most that, for at most stall_s; then its request is aborted, its pages return
+    and the connection is closed."""
 
-    def __init__(self, gen: Generation, first: tuple[str, list[dict]]):
+    def __init__(self, gen: Generation, first: tuple[str, list[dict]], headers: dict[str, str] | None = None,
+                 stall_s: float | None = None):
         super().__init__(_stream(gen, first), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._gen = gen
+        self._stall_s = stall_s
+        self._stalled = False
 
     async def __call__(self, scope, receive, send) -> None:
+        async def bounded_send(message) -> None:
+            try:
+                async with asyncio.timeout(self._stall_s):
+                    await send(message)
+            except TimeoutError:
+                self._stalled = True
+                raise ClientGone from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded_send if self._stall_s is not None else send)
+        except BaseException:
+            if not self._stalled:
+                raise
+            log.warning("stream %s cancelled: its client took no data for %g s",
+                        self._gen.parsed.request.request_id, self._stall_s)
+            self._gen.edge.metrics.count_stalled_stream()
         finally:
             await self._gen.close()
-
-
-# ----------------------------------------------------------------------------- app

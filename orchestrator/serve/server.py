@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import signal
 import time
@@ -19,12 +18,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve.request_body import BodyLimits, read_json_body
+from orchestrator.serve.request_fields import ignored_header
 from orchestrator.serve import gateway_headers
 from orchestrator.serve.edge import Edge, ServerSettings
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
-from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
-                                 PayloadTooLargeError, QueueFullError)
+from orchestrator.core.errors import AuthenticationError, EngineUnavailableError, MFSError, QueueFullError
 from orchestrator.core.family import FamilySpec
 from orchestrator.serve.metrics import CONTENT_TYPE, ServerMetrics
 from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
@@ -111,7 +111,9 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     """One completion or chat request: SSE when it streams, one JSON body otherwise; 499 if the client left."""
     if edge.draining:
         raise EngineUnavailableError("server is shutting down")
-    body = await _read_json(request, edge.settings.max_body_bytes)
+    settings = edge.settings
+    body = await read_json_body(request, BodyLimits(max_bytes=settings.max_body_bytes,
+                                                    read_timeout_s=settings.body_timeout_s))
     # Behind the fleet gateway the session arrives as its routing key and dropped body fields as headers.
     body = gateway_headers.restore_lifted(body, request.headers)
     session_id = gateway_headers.replica_session_id(request.headers)
@@ -120,13 +122,13 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     try:
         if parsed.stream:
             first = await unless_disconnected(request, gen.next_delta())
-            return SSEResponse(gen, first)
+            return SSEResponse(gen, first, ignored_header(parsed.ignored_fields), settings.stream_stall_s)
 
         async def run_to_end() -> None:
             while not gen.done:
                 await gen.next_delta()
         await unless_disconnected(request, run_to_end())
-        return JSONResponse(gen.response())
+        return JSONResponse(gen.response(), headers=ignored_header(parsed.ignored_fields))
     except ClientGone:
         await gen.close()
         return Response(status_code=499)      # nobody reads it; nginx's "client closed request"
@@ -136,21 +138,6 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     finally:
         if not parsed.stream:
             await gen.close()
-
-
-async def _read_json(request: HTTPRequest, limit_bytes: int) -> Any:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit_bytes:
-        raise PayloadTooLargeError(f"request body exceeds {limit_bytes} bytes")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit_bytes:
-            raise PayloadTooLargeError(f"request body exceeds {limit_bytes} bytes")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}", None) from None
 
 
 def _error_response(exc: MFSError) -> JSONResponse:
