@@ -30,6 +30,7 @@ from orchestrator.serve.metrics import CONTENT_TYPE, ServerMetrics
 from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
 
 log = logging.getLogger("mfs.server")
+ENGINE_DIED_EXIT = 3      # `mfs serve`'s exit status when its engine process died: the supervisor restarts it
 _KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
 
 
@@ -195,7 +196,18 @@ class _ResponseCounter:
 
 # ----------------------------------------------------------------------------- mfs serve
 class _Server(uvicorn.Server):
-    """uvicorn.Server that drains the app on SIGTERM/SIGINT (health 503, new requests 503, engine.stop)."""
+    """uvicorn.Server that drains the app on SIGTERM/SIGINT (health 503, new requests 503, engine.stop), and
+    stops with ENGINE_DIED_EXIT when the engine process dies (in-flight requests have had their error)."""
+
+    exit_code = 0
+
+    def engine_died(self, reason: str) -> None:
+        """Any thread. Restarting the engine in place would hide a crash loop and the lost cache from the
+        operator; exiting lets the supervisor (systemd, Kubernetes, mfs fleet) restart the whole server."""
+        log.critical("%s: mfs serve exits with status %d so that its supervisor restarts it",
+                     reason, ENGINE_DIED_EXIT)
+        self.exit_code = ENGINE_DIED_EXIT
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         edge = getattr(getattr(self.config.app, "state", None), "edge", None)
@@ -235,6 +247,8 @@ def main(args) -> int:
     app = create_app(engine, engine.tokenizer, engine.family, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=int(args.grace_s) + 5, lifespan="on"))
+    if hasattr(engine, "on_death"):        # engines in a child process (ProcessServing)
+        engine.on_death = server.engine_died
     _say_if_slow_loop()
     # uvicorn re-raises the captured signal after a graceful shutdown; a no-op handler makes that exit 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -243,7 +257,7 @@ def main(args) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if server.started else 1
+    return server.exit_code or (0 if server.started else 1)
 
 
 def _say_if_slow_loop() -> None:
