@@ -9,6 +9,11 @@ import torch
 from orchestrator.core.types import RequestId, SampledToken, SeqChunk
 
 
+# Below this temperature a request samples greedily (as vLLM does): dividing logits by a temperature near zero
+# overflows to inf and the softmax to NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
 def _step_seed(seed: int, num_generated: int) -> int:
     """A generator seed per (request seed, step): a recomputed request draws exactly the same tokens."""
     digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
@@ -63,7 +68,7 @@ class Sampler:
         best, chosen = logits.max(dim=-1)                          # one pass: the raw top-1 and its id
         top1_logprobs = best - log_norm[:, 0]
         top1_probs = top1_logprobs.exp()
-        drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature > 0]
+        drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature >= MIN_SAMPLING_TEMPERATURE]
         if processed is not logits:
             chosen = processed.argmax(dim=-1)                      # a banned token may be the raw top-1
         for row in drawn:
@@ -128,6 +133,7 @@ class Sampler:
             sorted_probs = sorted_logits.softmax(-1)
             # drop a token when the tokens ranked above it already reach top_p (the best one always stays)
             drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+            drop_sorted[0] = False            # also when top_p rounds to 0 in float32 (5e-324)
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             scaled = scaled.masked_fill(drop, float("-inf"))
         probs = scaled.softmax(-1)

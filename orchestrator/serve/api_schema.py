@@ -115,7 +115,7 @@ def _sampling(kind: str, body: dict, prompt_ids: list[int], context_tokens: int,
     seed = _opt(body, "seed", int)
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise InvalidRequestError("seed must fit in 64 bits", "seed")
-    repetition_penalty = fields.penalty(body, "repetition_penalty", 1.0, 0.0, 1e6, low_open=True)
+    repetition_penalty = fields.penalty(body, "repetition_penalty", 1.0, 0.01, 100.0)
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop_strings=_stop_strings(body.get("stop")),

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve.openapi_models import ChatCompletionRequest, CompletionRequest, request_body
 from orchestrator.serve.request_body import BodyLimits, read_json_body
 from orchestrator.serve.request_fields import ignored_header
 from orchestrator.serve import gateway_headers
@@ -31,13 +32,14 @@ from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
 
 log = logging.getLogger("mfs.server")
 ENGINE_DIED_EXIT = 3      # `mfs serve`'s exit status when its engine process died: the supervisor restarts it
-_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
+_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics",
+                 "/openapi.json"}
 
 
 def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: FamilySpec,
                settings: ServerSettings) -> FastAPI:
     edge = Edge(engine, tokenizer, family, settings, ServerMetrics(engine.stats))
-    app = FastAPI(title="MFS", lifespan=_lifespan(edge), docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="MFS", lifespan=_lifespan(edge), docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.edge = edge
     app.include_router(_v1_routes(edge, created_s=int(time.time())))
     _add_probe_routes(app, edge)
@@ -76,11 +78,11 @@ def _v1_routes(edge: Edge, created_s: int) -> APIRouter:
     """/v1: the two generation endpoints, the model list and the stats snapshot, behind the API key."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(edge.settings))])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: HTTPRequest) -> Response:
         return await _generate(edge, "completion", request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: HTTPRequest) -> Response:
         return await _generate(edge, "chat", request)
 
