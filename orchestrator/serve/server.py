@@ -19,13 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
 from orchestrator.serve.openapi_models import ChatCompletionRequest, CompletionRequest, request_body
-from orchestrator.serve.request_body import BodyLimits, read_json_body
+from orchestrator.serve.request_body import BodyLimits, BodyTimeoutError, read_json_body
 from orchestrator.serve.request_fields import ignored_header
 from orchestrator.serve import gateway_headers
 from orchestrator.serve.edge import Edge, ServerSettings
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
-from orchestrator.core.errors import AuthenticationError, EngineUnavailableError, MFSError, QueueFullError
+from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, MFSError, PayloadTooLargeError,
+                                      QueueFullError)
 from orchestrator.core.family import FamilySpec
 from orchestrator.serve.metrics import CONTENT_TYPE, ServerMetrics
 from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
@@ -147,6 +148,8 @@ def _error_response(exc: MFSError) -> JSONResponse:
     headers = {}
     if isinstance(exc, QueueFullError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if isinstance(exc, (BodyTimeoutError, PayloadTooLargeError)):
+        headers["Connection"] = "close"         # the rest of the body is not read: the connection cannot go on
     return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
 
 
