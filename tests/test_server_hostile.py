@@ -99,3 +99,24 @@ def test_the_published_schema_lists_exactly_the_honoured_fields(served):
         schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert set(schema["properties"]) == HONOURED[kind] == set(model.model_fields)
         assert "$ref" not in str(schema)          # nested models inlined: the operation stands alone
+
+
+@pytest.mark.parametrize("field, value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0),
+                                          ("repetition_penalty", 1.2), ("logit_bias", {"5": 10})])
+def test_the_triton_engine_refuses_penalties_and_bias_with_a_400(family, tokenizer, field, value):
+    from fastapi.testclient import TestClient
+
+    from orchestrator.core.config import load_config
+    from orchestrator.serve.triton_serving import TritonServing
+    from tests.fakes_serving import family_dir
+
+    config = load_config(None, {"family": str(family_dir()), "engine.kind": "triton",
+                                "engine.triton_url": "127.0.0.1:1"})
+    engine = TritonServing(config, url="127.0.0.1:1")      # never started: the refusal comes before any call
+    app = create_app(engine, tokenizer, family, ServerSettings())
+    client = TestClient(app)                                # outside `with`: no lifespan, no Triton to start
+    for stream in (False, True):
+        response = client.post(COMP, json={"prompt": "x", "max_tokens": 2, "stream": stream, field: value})
+        assert_error(response, 400, field)
+    neutral = client.post(COMP, json={"prompt": "x", "max_tokens": 2, field: {"logit_bias": {}}.get(field, None)})
+    assert_error(neutral, 503, None)                       # neutral values pass the check; Triton is not there

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.types import SamplingParams
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 16
@@ -132,3 +133,14 @@ def bounded_text(body: dict, name: str) -> None:
     value = body.get(name)
     if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
         raise InvalidRequestError(f"'{name}' must be at most {MAX_NAME_CHARS} characters", name)
+
+
+def refuse_unsupported_sampling(sampling: SamplingParams) -> None:
+    """The Triton engine's check: a 400 naming the first penalty or bias set to a non-neutral value. MFS's Triton
+    client (engines/triton/client.py) sends temperature, top-k, top-p, seed and the end id; the python-backend
+    model of the local engine reads no more, so penalties and a bias would be silently lost."""
+    for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
+                          ("logit_bias", ())):
+        if getattr(sampling, name) != neutral:
+            raise InvalidRequestError(f"'{name}' is not supported with the Triton engine (only its neutral value); "
+                                      f"the local engine implements it", name)
