@@ -38,6 +38,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: Name | None = Field(None, description="the family name (routed) or a member name (pinned)")
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="wins over max_tokens")
     temperature: Annotated[float, Field(ge=0, le=2)] | None = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
     top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="0 or -1: off")
@@ -68,7 +69,6 @@ class _Common(BaseModel):
 class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(None, description="needs logprobs=true")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.types import SamplingParams
@@ -22,12 +23,12 @@ MAX_CONTENT_PARTS = 1024
 MAX_IGNORED_IN_HEADER = 16
 IGNORED_FIELDS_HEADER = "X-MFS-Ignored-Fields"
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
            "stream_options", "user", "ignore_eos", "min_tokens", "cache_salt", "mfs_profile", "frequency_penalty",
            "presence_penalty", "repetition_penalty", "logit_bias", "logprobs",
            # accepted without effect: bookkeeping fields of the OpenAI API that change no output
            "metadata", "store", "service_tier", "parallel_tool_calls"}
-HONOURED = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+HONOURED = {"chat": _COMMON | {"messages", "top_logprobs"},
             "completion": _COMMON | {"prompt"}}
 
 
@@ -78,7 +79,6 @@ def ignored_header(ignored: list[str]) -> dict[str, str]:
     """The response header naming ignored fields (percent-encoded, at most MAX_IGNORED_IN_HEADER names)."""
     if not ignored:
         return {}
-    from urllib.parse import quote
     names = [quote(name[:64], safe="") for name in ignored[:MAX_IGNORED_IN_HEADER]]
     return {IGNORED_FIELDS_HEADER: ",".join(names)}
 
