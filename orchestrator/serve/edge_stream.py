@@ -218,8 +218,9 @@ class SSEResponse(StreamingResponse):
     """Closes the generation even when the client leaves before the body iterator ever started, and cancels it
     when the client takes no data for stall_s: uvicorn stops writing to a socket whose peer does not read (its
     write buffer is bounded by flow control) and the engine's outputs for the request are bounded by max_tokens,
-    so a stalled reader holds at most that, for at most stall_s; then its request is aborted, its pages return
-    and the connection is closed."""
+    so a stalled reader holds at most that, for at most about stall_s; then its request is aborted, its pages
+    return and the connection is closed. A watchdog task per stream checks when the pending send began: no timer
+    per chunk on the per-token path."""
 
     def __init__(self, gen: Generation, first: tuple[str, list[dict]], headers: dict[str, str] | None = None,
                  stall_s: float | None = None):
@@ -227,24 +228,41 @@ class SSEResponse(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._gen = gen
         self._stall_s = stall_s
+        self._sending_since: float | None = None
         self._stalled = False
 
     async def __call__(self, scope, receive, send) -> None:
-        async def bounded_send(message) -> None:
-            try:
-                async with asyncio.timeout(self._stall_s):
-                    await send(message)
-            except TimeoutError:
-                self._stalled = True
-                raise ClientGone from None
+        loop = asyncio.get_running_loop()
 
+        async def watched_send(message) -> None:
+            self._sending_since = loop.time()
+            try:
+                await send(message)
+            finally:
+                self._sending_since = None
+
+        task = asyncio.current_task()
+        watchdog = loop.create_task(self._watch(task)) if self._stall_s is not None else None
         try:
-            await super().__call__(scope, receive, bounded_send if self._stall_s is not None else send)
+            await super().__call__(scope, receive, send if watchdog is None else watched_send)
         except BaseException:
             if not self._stalled:
                 raise
+            task.uncancel()
             log.warning("stream %s cancelled: its client took no data for %g s",
                         self._gen.parsed.request.request_id, self._stall_s)
             self._gen.edge.metrics.count_stalled_stream()
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             await self._gen.close()
+
+    async def _watch(self, task: asyncio.Task) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._stall_s / 4)
+            since = self._sending_since
+            if since is not None and loop.time() - since >= self._stall_s:
+                self._stalled = True
+                task.cancel()
+                return
