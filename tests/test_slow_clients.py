@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from orchestrator.serve.server import ServerSettings, create_app
-from tests.fakes_serving import FAKE_TEXT, FakeServingEngine
+from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, serve_in_thread
 
 STALL_S = 0.5
 BODY_TIMEOUT_S = 0.5
@@ -137,3 +137,15 @@ def test_a_body_that_arrives_too_slowly_is_a_408_and_never_reaches_the_engine(se
     assert error["code"] == "request_timeout"
     assert len(engine.requests) == before
     assert http.get("/health").status_code == 200
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_is_a_499_and_an_abort_not_a_500(family, tokenizer):
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT), token_delay_s=0.01)
+    app = create_app(engine, tokenizer, family, ServerSettings(request_timeout_s=120))
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with pytest.raises(httpx.ReadTimeout):   # leaves long before the 10 s answer is complete
+            httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True},
+                       timeout=httpx.Timeout(10, read=0.5))
+        assert _wait_for(lambda: 'code="499",route="/v1/completions"' in http.get("/metrics").text)
+        assert engine.requests and engine.requests[-1].request_id in engine.aborted
+        assert 'code="500"' not in http.get("/metrics").text

@@ -177,6 +177,10 @@ async def unless_disconnected(request: HTTPRequest, work) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
+    if not task.done():
+        # cancel() only asks: the task ends at its next await. Wait for that, so its cleanup has run before the
+        # caller closes the engine stream (reading task.result() now would raise InvalidStateError).
+        await asyncio.wait({task})
     if task.cancelled():
         raise ClientGone
     return task.result()
