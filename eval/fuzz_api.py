@@ -106,7 +106,8 @@ def hostile_request(draw, schemas: dict[str, dict], vocab_size: int) -> tuple[st
     elif how == "unknown":
         body[draw(st.text(min_size=1, max_size=20))] = draw(hostile_values())
     elif how == "drop":
-        body.pop("prompt", None), body.pop("messages", None)
+        body.pop("prompt", None)
+        body.pop("messages", None)
     raw = json.dumps(body, ensure_ascii=draw(st.booleans())).encode()
     if how == "bytes":
         cut = draw(st.integers(0, len(raw)))
