@@ -121,7 +121,8 @@ def summarize(rows: list[dict], idle: dict, tally: Tally, warmup_s: float, durat
 
     def drift(key) -> dict:
         start, end = median(after_warmup, key), median(at_end, key)
-        return {"after_warmup": round(start, 1), "end": round(end, 1), "drift_pct": round(100 * (end - start) / start, 2)}
+        return {"after_warmup": round(start, 1), "end": round(end, 1),
+                "drift_pct": round(100 * (end - start) / start, 2)}
 
     def count(key) -> dict:
         series = [key(r) for r in good if r["t_s"] >= warmup_s]
@@ -133,7 +134,8 @@ def summarize(rows: list[dict], idle: dict, tally: Tally, warmup_s: float, durat
         "rss_engine_mb": drift(lambda r: r["engine"]["rss_mb"]),
         "server_fds": count(lambda r: r["server"]["fds"]), "server_threads": count(lambda r: r["server"]["threads"]),
         "engine_fds": count(lambda r: r["engine"]["fds"]), "engine_threads": count(lambda r: r["engine"]["threads"]),
-        "pages_used_at_end": idle["pages"]["by_state"]["used"], "pages_cached_at_end": idle["pages"]["by_state"]["cached"],
+        "pages_used_at_end": idle["pages"]["by_state"]["used"],
+        "pages_cached_at_end": idle["pages"]["by_state"]["cached"],
         "queue_depth_at_end": idle.get("queue_depth", 0),
         "outcomes": {k: dict(v) for k, v in tally.counts.items()},
         "completed": tally.total("completed"), "cancelled": tally.total("cancelled"),

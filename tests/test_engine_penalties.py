@@ -1,4 +1,4 @@
-"""Sampler penalties and logit bias: vLLM's definitions, batched rows equal single rows, neutral values change nothing."""
+"""Sampler penalties and logit bias: vLLM's definitions, batched rows equal single rows, neutral rows untouched."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Per-request token sampling (greedy, temperature, top-k, top-p, seeds, min_tokens, penalties, logit bias) with logprobs from the raw model."""
+"""Per-request token sampling (greedy, temperature, top-k/p, seeds, min_tokens, penalties, bias); raw-model logprobs."""
 from __future__ import annotations
 
 import hashlib

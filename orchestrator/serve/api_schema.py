@@ -230,8 +230,8 @@ def _message_text(content: Any, index: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and len(content) <= fields.MAX_CONTENT_PARTS and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and len(content) <= fields.MAX_CONTENT_PARTS and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts", "messages")
 

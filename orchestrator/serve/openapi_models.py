@@ -86,7 +86,8 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     nested models inlined (so the schema stands alone inside the operation)."""
     schema = model.model_json_schema()
     definitions = schema.pop("$defs", {})
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _inline(schema, definitions)}}}}
+    content = {"application/json": {"schema": _inline(schema, definitions)}}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 def _inline(node: Any, definitions: dict[str, Any]) -> Any:

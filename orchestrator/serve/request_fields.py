@@ -23,9 +23,9 @@ MAX_CONTENT_PARTS = 1024
 MAX_IGNORED_IN_HEADER = 16
 IGNORED_FIELDS_HEADER = "X-MFS-Ignored-Fields"
 
-_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
-           "stream_options", "user", "ignore_eos", "min_tokens", "cache_salt", "mfs_profile", "frequency_penalty",
-           "presence_penalty", "repetition_penalty", "logit_bias", "logprobs",
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+           "stop_token_ids", "n", "stream", "stream_options", "user", "ignore_eos", "min_tokens", "cache_salt",
+           "mfs_profile", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs",
            # accepted without effect: bookkeeping fields of the OpenAI API that change no output
            "metadata", "store", "service_tier", "parallel_tool_calls"}
 HONOURED = {"chat": _COMMON | {"messages", "top_logprobs"},
