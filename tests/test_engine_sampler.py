@@ -77,3 +77,15 @@ def test_mixed_batch_rows_stay_independent():
                                                                                                 temperature=2.0)])
     assert [t.request_id for t in tokens] == ["g", "s", "k"]
     assert tokens[0].token_id == int(logits[0].argmax()) and tokens[2].token_id == int(logits[2].argmax())
+
+
+def test_a_temperature_near_zero_is_greedy_not_nan():
+    logits = _logits(rows=1, seed=7) * 10
+    tokens = Sampler().sample(logits, [_chunk(temperature=5e-324, num_generated=n) for n in range(1)])
+    assert tokens[0].token_id == int(logits.argmax())
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token():
+    logits = _logits(rows=1, seed=8)
+    tokens = Sampler().sample(logits, [_chunk(temperature=1.0, top_p=5e-324, seed=3)])
+    assert tokens[0].token_id == int(logits.argmax())

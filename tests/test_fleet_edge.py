@@ -23,7 +23,10 @@ def stand_in_gateway(name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError):
+            return JSONResponse({"gateway": name, "raw_bytes": len(await request.body())})
         seen = {"gateway": name, "headers": dict(request.headers), "body": body}
         if body.get("cut"):
             async def events():
@@ -70,6 +73,13 @@ def test_session_becomes_the_routing_key_and_dropped_fields_travel_as_headers(fr
     assert (by_user["gateway"], by_user["headers"]["x-smg-routing-key"]) == ("sticky", "alice")
     keyless = post(front, {"messages": []}, {"x-smg-routing-key": ""}).json()
     assert keyless["gateway"] == "cache_aware" and "x-smg-routing-key" not in keyless["headers"]
+
+
+def test_a_body_nested_too_deep_to_parse_is_forwarded_as_is(front):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    response = httpx.post(front + "/v1/chat/completions", content=deep, timeout=10,
+                          headers={"content-type": "application/json"})
+    assert response.json() == {"gateway": "cache_aware", "raw_bytes": len(deep)}   # the replica names the problem
 
 
 def test_a_session_answered_elsewhere_is_reported_as_moved(front):

@@ -1,4 +1,4 @@
-"""Per-request token sampling (greedy, temperature, top-k, top-p, seeds, min_tokens) with logprobs from the raw model."""
+"""Per-request token sampling (greedy, temperature, top-k/p, seeds, min_tokens, penalties, bias); raw-model logprobs."""
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +7,11 @@ from collections.abc import Sequence
 import torch
 
 from orchestrator.core.types import RequestId, SampledToken, SeqChunk
+
+
+# Below this temperature a request samples greedily (as vLLM does): dividing logits by a temperature near zero
+# overflows to inf and the softmax to NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 def _step_seed(seed: int, num_generated: int) -> int:
@@ -21,10 +26,14 @@ class Sampler:
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
         self._generators: dict[RequestId, torch.Generator] = {}
+        # the tokens generated so far by each request with penalties (index = generation step): a rollback or a
+        # recompute samples step g again, and the list is cut back to g first
+        self._generated: dict[RequestId, list[int]] = {}
 
     def release(self, request_ids: Sequence[RequestId]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+            self._generated.pop(request_id, None)
 
     def _generator(self, chunk: SeqChunk) -> torch.Generator:
         generator = self._generators.get(chunk.request_id)
@@ -46,6 +55,10 @@ class Sampler:
         # raw distribution (temperature 1, unfiltered) is the confidence signal: log p = logit - logsumexp
         log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)          # [rows, 1]
         processed = logits
+        penalized = [row for row, chunk in enumerate(chunks) if chunk.sampling.penalized]
+        if penalized:
+            processed = logits.clone()
+            processed[penalized] = self._penalize(logits[penalized], [chunks[row] for row in penalized])
         for row, chunk in enumerate(chunks):
             if chunk.num_generated < chunk.sampling.min_tokens:
                 banned = list(eos_token_ids) + list(chunk.sampling.stop_token_ids)
@@ -55,7 +68,7 @@ class Sampler:
         best, chosen = logits.max(dim=-1)                          # one pass: the raw top-1 and its id
         top1_logprobs = best - log_norm[:, 0]
         top1_probs = top1_logprobs.exp()
-        drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature > 0]
+        drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature >= MIN_SAMPLING_TEMPERATURE]
         if processed is not logits:
             chosen = processed.argmax(dim=-1)                      # a banned token may be the raw top-1
         for row in drawn:
@@ -70,6 +83,10 @@ class Sampler:
             top_values, top_ids = logits.topk(min(num_top, logits.shape[-1]), dim=-1)
             top_values, top_ids = (top_values - log_norm).tolist(), top_ids.tolist()
         chosen_list, logprob_list, top1_list = chosen.tolist(), chosen_logprobs.tolist(), top1_probs.tolist()
+        for row in penalized:
+            history = self._generated.setdefault(chunks[row].request_id, [])
+            del history[chunks[row].num_generated:]
+            history.append(chosen_list[row])
         tokens = []
         for row, chunk in enumerate(chunks):
             k = chunk.sampling.num_top_logprobs
@@ -78,6 +95,31 @@ class Sampler:
                                        logprob=logprob_list[row], top1_prob=top1_list[row],
                                        top_logprobs=alternatives))
         return tokens
+
+    def _penalize(self, logits: torch.Tensor, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """logits [rows, vocab] of requests with penalties or a bias -> adjusted logits, as vLLM defines them: the
+        bias is added; a token seen in the prompt or the output has a positive logit divided by
+        repetition_penalty and a negative one multiplied by it; then frequency_penalty x (its count in the
+        output) and presence_penalty x (whether it is in the output) are subtracted."""
+        device, vocab = logits.device, logits.shape[-1]
+        params = [c.sampling for c in chunks]
+        out = logits.clone()
+        bias_rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
+        if bias_rows:
+            ids = torch.tensor([t for p in params for t, _ in p.logit_bias], device=device)
+            values = torch.tensor([b for p in params for _, b in p.logit_bias], device=device, dtype=out.dtype)
+            out.index_put_((torch.tensor(bias_rows, device=device), ids), values, accumulate=True)
+        histories = [self._generated.get(c.request_id, [])[:c.num_generated] for c in chunks]
+        counts = _bin_counts(histories, len(chunks), vocab, device)            # [rows, vocab] float
+        in_output = counts > 0
+        repetition = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=out.dtype)[:, None]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = in_output | (_bin_counts([list(p.penalized_prompt_ids) for p in params], len(chunks), vocab,
+                                            device) > 0)
+            out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=out.dtype)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=out.dtype)[:, None]
+        return out - frequency * counts - presence * in_output.to(out.dtype)
 
     def _draw(self, row_logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
         """row_logits [vocab] -> a sampled token id (0-d tensor)."""
@@ -91,7 +133,20 @@ class Sampler:
             sorted_probs = sorted_logits.softmax(-1)
             # drop a token when the tokens ranked above it already reach top_p (the best one always stays)
             drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+            drop_sorted[0] = False            # also when top_p rounds to 0 in float32 (5e-324)
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             scaled = scaled.masked_fill(drop, float("-inf"))
         probs = scaled.softmax(-1)
         return torch.multinomial(probs, 1, generator=self._generator(chunk))[0]
+
+
+def _bin_counts(token_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float: how often each token id occurs in each row's list (padding counts zero)."""
+    counts = torch.zeros(rows, vocab, device=device)
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    if width == 0:
+        return counts
+    ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in token_lists], device=device)
+    valid = torch.tensor([[1.0] * len(tokens) + [0.0] * (width - len(tokens)) for tokens in token_lists],
+                         device=device)
+    return counts.scatter_add_(1, ids, valid)

@@ -75,6 +75,19 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     num_top_logprobs: int = 0         # top alternatives returned per token (OpenAI top_logprobs)
+    # OpenAI / vLLM penalties: frequency and presence act on the generated tokens, repetition on the prompt's
+    # and the generated ones; the neutral values (0, 0, 1, no bias) leave the logits untouched.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()     # (token id, bias added to its logit), by id
+    penalized_prompt_ids: tuple[int, ...] = ()        # the prompt's distinct ids, when repetition_penalty != 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler must adjust this request's logits beyond temperature / top-k / top-p."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
 
 @dataclass(slots=True)

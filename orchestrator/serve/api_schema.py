@@ -8,6 +8,7 @@ from typing import Any
 
 from orchestrator.core.errors import InvalidRequestError, MFSError, ModelNotFoundError
 from orchestrator.core.family import FamilySpec
+from orchestrator.serve import request_fields as fields
 from orchestrator.serve.tokenizer import FamilyTokenizer, TokenizerError
 from orchestrator.core.types import (
     FinishReason, MemberName, MemberSpan, Profile, Request, RequestId, RouteDecision, SamplingParams,
@@ -16,6 +17,7 @@ from orchestrator.core.types import (
 MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+SEED_RANGE = (-2**63, 2**64 - 1)         # int64 or uint64, whichever the client's SDK speaks
 COMPLETION_DEFAULT_MAX_TOKENS = 16       # OpenAI's default for /v1/completions
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -31,6 +33,7 @@ class ParsedRequest:
     logprobs: bool
     top_logprobs: int
     stop_strings: tuple[str, ...]
+    ignored_fields: list[str] = field(default_factory=list)     # unknown names, accepted without effect
     created_s: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -40,13 +43,16 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
     """Validates an OpenAI body; raises InvalidRequestError / ModelNotFoundError naming the field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
+    ignored = fields.check_fields(kind, body)
+    for name in ("model", "user", "cache_salt"):
+        fields.bounded_text(body, name)
     model, pinned = _model(body, family)
     prompt_ids, context_tokens = _prompt(kind, body, tokenizer, family, model, pinned)
     n = _opt(body, "n", int)
     if n is not None and n != 1:
         raise InvalidRequestError("only n=1 is supported", "n")
     logprobs, top_logprobs = _logprobs(kind, body)
-    sampling = _sampling(kind, body, len(prompt_ids), context_tokens, model, top_logprobs)
+    sampling = _sampling(kind, body, prompt_ids, context_tokens, model, top_logprobs, tokenizer.vocab_size)
     stream, include_usage = _stream_options(body)
     user = _opt(body, "user", str)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -56,7 +62,8 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
         cache_salt=_cache_salt(body),
     )
     return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=stream and include_usage,
-                         logprobs=logprobs, top_logprobs=top_logprobs, stop_strings=sampling.stop_strings)
+                         logprobs=logprobs, top_logprobs=top_logprobs, stop_strings=sampling.stop_strings,
+                         ignored_fields=ignored)
 
 
 def _model(body: dict, family: FamilySpec) -> tuple[str, MemberName | None]:
@@ -82,8 +89,9 @@ def _prompt(kind: str, body: dict, tokenizer: FamilyTokenizer, family: FamilySpe
     return prompt_ids, context_tokens
 
 
-def _sampling(kind: str, body: dict, num_prompt_tokens: int, context_tokens: int, model: str,
-              num_top_logprobs: int) -> SamplingParams:
+def _sampling(kind: str, body: dict, prompt_ids: list[int], context_tokens: int, model: str,
+              num_top_logprobs: int, vocab_size: int) -> SamplingParams:
+    num_prompt_tokens = len(prompt_ids)
     max_tokens, max_field = _max_tokens(body)
     if max_tokens is None:
         remaining = context_tokens - num_prompt_tokens
@@ -104,10 +112,19 @@ def _sampling(kind: str, body: dict, num_prompt_tokens: int, context_tokens: int
     min_tokens = _opt(body, "min_tokens", int) or 0
     if not 0 <= min_tokens <= max_tokens:
         raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
+    seed = _opt(body, "seed", int)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise InvalidRequestError("seed must fit in 64 bits", "seed")
+    repetition_penalty = fields.penalty(body, "repetition_penalty", 1.0, 0.01, 100.0)
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=_opt(body, "seed", int), stop_strings=_stop_strings(body.get("stop")),
+        seed=seed, stop_strings=_stop_strings(body.get("stop")),
+        stop_token_ids=fields.stop_token_ids(body, vocab_size),
         ignore_eos=bool(_opt(body, "ignore_eos", bool)), min_tokens=min_tokens, num_top_logprobs=num_top_logprobs,
+        frequency_penalty=fields.penalty(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=fields.penalty(body, "presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=repetition_penalty, logit_bias=fields.logit_bias(body, vocab_size),
+        penalized_prompt_ids=tuple(sorted(set(prompt_ids))) if repetition_penalty != 1.0 else (),
     )
 
 
@@ -192,6 +209,8 @@ def _chat_prompt(body: dict, tokenizer: FamilyTokenizer) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("'messages' must be a non-empty array", "messages")
+    if len(messages) > fields.MAX_MESSAGES:
+        raise InvalidRequestError(f"'messages' may hold at most {fields.MAX_MESSAGES} messages", "messages")
     rendered = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in _CHAT_ROLES:
@@ -211,8 +230,8 @@ def _message_text(content: Any, index: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and len(content) <= fields.MAX_CONTENT_PARTS and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
@@ -222,9 +241,10 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and s for s in stops)):
+            or not all(isinstance(s, str) and 0 < len(s) <= fields.MAX_NAME_CHARS for s in stops)):
         raise InvalidRequestError(f"'stop' must be a non-empty string or a list of at most "
-                                  f"{MAX_STOP_STRINGS} non-empty strings", "stop")
+                                  f"{MAX_STOP_STRINGS} non-empty strings of at most {fields.MAX_NAME_CHARS} "
+                                  f"characters", "stop")
     return tuple(stops)
 
 

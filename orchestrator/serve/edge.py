@@ -21,6 +21,10 @@ class ServerSettings:
     api_key: str | None = None
     request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
     max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0               # the whole request body must arrive within this (slow senders)
+    # a stream whose client has not taken a chunk for this long is cancelled (slow or stalled readers): the
+    # request is aborted, its pages return and its buffered output is dropped
+    stream_stall_s: float = 30.0
     grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
     node_name: str | None = None               # sent as X-MFS-Node on every response (fleet: which replica)
 

@@ -177,6 +177,10 @@ async def unless_disconnected(request: HTTPRequest, work) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
+    if not task.done():
+        # cancel() only asks: the task ends at its next await. Wait for that, so its cleanup has run before the
+        # caller closes the engine stream (reading task.result() now would raise InvalidStateError).
+        await asyncio.wait({task})
     if task.cancelled():
         raise ClientGone
     return task.result()
@@ -215,18 +219,54 @@ async def _stream(gen: Generation, first: tuple[str, list[dict]]) -> AsyncIterat
 
 
 class SSEResponse(StreamingResponse):
-    """Closes the generation even when the client leaves before the body iterator ever started."""
+    """Closes the generation even when the client leaves before the body iterator ever started, and cancels it
+    when the client takes no data for stall_s: uvicorn stops writing to a socket whose peer does not read (its
+    write buffer is bounded by flow control) and the engine's outputs for the request are bounded by max_tokens,
+    so a stalled reader holds at most that, for at most about stall_s; then its request is aborted, its pages
+    return and the connection is closed. A watchdog task per stream checks when the pending send began: no timer
+    per chunk on the per-token path."""
 
-    def __init__(self, gen: Generation, first: tuple[str, list[dict]]):
+    def __init__(self, gen: Generation, first: tuple[str, list[dict]], headers: dict[str, str] | None = None,
+                 stall_s: float | None = None):
         super().__init__(_stream(gen, first), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._gen = gen
+        self._stall_s = stall_s
+        self._sending_since: float | None = None
+        self._stalled = False
 
     async def __call__(self, scope, receive, send) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def watched_send(message) -> None:
+            self._sending_since = loop.time()
+            try:
+                await send(message)
+            finally:
+                self._sending_since = None
+
+        task = asyncio.current_task()
+        watchdog = loop.create_task(self._watch(task)) if self._stall_s is not None else None
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if watchdog is None else watched_send)
+        except BaseException:
+            if not self._stalled:
+                raise
+            task.uncancel()
+            log.warning("stream %s cancelled: its client took no data for %g s",
+                        self._gen.parsed.request.request_id, self._stall_s)
+            self._gen.edge.metrics.count_stalled_stream()
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             await self._gen.close()
 
-
-# ----------------------------------------------------------------------------- app
+    async def _watch(self, task: asyncio.Task) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._stall_s / 4)
+            since = self._sending_since
+            if since is not None and loop.time() - since >= self._stall_s:
+                self._stalled = True
+                task.cancel()
+                return

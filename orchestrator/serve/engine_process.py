@@ -201,6 +201,9 @@ class ProcessServing:
         self._ready = False
         self._engine_ready = True        # the child's own readiness ("health" messages: Triton up or down)
         self._dead: str | None = None
+        # called once (on the pipe reader thread) when the child dies under a running server; `mfs serve`
+        # makes it exit the server with ENGINE_DIED_EXIT so its supervisor restarts it
+        self.on_death: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -281,7 +284,7 @@ class ProcessServing:
             if seq not in self._stats_replies:
                 raise EngineUnavailableError(self._dead or "engine process stopped")
             snapshot = self._stats_replies.pop(seq)
-        snapshot.setdefault("engine", {})["process"] = "separate"
+        snapshot.setdefault("engine", {}).update(process="separate", pid=self._process.pid)
         return snapshot
 
     # ------------------------------------------------------------------ pipe
@@ -310,14 +313,18 @@ class ProcessServing:
                         self._stats_cond.notify_all()
         except (EOFError, OSError):
             pass
-        if self._process is not None:       # not a stop(): the engine process died under us
-            self._dead = "engine process exited"
-            log.error("the engine process exited; failing %d open streams", len(self._streams))
+        process = self._process
+        if process is not None:             # not a stop(): the engine process died under us
+            process.join(1.0)
+            self._dead = f"engine process {process.pid} exited (exit code {process.exitcode})"
+            log.error("%s; failing %d open streams", self._dead, len(self._streams))
         else:
             self._dead = "engine process stopped"
         self._dispatch([(request_id, EngineUnavailableError(self._dead)) for request_id in list(self._streams)])
         with self._stats_cond:
             self._stats_cond.notify_all()
+        if process is not None and self.on_death is not None:
+            self.on_death(self._dead)
 
 
     def _dispatch(self, items: list[tuple[RequestId, Any]]) -> None:

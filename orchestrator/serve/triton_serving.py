@@ -27,6 +27,7 @@ from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.router import MemberLoad, Router, SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, RequestOutput, RouteDecision
+from orchestrator.serve.request_fields import refuse_unsupported_sampling
 from orchestrator.serve.tokenizer import FamilyTokenizer
 from orchestrator.serve.triton_ledger import EstimateCounters, PrefixEstimate
 
@@ -174,6 +175,7 @@ class TritonServing:
         return self._generate(request)
 
     async def _generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        refuse_unsupported_sampling(request.sampling)
         if not self.is_ready():
             self.stats_counters.on_request_done(request.pinned_member or self.member_names[0], "rejected")
             raise EngineUnavailableError("Triton is not ready")
@@ -401,3 +403,4 @@ def _default_metrics_url(grpc_url: str) -> str:
         return f"http://{host or '127.0.0.1'}:{int(port) + 1}/metrics"
     except ValueError:
         return f"http://{grpc_url}:8002/metrics"
+

@@ -1,0 +1,151 @@
+"""Slow clients: a stream reader that stops taking data is cancelled after stream_stall_s (request aborted, connection
+closed) while other requests go on; a body that arrives too slowly gets a 408 and never reaches the engine."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from orchestrator.serve.server import ServerSettings, create_app
+from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, serve_in_thread
+
+STALL_S = 0.5
+BODY_TIMEOUT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def served(family, tokenizer):
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT), token_delay_s=0.0005)
+    settings = ServerSettings(stream_stall_s=STALL_S, body_timeout_s=BODY_TIMEOUT_S, request_timeout_s=120)
+    app = create_app(engine, tokenizer, family, settings)
+    with _serve_with_small_send_buffers(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        yield engine, url, http
+
+
+@contextlib.contextmanager
+def _serve_with_small_send_buffers(app):
+    """uvicorn on a listening socket with a small fixed SO_SNDBUF (accepted sockets inherit it): on loopback the
+    kernel would otherwise buffer megabytes for a peer that reads nothing, more than the whole answer."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    assert _wait_for(lambda: server.started, 15)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        listener.close()
+
+
+def _connect(url: str, receive_buffer: int | None = None) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect((host, int(port)))
+    sock.settimeout(30)
+    return sock
+
+
+def _request(path: str, body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode() + body
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = bytearray()
+    while chunk := sock.recv(65536):
+        data += chunk
+    return bytes(data)
+
+
+def test_a_reader_that_stops_reading_is_cancelled_and_the_engine_goes_on(served):
+    engine, url, http = served
+    before = len(engine.requests)
+    # a long stream with big chunks (20 alternatives per token): far more than the socket buffers hold
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "ignore_eos": True,
+                       "logprobs": True, "top_logprobs": 20, "stream": True}).encode()
+    sock = _connect(url, receive_buffer=4096)
+    try:
+        sock.sendall(_request("/v1/chat/completions", body))
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")          # then it reads nothing more
+        assert _wait_for(lambda: len(engine.requests) > before)
+        stalled = engine.requests[-1].request_id
+        # meanwhile another client is served in full
+        answer = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
+        assert _wait_for(lambda: stalled in engine.aborted), "the stalled stream was never cancelled"
+        rest = _read_all(sock)                                    # the server closed the connection
+        assert b"data: [DONE]" not in rest
+    finally:
+        sock.close()
+    assert "mfs_stalled_streams_total 1.0" in http.get("/metrics").text
+    assert http.get("/health").status_code == 200
+
+
+def test_a_reader_that_reads_slowly_but_steadily_gets_the_whole_stream(served):
+    engine, url, http = served
+    body = {"prompt": "x", "max_tokens": 40, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = []
+        for line in response.iter_lines():
+            lines.append(line)
+            time.sleep(STALL_S / 10)                              # slow, never stalled past stream_stall_s
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["stops-sending", "trickles"])
+def test_a_body_that_arrives_too_slowly_is_a_408_and_never_reaches_the_engine(served, trickle):
+    engine, url, http = served
+    before = len(engine.requests)
+    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    sock = _connect(url)
+    try:
+        sock.sendall(_request("/v1/completions", b"", content_length=len(body)) + body[:5])
+        answer = b""
+        if trickle:                                               # one byte at a time, slower than the limit
+            for byte in body[5:]:
+                time.sleep(BODY_TIMEOUT_S / 4)
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    break
+        answer = _read_all(sock)
+    finally:
+        sock.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+    error = json.loads(payload.decode().split("\r\n")[-1] if b"chunked" in head.lower() else payload)["error"]
+    assert error["code"] == "request_timeout"
+    assert len(engine.requests) == before
+    assert http.get("/health").status_code == 200
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_is_a_499_and_an_abort_not_a_500(family, tokenizer):
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT), token_delay_s=0.01)
+    app = create_app(engine, tokenizer, family, ServerSettings(request_timeout_s=120))
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with pytest.raises(httpx.ReadTimeout):   # leaves long before the 10 s answer is complete
+            httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True},
+                       timeout=httpx.Timeout(10, read=0.5))
+        assert _wait_for(lambda: 'code="499",route="/v1/completions"' in http.get("/metrics").text)
+        assert engine.requests and engine.requests[-1].request_id in engine.aborted
+        assert 'code="500"' not in http.get("/metrics").text
