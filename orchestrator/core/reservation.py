@@ -253,7 +253,7 @@ class Reservation(ABC):
         pressure = min(1.0, (used + reserved) / capacity)
         step_s = step_cost_s or 0.0
         if len(request.prompt_token_ids) >= spec.context_tokens:
-            return {"pool_pressure": pressure, "pages_per_token": pages_per_token, "step_s": step_s}
+            return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
         need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
         queued_tokens = 0
         for seq in self.waiting:
@@ -272,8 +272,7 @@ class Reservation(ABC):
             steps = max((d.remaining_steps for d in demands), default=0)
         budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
         delay_s = (steps + queued_tokens / max(1, budget)) * step_s
-        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token,
-                "step_s": step_s}
+        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}
 
     def _running_demands(self, member: str) -> list[RunningDemand]:
         """RunningDemand of each running request holding pages in `member`'s partition."""
