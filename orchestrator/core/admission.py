@@ -6,12 +6,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from orchestrator.core.config import MFSConfig
-from orchestrator.core.events import EventKind, EventLog, Stats
-from orchestrator.core.family import FamilySpec
+from orchestrator.core.events import EventKind
 from orchestrator.core.handover import Handover, release_pin
-from orchestrator.core.kv_cache import KVCacheManager
-from orchestrator.core.request_queue import RunningSet, WaitingQueue
+from orchestrator.core.parts import SchedulerParts
+from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.reservation import Reservation
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import RequestState, StepPlan
@@ -32,22 +30,13 @@ class MaxRunning:
 
 
 class Admission:
-    def __init__(self, family: FamilySpec, config: MFSConfig, kv: KVCacheManager, running: RunningSet,
-                 waiting: WaitingQueue, reservation: Reservation, handover: Handover,
-                 capacity_pages: dict[str, int], forget: Callable[[Sequence], None],
-                 events: EventLog, stats: Stats, running_cap: RunningCap | None = None) -> None:
-        self.family = family
-        self.config = config
-        self.kv = kv
-        self.running = running
-        self.waiting = waiting
-        self.reservation = reservation
-        self.handover = handover
-        self.capacity_pages = capacity_pages
-        self.forget = forget
-        self.events = events
-        self.stats = stats
-        self.running_cap = running_cap or MaxRunning(config.scheduler.max_running_requests)
+    def __init__(self, parts: SchedulerParts, reservation: Reservation, handover: Handover,
+                 forget: Callable[[Sequence], None], running_cap: RunningCap | None = None) -> None:
+        self.family, self.config, self.kv, self.capacity_pages = (parts.family, parts.config, parts.kv,
+                                                                  parts.capacity_pages)
+        self.running, self.waiting, self.events, self.stats = parts.running, parts.waiting, parts.events, parts.stats
+        self.reservation, self.handover, self.forget = reservation, handover, forget
+        self.running_cap = running_cap or MaxRunning(self.config.scheduler.max_running_requests)
         self._admit_counter = itertools.count()
 
     def admit(self, plan: StepPlan, now_s: float) -> None:

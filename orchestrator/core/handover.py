@@ -1,14 +1,13 @@
 """Escalation in the scheduler: the handover to a larger member, warm-up prefills, and the pins on the source pages."""
 from __future__ import annotations
 
-from orchestrator.core.config import MFSConfig
 from orchestrator.core.escalation import (ConfidenceMonitor, EscalationRates, escalation_target, handover_target,
                                           in_warmup_band)
-from orchestrator.core.events import EventKind, EventLog, Stats
-from orchestrator.core.family import FamilySpec
+from orchestrator.core.events import EventKind
 from orchestrator.core.kv_cache import KVCacheManager
+from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.placement import Placement
-from orchestrator.core.request_queue import WARMUP_PRIORITY, RunningSet, WaitingQueue
+from orchestrator.core.request_queue import WARMUP_PRIORITY, RunningSet
 from orchestrator.core.reservation import Reservation
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import MemberName, Request, RequestId
@@ -26,18 +25,11 @@ def release_pin(seq: Sequence, kv: KVCacheManager, running: RunningSet) -> bool:
 
 
 class Handover:
-    def __init__(self, family: FamilySpec, config: MFSConfig, kv: KVCacheManager, running: RunningSet,
-                 waiting: WaitingQueue, reservation: Reservation, placement: Placement,
-                 events: EventLog, stats: Stats) -> None:
-        self.family = family
-        self.config = config
-        self.kv = kv
-        self.running = running
-        self.waiting = waiting
-        self.reservation = reservation
-        self.placement = placement
-        self.events = events
-        self.stats = stats
+    def __init__(self, parts: SchedulerParts, reservation: Reservation, placement: Placement) -> None:
+        self.family, self.config, self.kv, self.running, self.waiting = (parts.family, parts.config, parts.kv,
+                                                                         parts.running, parts.waiting)
+        self.events, self.stats = parts.events, parts.stats
+        self.reservation, self.placement = reservation, placement
         self.rates = EscalationRates()        # per member: how often its requests escalate out
 
     def can_escalate(self, seq: Sequence) -> bool:

@@ -5,29 +5,21 @@ import heapq
 import itertools
 from collections import OrderedDict
 
-from orchestrator.core.config import MFSConfig
 from orchestrator.core.escalation import EscalationRates
-from orchestrator.core.events import EventKind, EventLog, Stats
+from orchestrator.core.events import EventKind
 from orchestrator.core.handover import release_pin
-from orchestrator.core.kv_cache import KVCacheManager
-from orchestrator.core.page_pool import PagePool
-from orchestrator.core.request_queue import RunningSet, WaitingQueue
+from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.router import SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import FinishReason, PageId, RequestId, RequestOutput, RequestState
 
 
 class Lifecycle:
-    def __init__(self, config: MFSConfig, pool: PagePool, kv: KVCacheManager, running: RunningSet,
-                 waiting: WaitingQueue, escalation_rates: EscalationRates, events: EventLog, stats: Stats) -> None:
-        self.config = config
-        self.pool = pool
-        self.kv = kv
-        self.running = running
-        self.waiting = waiting
+    def __init__(self, parts: SchedulerParts, escalation_rates: EscalationRates) -> None:
+        self.config, self.pool, self.kv, self.running, self.waiting = (parts.config, parts.pool, parts.kv,
+                                                                       parts.running, parts.waiting)
+        self.events, self.stats = parts.events, parts.stats
         self.escalation_rates = escalation_rates
-        self.events = events
-        self.stats = stats
         self.by_id: dict[RequestId, Sequence] = {}
         self.aborts: list[tuple[RequestId, str | None, FinishReason | None]] = []
         self.released: list[RequestId] = []      # ended since the last plan: the engine forgets their state

@@ -3,14 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orchestrator.core.config import MFSConfig
-from orchestrator.core.events import EventKind, EventLog, Stats
-from orchestrator.core.kv_cache import KVCacheManager
-from orchestrator.core.page_pool import PagePool
-from orchestrator.core.request_queue import RunningSet, WaitingQueue
+from orchestrator.core.events import EventKind
+from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.reservation import Reservation
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import RequestState, StepPlan
 
 
@@ -42,22 +38,12 @@ VICTIM_ORDERS: dict[str, Callable[[Sequence], tuple]] = {o.name: o.key for o in 
 
 
 class Preemption:
-    def __init__(self, config: MFSConfig, pool: PagePool, kv: KVCacheManager, tiers: TieredStore | None,
-                 running: RunningSet, waiting: WaitingQueue, reservation: Reservation,
-                 release_pins: Callable[[str], bool], forget: Callable[[Sequence], None],
-                 events: EventLog, stats: Stats) -> None:
-        self.config = config
-        self.pool = pool
-        self.kv = kv
-        self.tiers = tiers
-        self.running = running
-        self.waiting = waiting
-        self.reservation = reservation
-        self.release_pins = release_pins
-        self.forget = forget
-        self.events = events
-        self.stats = stats
-        self.victim_key = VICTIM_ORDERS[config.comparison.victim_order]
+    def __init__(self, parts: SchedulerParts, reservation: Reservation, release_pins: Callable[[str], bool],
+                 forget: Callable[[Sequence], None]) -> None:
+        self.config, self.pool, self.kv, self.tiers = parts.config, parts.pool, parts.kv, parts.tiers
+        self.running, self.waiting, self.events, self.stats = parts.running, parts.waiting, parts.events, parts.stats
+        self.reservation, self.release_pins, self.forget = reservation, release_pins, forget
+        self.victim_key = VICTIM_ORDERS[self.config.comparison.victim_order]
 
     def ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages

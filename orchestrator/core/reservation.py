@@ -16,11 +16,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
 from typing import NamedTuple
 
-from orchestrator.core.config import MFSConfig, SchedulerConfig
-from orchestrator.core.family import FamilySpec
-from orchestrator.core.kv_cache import KVCacheManager, PrefixMatch
-from orchestrator.core.page_pool import PagePool
-from orchestrator.core.request_queue import RunningSet, WaitingQueue
+from orchestrator.core.config import SchedulerConfig
+from orchestrator.core.kv_cache import PrefixMatch
+from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import PageId, Request, SamplingParams, tuple_new
 
@@ -169,17 +167,11 @@ class Reservation(ABC):
 
     name = ""
 
-    def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
-                 running: RunningSet, waiting: WaitingQueue, capacity_pages: dict[str, int]) -> None:
-        self.family = family
-        self.config = config
-        self.pool = pool
-        self.kv = kv
-        self.running = running
-        self.waiting = waiting
-        self.capacity_pages = capacity_pages
-        self.partitioned = config.comparison.static_split is not None
-        self.ratio = NewTokenRatio(config.scheduler)
+    def __init__(self, parts: SchedulerParts) -> None:
+        self.family, self.config, self.pool, self.kv = parts.family, parts.config, parts.pool, parts.kv
+        self.running, self.waiting, self.capacity_pages = parts.running, parts.waiting, parts.capacity_pages
+        self.partitioned = parts.config.comparison.static_split is not None
+        self.ratio = NewTokenRatio(parts.config.scheduler)
         # Caches, each valid for one (running.version, ratio) key: partition -> reserved_pages; partition ->
         # running demands; partition -> reserved_pages_bound (a sum of per-request terms: an admission adds its own)
         self._key: tuple[int, float] | None = None
@@ -188,8 +180,9 @@ class Reservation(ABC):
         self._bounds: dict[str | None, int] = {}
         # member -> (tokens per block, pages per block, context tokens): read per running request on every arrival
         # and admission (kv.pages_for_tokens through three calls cost more than the sums)
+        kv = parts.kv
         self._geometry = {m.name: (kv.tokens_per_block(m.name), kv.pages_per_block(m.name), m.context_tokens)
-                          for m in family.members}
+                          for m in parts.family.members}
         # member -> pages_for_tokens(member, n) as one expression (tests/test_scheduler_load.py checks it)
         self._pages_for = {name: _pages_rule(*geometry) for name, geometry in self._geometry.items()}
 
@@ -253,7 +246,7 @@ class Reservation(ABC):
         pressure = min(1.0, (used + reserved) / capacity)
         step_s = step_cost_s or 0.0
         if len(request.prompt_token_ids) >= spec.context_tokens:
-            return {"pool_pressure": pressure, "pages_per_token": pages_per_token, "step_s": step_s}
+            return {"pool_pressure": pressure, "pages_per_token": pages_per_token}
         need = self.kv.pages_for_tokens(member, len(request.prompt_token_ids) + request.sampling.max_tokens)
         queued_tokens = 0
         for seq in self.waiting:
@@ -272,8 +265,7 @@ class Reservation(ABC):
             steps = max((d.remaining_steps for d in demands), default=0)
         budget = self.config.scheduler.decode_step_token_budget or self.config.scheduler.max_batch_tokens
         delay_s = (steps + queued_tokens / max(1, budget)) * step_s
-        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token,
-                "step_s": step_s}
+        return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}
 
     def _running_demands(self, member: str) -> list[RunningDemand]:
         """RunningDemand of each running request holding pages in `member`'s partition."""
@@ -377,8 +369,8 @@ class BlockReservation(Reservation):
 
     name = "block"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, parts: SchedulerParts) -> None:
+        super().__init__(parts)
         self._reserve_pages = {m.name: self.config.comparison.decode_reserve_blocks * self.kv.pages_per_block(m.name)
                                for m in self.family.members}
 

@@ -23,7 +23,6 @@ class MemberLoad:
     expected_delay_s: float = 0.0   # expected wait before this request could be admitted there (scheduler's estimate)
     pool_pressure: float = 0.0      # share of its pool's pages held or reserved by running requests
     pages_per_token: float = 0.0    # KV pages one token costs on this member
-    step_s: float = 0.0             # measured time of one busy engine step (the scheduler's EMA); 0 = unknown
     escalation_rate: float = 0.0    # recent share of its requests that escalated out (EscalationRates)
 
     @property

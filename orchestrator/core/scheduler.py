@@ -22,6 +22,7 @@ from orchestrator.core.handover import Handover
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.core.page_pool import PagePool
+from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.placement import Placement, SharedPoolPlacement
 from orchestrator.core.preemption import Preemption
 from orchestrator.core.request_queue import RunningSet, WaitingQueue
@@ -62,22 +63,16 @@ class Scheduler:
         policies = policies or SchedulerPolicies()
         self.running = RunningSet()
         self.waiting = WaitingQueue()
-        # Most pages each member can ever hold (its slice, minus the other members' floors, under its ceiling):
-        # a request needing more is refused at once rather than left waiting for room that never comes.
         self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        parts = SchedulerParts(family, config, pool, kv, tiers, self.running, self.waiting, self.capacity_pages,
+                               self.events, self.stats)
         self.placement = policies.placement or SharedPoolPlacement(family, kv, self.capacity_pages)
-        self.reservation = RESERVATIONS[config.comparison.decode_reservation](
-            family, config, pool, kv, self.running, self.waiting, self.capacity_pages)
-        self.handover = Handover(family, config, kv, self.running, self.waiting, self.reservation, self.placement,
-                                 self.events, self.stats)
+        self.reservation = RESERVATIONS[config.comparison.decode_reservation](parts)
+        self.handover = Handover(parts, self.reservation, self.placement)
         self.escalation_rates = self.handover.rates      # per member: how often its requests escalate out
-        self.lifecycle = Lifecycle(config, pool, kv, self.running, self.waiting, self.escalation_rates,
-                                   self.events, self.stats)
-        self.preemption = Preemption(config, pool, kv, tiers, self.running, self.waiting, self.reservation,
-                                     self.handover.release_pins, self.lifecycle.forget, self.events, self.stats)
-        self.admission = Admission(family, config, kv, self.running, self.waiting, self.reservation, self.handover,
-                                   self.capacity_pages, self.lifecycle.forget, self.events, self.stats,
-                                   policies.running_cap)
+        self.lifecycle = Lifecycle(parts, self.escalation_rates)
+        self.preemption = Preemption(parts, self.reservation, self.handover.release_pins, self.lifecycle.forget)
+        self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap)
         self.batches = BatchFormer(config.scheduler, self.stats, policies.step_members)
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
