@@ -35,7 +35,7 @@ MODULES = (
     "orchestrator.core.scheduler", "orchestrator.core.admission", "orchestrator.core.batching",
     "orchestrator.core.handover", "orchestrator.core.lifecycle", "orchestrator.core.placement",
     "orchestrator.core.preemption", "orchestrator.core.request_queue", "orchestrator.core.reservation",
-    "orchestrator.core.snapshot", "orchestrator.core.escalation", "orchestrator.core.tiers",
+    "orchestrator.core.snapshot", "orchestrator.core.parts", "orchestrator.core.escalation", "orchestrator.core.tiers",
     "orchestrator.core.block_hash", "orchestrator.core.complexity", "orchestrator.core.events",
     "orchestrator.core.types", "orchestrator.core.kv_layout", "orchestrator.core.router",
     "eval.baseline.deployments",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 from orchestrator.core.events import EventKind
 from orchestrator.core.parts import SchedulerParts
@@ -15,7 +16,7 @@ class PriorityProgress:
     paid for a handover and a user is watching it stream); then the least progress (fewest generated tokens),
     then the cheapest recompute (fewest computed tokens), then the youngest."""
 
-    name = "priority_progress"
+    name: ClassVar[str] = "priority_progress"
 
     @staticmethod
     def key(s: Sequence) -> tuple:
@@ -26,7 +27,7 @@ class PriorityProgress:
 class Youngest:
     """The most recently admitted first (what a single-model server does)."""
 
-    name = "youngest"
+    name: ClassVar[str] = "youngest"
 
     @staticmethod
     def key(s: Sequence) -> tuple:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from orchestrator.core.config import SchedulerConfig
 from orchestrator.core.kv_cache import PrefixMatch
@@ -165,7 +165,7 @@ class Reservation(ABC):
     """The pool-demand arithmetic over the running set and the waiting queue. Subclasses say how much admission
     leaves free for the running requests' decode (reserved_pages, reserve_beside_running)."""
 
-    name = ""
+    name: ClassVar[str] = ""          # ClassVar: a compiled (mypyc) class keeps it on the class
 
     def __init__(self, parts: SchedulerParts) -> None:
         self.family, self.config, self.pool, self.kv = parts.family, parts.config, parts.pool, parts.kv
@@ -288,7 +288,7 @@ class PeakReservation(Reservation):
     are followed step by step (their growth, then their private pages back when they end), the others count at
     their expected remaining pages."""
 
-    name = "peak"
+    name: ClassVar[str] = "peak"
 
     def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
         """Pages reserved for the running requests' remaining decode in `member`'s pool.
@@ -367,7 +367,7 @@ class BlockReservation(Reservation):
     """Keep comparison.decode_reserve_blocks blocks free per admission, whatever the running requests will need (the
     watermark of a single-model server)."""
 
-    name = "block"
+    name: ClassVar[str] = "block"
 
     def __init__(self, parts: SchedulerParts) -> None:
         super().__init__(parts)
