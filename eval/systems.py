@@ -1,4 +1,4 @@
-"""The compared systems: MFS, the independent-deployment baseline and the ablations, and the static splits
+"""The compared systems: MFS, the separate-deployment baselines and the ablations, and the static splits
 (traffic share with floors for `no_shared_pool`; proportional to weight bytes, the operator's default; the
 baseline's own split comes from eval/baseline/split_search.py). Pages per request: KVCacheManager.pages_for_tokens."""
 from __future__ import annotations
@@ -7,17 +7,33 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.baseline.deployments import legacy_deployments_scheduler
+from eval.baseline.deployments import DEPLOYMENT_SCHEDULERS
 from orchestrator.core.config import MFSConfig, load_config
 from orchestrator.core.engine_core import SchedulerFactory
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
-SYSTEMS = ("mfs", "baseline", "no_affinity", "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing",
-           "mfs_single_server_policies")
-# The scheduler policies of a single-model server as the baseline runs it (no reservation of future decode
+SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "no_affinity",
+           "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing", "mfs_single_server_policies")
+# What separate deployments of the members are, against one family server: the only configuration in which the
+# fair baselines differ from MFS (tests/test_baseline_parity.py holds them to it). Every generic scheduler policy
+# (reservation, retraction, aging, victim order, swap to the host tier, the stall-aware step budget), the host
+# tier's total size and the engine are MFS's own; the deployments' scheduler policies (a placement that re-routes
+# what a slice cannot hold, a batch cap per deployment, turns on the device, sessions kept on their member) are
+# eval/baseline/deployments.py.
+DEPLOYMENTS = {
+    "comparison.cross_member_sharing": False,   # no KV shared across members
+    "comparison.reuse_shared_layers": False,    # an escalation starts the larger member from its first layer
+    "comparison.use_affinity": False,           # routing blind to what other members hold
+    "comparison.use_load": False,               # ... and to their load: complexity, then the session's member
+    "comparison.cold_handover": True,           # an escalation re-sends the conversation to another server
+    "comparison.warmup": False,                 # no server prefills for another one
+}
+# Baselines on a static split of the pool (baseline_elastic draws from one elastic pool instead).
+SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy")
+# The scheduler policies of a single-model server before MFS's global scheduler (no reservation of future decode
 # pages beyond a one-block watermark, preempt the newest, recompute, no aging, one chunked-prefill token budget
-# per step). mfs_single_server_policies is MFS with them and SINGLE_SERVER_ROUTING (an ablation).
+# per step): baseline_legacy keeps them, mfs_single_server_policies is MFS with them and SINGLE_SERVER_ROUTING.
 SINGLE_SERVER_POLICIES = {
     "comparison.decode_reservation": "block",
     "scheduler.aging_steps": None,
@@ -57,34 +73,25 @@ class StaticSplit:
 def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
                      baseline_split: dict[str, float] | None = None, host_tier_mb: float | None = None,
                      baseline_host_tier: bool = False) -> dict[str, Any]:
-    """Dotted config overrides for system `name` (same engine, same arena size for all). The baseline runs
+    """Dotted config overrides for system `name` (same engine, same arena size for all). The split baselines run
     on baseline_split when given (the searched split), else on split.
 
-    host_tier_mb: the node's host memory for the KV host tier (the simulator sizes it from the hardware), given
-    to every system that keeps a host tier; None leaves the config's own. The baseline has none, as its servers
-    run by default (TensorRT-LLM's kv_cache_host_memory_bytes is 0), unless baseline_host_tier: then its
-    deployments get the same host memory, as one LRU they share (no worse for them than fixed per-server shares
-    of the same total: the counter-check that MFS's gain is not just its host tier)."""
+    host_tier_mb: the node's host memory for the KV host tier (the simulator sizes it from the hardware), given to
+    every system that keeps a host tier; None leaves the config's own. The fair baselines keep the same total as
+    MFS, as one LRU their deployments share (no worse for them than fixed per-server parts of the same total).
+    baseline_legacy has none, as servers run by default (TensorRT-LLM's kv_cache_host_memory_bytes is 0), unless
+    baseline_host_tier."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
     base: dict[str, Any] = {"pool.num_pages": num_pages}
-    if name in ("baseline", "no_shared_pool") and split is None:
+    if name in (*SPLIT_BASELINES, "no_shared_pool") and split is None:
         raise ValueError(f"system {name!r} needs the static split")
-    if name == "baseline":
-        # Independent deployments: a fixed slice of the memory each, each its own server (batch cap, step
-        # budget, turns on the device, re-routes what its slice cannot hold), routing on complexity only,
-        # escalation re-submits the whole conversation to a cold larger member, no tiers, no sharing.
-        base.update({
-            "comparison.static_split": dict(baseline_split or split),
-            "comparison.cross_member_sharing": False,
-            "pool.disk_tier_mb": 0.0,
-            "comparison.use_affinity": False,
-            "comparison.use_load": False,
-            "comparison.cold_handover": True,
-            "comparison.warmup": False,
-            "comparison.reuse_shared_layers": False,   # separate deployments share no layers
-            **SINGLE_SERVER_POLICIES,
-        })
+    if name in SPLIT_BASELINES:
+        base.update({"comparison.static_split": dict(baseline_split or split), **DEPLOYMENTS})
+    if name == "baseline_elastic":
+        base.update(DEPLOYMENTS)
+    elif name == "baseline_legacy":
+        base.update({"pool.disk_tier_mb": 0.0, **SINGLE_SERVER_POLICIES})
         if not baseline_host_tier:
             base["pool.host_tier_mb"] = 0.0
     elif name == "mfs_single_server_policies":
@@ -105,8 +112,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
 
 
 def system_scheduler(name: str) -> SchedulerFactory | None:
-    """The scheduler system `name` runs, when it is not MFS's own: the baseline's independent deployments."""
-    return legacy_deployments_scheduler if name == "baseline" else None
+    """The scheduler system `name` runs when it is not MFS's own: the baselines' separate deployments."""
+    return DEPLOYMENT_SCHEDULERS.get(name)
 
 
 def system_config(name: str, family: str, num_pages: int, split: dict[str, float] | None,
@@ -157,7 +164,7 @@ def proportional_split(family: FamilySpec) -> dict[str, float]:
 
 
 def needs_split(names: Iterable[str]) -> bool:
-    return any(n in ("baseline", "no_shared_pool") for n in names)
+    return any(n in (*SPLIT_BASELINES, "no_shared_pool") for n in names)
 
 
 def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], config: MFSConfig,

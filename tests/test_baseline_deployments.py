@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval.baseline.deployments import LegacyDeployments, legacy_deployments_scheduler
+from eval.baseline.deployments import Deployments, deployments_scheduler
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
@@ -20,11 +20,11 @@ BASELINE = {"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.
 
 def deployments(low_confidence=(), **overrides) -> Harness:
     h = Harness(low_confidence=low_confidence, **{**BASELINE, **overrides})
-    h.scheduler = legacy_deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
+    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()), sticky=False)
     return h
 
 
-def deployments_of(h: Harness) -> LegacyDeployments:
+def deployments_of(h: Harness) -> Deployments:
     return h.scheduler.placement
 
 
@@ -107,4 +107,49 @@ def test_escalation_only_to_a_deployment_that_can_hold_the_request():
 def test_independent_deployments_need_a_static_split():
     h = Harness()
     with pytest.raises(ValueError, match="static_split"):
-        legacy_deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
+        deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()), sticky=False)
+
+
+def submit_session(h: Harness, rid: str, session: str, num_prompt_tokens: int, complexity: float, start: int = 10):
+    request = Request(request_id=RequestId(rid), prompt_token_ids=list(range(start, start + num_prompt_tokens)),
+                      sampling=SamplingParams(max_tokens=4, ignore_eos=True), arrival_s=h.now,
+                      complexity_hint=complexity, session_id=session)
+    return h.scheduler.add_request(request, h.now)
+
+
+def sticky_deployments(**overrides) -> Harness:
+    h = Harness(**{**BASELINE, **overrides})
+    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
+    return h
+
+
+def test_a_session_stays_on_the_member_of_its_first_turn_while_that_member_can_hold_it():
+    h = sticky_deployments(**{"comparison.static_split": {"s": 0.1, "m": 0.3, "l": 0.6}})   # s 12, m 36, l 72 pages
+    assert submit_session(h, "t0", "chat", 8, complexity=0.1).member == "s"
+    h.run()
+    later = submit_session(h, "t1", "chat", 12, complexity=0.9)            # would route to l on its own
+    assert later.member == "s" and later.reason.startswith("session kept on s")
+    h.run()
+    # a turn the first member cannot hold goes where routing and placement send it: 28 + 4 tokens are 8 blocks,
+    # 16 pages on s (> 12), 48 on l (<= 72)
+    too_long = submit_session(h, "t2", "chat", 28, complexity=0.9, start=100)
+    assert too_long.member == "l" and not too_long.reason.startswith("session kept")
+    # another session, and per-turn routing, are not kept
+    assert submit_session(h, "u0", "other", 8, complexity=0.9, start=300).member == "l"
+    per_turn = deployments()
+    submit_session(per_turn, "t0", "chat", 8, complexity=0.1)
+    assert submit_session(per_turn, "t1", "chat", 12, complexity=0.9, start=40).member == "l"
+
+
+def test_elastic_deployments_draw_from_one_pool():
+    elastic = {k: v for k, v in BASELINE.items() if k != "comparison.static_split"}
+    h = Harness(**elastic)
+    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()),
+                                        elastic=True)
+    # 20 + 8 tokens on l: 42 pages, more than l's static slice (30) but within the pool (120): no re-route
+    decision = submit(h, "big", 20, complexity=0.9)
+    assert decision.member == "l" and decision.rerouted_from is None
+    h.run()
+    assert len(h.tokens("big")) == 8 and h.pool.num_used_pages() == 0
+    with pytest.raises(ValueError, match="elastic"):
+        deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))   # no split

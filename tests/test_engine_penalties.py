@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from engines.local.sampler import Sampler
-from engines.local.speculation import speculating
 from orchestrator.core.types import RequestId, SamplingParams, SeqChunk
 
 VOCAB = 16
@@ -90,10 +89,3 @@ def test_frequency_penalty_breaks_a_greedy_loop_and_a_rollback_forgets_the_dropp
     sampler.release([RequestId("r")])
     assert RequestId("r") not in sampler._generated
 
-
-def test_a_penalized_decode_does_not_draft():
-    chunk = _chunk("r", 3, presence_penalty=0.5)
-    chunk.draft_tokens = 2
-    assert not speculating(chunk)
-    chunk.sampling = SamplingParams()
-    assert speculating(chunk)

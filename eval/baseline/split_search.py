@@ -10,7 +10,7 @@ SIMULATED (cost model, used only to rank splits; every figure it produces is lab
 - pages per request: KVCacheManager.pages_for_tokens (the one rule); a request needs its pages for
   prompt + tokens so far + one reserve block, grows by block, and preempts the youngest of its deployment
   (recompute) when its slice is short;
-- routing on complexity alone (Router.adequate_member), re-routed as eval.baseline.deployments.LegacyDeployments.placement does;
+- routing on complexity alone (Router.adequate_member), re-routed as eval.baseline.deployments.Deployments.placement does;
 - escalations: the pilot run's (the same request escalated after the same number of tokens, to the same
   member) when the request starts where it started in the pilot; cold handover (the whole prefix
   recomputed on the target); skipped when the target slice cannot hold the request;

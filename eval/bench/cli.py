@@ -21,8 +21,8 @@ from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, pa
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
-from eval.systems import (DEFAULT_SYSTEMS, SYSTEMS, RoutedRequest, StaticSplit, best_static_split, needs_split,
-                          system_config, system_scheduler)
+from eval.systems import (DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
+                          needs_split, system_config, system_scheduler)
 from eval.bench.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
                                   trace_digest, with_history)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
@@ -69,7 +69,7 @@ class BenchSettings:
     slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
     slo_tpot_s: float | None = None
     baseline_split: str = "search"         # search | proportional | traffic | "member=fraction,..." (fixed)
-    baseline_host_tier: bool = False       # the baseline's deployments get MFS's host tier too (counter-check)
+    baseline_host_tier: bool = False       # baseline_legacy's deployments get MFS's host tier too (counter-check)
     record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
     @classmethod
@@ -217,14 +217,15 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.trace_file and trace.spec.rate_sessions_per_s in rates:
         headline = trace.spec.rate_sessions_per_s
     configs: dict[str, Any] = {}
-    pilot = "baseline" in settings.systems and runs_pilot(settings.baseline_split)
+    split_baselines = [n for n in settings.systems if n in SPLIT_BASELINES]
+    pilot = bool(split_baselines) and runs_pilot(settings.baseline_split)
     progress = _progress(settings, trace, len(rates) + (1 / len(settings.systems) if pilot else 0))
     points: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
     baseline_split, about_split = None, {}
     recorded = []          # every reply, for --record-confidences
     try:
-        if "baseline" in settings.systems:
+        if split_baselines:
             def run_pilot(fractions: dict[str, float], rate: float):
                 config = config_for("baseline", settings, split, fractions)
                 on_done = (lambda _r: progress.update(1)) if progress is not None else None
@@ -310,14 +311,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
                         help="SLO: p90 TPOT within this multiple of the lightest-rate baseline's p50 TPOT")
     parser.add_argument("--baseline-split", type=_split_mode, default="search", metavar="MODE|MEMBER=F,...",
-                        help="the baseline's static split: search (default: the best of a simulated search, see "
-                             "docs/BENCHMARKS.md 7.4), proportional (to weight bytes), traffic (share of routed "
+                        help="the split baselines' static split: search (default: the best of a simulated search, see "
+                             "docs/BENCHMARKS.md, Method), proportional (to weight bytes), traffic (share of routed "
                              "tokens x layers with floors), or fixed fractions of the pool per "
                              "member, e.g. tiny-s=0.2,tiny-m=0.3,tiny-l=0.5 (no pilot, no search)")
     parser.add_argument("--baseline-host-tier", action="store_true",
-                        help="give the baseline's deployments the same host KV tier as MFS (one LRU they share; "
-                             "by default they have none, as TensorRT-LLM servers run by default): the check that "
-                             "MFS's gain is not its host tier alone")
+                        help="give baseline_legacy's deployments the same host KV tier as MFS (the fair baselines "
+                             "always have it; by default baseline_legacy has none, as TensorRT-LLM servers run)")
     parser.add_argument("--slo-ttft-s", type=float, default=None, help="absolute p90 TTFT limit (with --slo-tpot-s)")
     parser.add_argument("--slo-tpot-s", type=float, default=None, help="absolute p90 TPOT limit (with --slo-ttft-s)")
     parser.add_argument("--sessions", type=int, default=None)

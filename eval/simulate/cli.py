@@ -33,7 +33,7 @@ from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
-from eval.systems import needs_split, system_config, system_scheduler
+from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, trace_digest,
                                   with_history)
 from eval.simulate import compiled
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-tier-gib", type=float, default=None, metavar="GIB",
                         help=f"host memory for the KV host tier per GPU of a node, paper-scale families (default "
                              f"{HOST_TIER_GIB_PER_GPU:g}: half a DGX H100/H200's share; 0: none); systems without a "
-                             "host tier (the baseline, unless --baseline-host-tier) keep none")
+                             "host tier (baseline_legacy, unless --baseline-host-tier) keep none")
     parser.add_argument("--serial-saves", action="store_true",
                         help="paper-scale families: charge copies of evicted pages to the host tier before the step "
                              "(as the local engine does) instead of beside its compute on the GPU's copy stream "
@@ -200,7 +200,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
                           confidences: Confidences, tokenizer) -> dict[str, Any]:
     """The bench's own baseline split (eval/baseline/split.py), with the pilot simulated: the baseline on the
     operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
-    solo decode steps. Replaces configs["baseline"]; returns what the JSON says about the split."""
+    solo decode steps. Replaces the split baselines' configs; returns what the JSON says about the split."""
     family = setup.family or load_family(settings.family)
     extra = {**setup.overrides, **settings.extra_overrides}
 
@@ -217,7 +217,11 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
 
     chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
                                           split, complexity_estimator(tokenizer), run_pilot)
-    configs["baseline"] = config_on(chosen)
+    for name in configs:
+        if name in SPLIT_BASELINES:
+            configs[name] = system_config(name, settings.family, setup.num_pages, chosen, extra,
+                                          host_tier_mb=setup.host_tier_mb,
+                                          baseline_host_tier=settings.baseline_host_tier)
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
 
@@ -294,9 +298,10 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     confidences = load_confidences(args, settings, setup, tiny)
     configs, split = system_configs(setup, settings, trace, tokenizer)
     sim_started = time.perf_counter()
-    about_split: dict[str, Any] = {"baseline_split_mode": None if "baseline" not in configs else
+    split_baselines = [n for n in configs if n in SPLIT_BASELINES]
+    about_split: dict[str, Any] = {"baseline_split_mode": None if not split_baselines else
                                    "placement" if setup.split is not None else "traffic"}
-    if "baseline" in configs and setup.split is None and settings.baseline_split != "traffic":
+    if split_baselines and setup.split is None and settings.baseline_split != "traffic":
         about_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer)
     points = []
     for rate in rates:
@@ -311,9 +316,9 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                  "is a measurement")
     notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served")
     if setup.host_tier_mb is not None:
-        notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for the systems that keep one; the "
-                     "baseline: " + ("the same, as one LRU its deployments share (--baseline-host-tier)"
-                                     if settings.baseline_host_tier else "none (its servers' default)")
+        notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for every system that keeps one (the "
+                     "fair baselines: as one LRU their deployments share); baseline_legacy: "
+                     + ("the same (--baseline-host-tier)" if settings.baseline_host_tier else "none (its servers' default)")
                      + ("; copies of evicted pages to it run beside the step's compute (the GPU's copy stream; "
                         "--serial-saves charges them before the step)" if setup.cost.saves_overlap
                         else "; copies to and from it are charged in the step"))

@@ -1,0 +1,69 @@
+"""The fair baselines differ from MFS only in what MFS is (eval/systems.py DEPLOYMENTS and the static split):
+every generic scheduler policy, the host tier's size and the engine are MFS's own."""
+from __future__ import annotations
+
+from typing import Any
+
+from eval.systems import DEPLOYMENTS, SYSTEMS, system_config, system_scheduler
+from orchestrator.core.config import config_to_dict
+
+SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
+FAIR = ("baseline", "baseline_per_turn", "baseline_elastic")
+# One pool against a slice per deployment, no KV reuse across members, family-wide routing, warm handovers:
+# the settings in which a fair baseline may differ from MFS. Nothing else.
+WHAT_MFS_IS = frozenset({"comparison.static_split", *DEPLOYMENTS})
+
+
+def flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and not (prefix.endswith("static_split") or prefix.endswith("profiles")):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flat(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    return {prefix: data}
+
+
+def differing(name: str, **kwargs) -> set[str]:
+    mfs = flat(config_to_dict(system_config("mfs", "tiny", 768, SPLIT, **kwargs)))
+    other = flat(config_to_dict(system_config(name, "tiny", 768, SPLIT, **kwargs)))
+    return {k for k in mfs.keys() | other.keys() if mfs.get(k) != other.get(k)}
+
+
+def test_a_fair_baseline_differs_from_mfs_only_in_what_mfs_is():
+    for name in FAIR:
+        for host_tier_mb in (None, 512.0):
+            extra = differing(name, host_tier_mb=host_tier_mb)
+            assert extra <= WHAT_MFS_IS, f"{name} differs from mfs in {sorted(extra - WHAT_MFS_IS)}"
+            assert extra >= set(DEPLOYMENTS), f"{name} is missing part of what separate deployments are"
+    assert "comparison.static_split" not in differing("baseline_elastic")       # one pool, as MFS
+    assert "comparison.static_split" in differing("baseline")
+
+
+def test_the_legacy_baseline_is_not_held_to_parity_and_is_not_a_default():
+    extra = differing("baseline_legacy")
+    assert {"comparison.victim_order", "comparison.decode_reservation", "scheduler.aging_steps",
+            "pool.host_tier_mb"} <= extra
+    assert "baseline_legacy" in SYSTEMS
+
+
+def test_every_fair_baseline_runs_the_cores_scheduler_with_mfs_policies_but_the_deployments():
+    """Same reservation, preemption and admission classes as MFS; only placement, the running cap and the step
+    members are the deployments' (what one scheduler across members is)."""
+    from orchestrator.core.complexity import ComplexityEstimator
+    from orchestrator.core.engine_core import EngineCore
+    from orchestrator.core.family import load_family
+    from tests.fakes import fake_vocab
+
+    family = load_family("tiny")
+    cores = {}
+    for name in ("mfs", *FAIR):
+        config = system_config(name, "tiny", 768, SPLIT)
+        cores[name] = EngineCore(config, family, ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
+                                 scheduler_factory=system_scheduler(name)).scheduler
+    mfs = cores["mfs"]
+    for name in FAIR:
+        other = cores[name]
+        for part in ("reservation", "preemption", "admission", "handover", "lifecycle"):
+            assert type(getattr(other, part)) is type(getattr(mfs, part)), (name, part)
+        assert type(other.placement).__name__ == "Deployments"
+    assert system_scheduler("mfs") is None
