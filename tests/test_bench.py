@@ -104,16 +104,23 @@ def test_system_knobs():
     assert mfs.pool.host_tier_mb == default.pool.host_tier_mb and mfs.comparison.cross_member_sharing
     b = cfg["baseline"]
     assert b.comparison.static_split == SPLIT and not b.comparison.cross_member_sharing
-    # only the baseline runs as independent deployments (the core's scheduler with eval's deployment policies)
-    assert [n for n in SYSTEMS if system_scheduler(n) is not None] == ["baseline"]
+    # only the baselines run as separate deployments (the core's scheduler with eval's deployment policies)
+    assert [n for n in SYSTEMS if system_scheduler(n) is not None] == \
+        ["baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy"]
     searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
-    assert system_config("baseline", "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == searched
+    for name in ("baseline", "baseline_per_turn", "baseline_legacy"):
+        assert system_config(name, "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == searched
+    assert cfg["baseline_elastic"].comparison.static_split is None
     assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == SPLIT
-    assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (0.0, 0.0)
-    # --baseline-host-tier: the deployments get MFS's host tier (the config's, or the node's when given); no disk
-    hosted = system_config("baseline", "tiny", 256, SPLIT, baseline_host_tier=True)
+    # the fair baselines keep MFS's host tier (the config's, or the node's when given); baseline_legacy has none
+    assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (default.pool.host_tier_mb, 0.0)
+    assert system_config("baseline", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 512.0
+    legacy = cfg["baseline_legacy"]
+    assert (legacy.pool.host_tier_mb, legacy.pool.disk_tier_mb) == (0.0, 0.0)
+    # --baseline-host-tier: baseline_legacy's deployments get MFS's host tier too
+    hosted = system_config("baseline_legacy", "tiny", 256, SPLIT, baseline_host_tier=True)
     assert (hosted.pool.host_tier_mb, hosted.pool.disk_tier_mb) == (default.pool.host_tier_mb, 0.0)
-    assert system_config("baseline", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 0.0
+    assert system_config("baseline_legacy", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 0.0
     assert system_config("mfs", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 512.0
     assert system_config("no_tiers", "tiny", 256, SPLIT, host_tier_mb=512.0).pool.host_tier_mb == 0.0
     assert not b.comparison.use_affinity and not b.comparison.use_load
@@ -126,15 +133,16 @@ def test_system_knobs():
     nls = cfg["no_layer_sharing"]
     assert not nls.comparison.cross_member_sharing and not nls.comparison.reuse_shared_layers
     assert nls.comparison.static_split is None and nls.comparison.use_affinity
-    # The baseline runs a single-model server's scheduler policies; mfs_single_server_policies is MFS with
-    # them and routing without load terms; mfs gets the defaults.
-    for name in ("baseline", "mfs_single_server_policies"):
+    # baseline_legacy runs a single-model server's older scheduler policies; mfs_single_server_policies is MFS with
+    # them and routing without load terms; mfs and the fair baselines get the defaults (tests/test_baseline_parity.py).
+    for name in ("baseline_legacy", "mfs_single_server_policies"):
         sched, compare = cfg[name].scheduler, cfg[name].comparison
         assert (compare.decode_reservation, sched.aging_steps, compare.victim_order, sched.decode_step_token_budget) == \
             ("block", None, "youngest", None)
     single = cfg["mfs_single_server_policies"]
     assert single.router.session_bonus == 0.2 and single.comparison.static_split is None
-    assert (mfs.comparison.decode_reservation, mfs.comparison.victim_order) == ("peak", "priority_progress")
+    for name in ("mfs", "baseline", "baseline_elastic", "baseline_per_turn"):
+        assert (cfg[name].comparison.decode_reservation, cfg[name].comparison.victim_order) == ("peak", "priority_progress")
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
 
@@ -242,7 +250,7 @@ class FakeEngine:
 def test_replay_sends_turns_in_order_with_greedy_ignore_eos():
     from eval.bench.cli import replay
 
-    spec = WorkloadSpec(num_sessions=2)
+    spec = WorkloadSpec(num_sessions=2, lengths="exact")       # every reply the dataset's length
     sessions = [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 3, 0.0, [1, 2, 3]),
                                                   Turn([1, 2, 3, 40, 41, 42, 4, 5], 2, 0.05, [4, 5])]),
                 Session("s1", "short", "c1", [Turn([1, 9], 4, 0.0, [1, 9])])]

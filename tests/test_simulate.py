@@ -371,7 +371,7 @@ def trace_of(sessions, arrivals, history="dataset"):
     history it is the user part that follows the previous prompt and the reply this system generated."""
     from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec
 
-    return Trace(spec=WorkloadSpec(history=history), arrival_times_s=list(arrivals),
+    return Trace(spec=WorkloadSpec(history=history, lengths="exact"), arrival_times_s=list(arrivals),
                  sessions=[Session(f"s{i}", "multiturn", f"c{i}",
                                    [Turn(list(p), n, think, user_token_ids=list(p)) for p, n, think in turns])
                            for i, turns in enumerate(sessions)])
@@ -605,13 +605,16 @@ def test_a_gpu_familys_one_engine_may_run_as_many_sequences_as_the_independent_d
         sched = configs[name].scheduler
         assert sched.decode_step_token_budget is None and sched.max_batch_tokens == GPU_SCHEDULER["scheduler.max_batch_tokens"]
     # The host tier is the node's (128 GiB per GPU by default, one GPU here), not the tiny config's 256 MB; the
-    # baseline's servers have none unless asked, then the same
+    # fair baseline has the same; baseline_legacy's servers have none unless asked, then the same
     assert setup.host_tier_mb == 128 * 1024 and setup.memory["host_tier_gib"] == 128
-    assert configs["mfs"].pool.host_tier_mb == 128 * 1024 and configs["baseline"].pool.host_tier_mb == 0
-    both, _ = system_configs(setup, replace(settings, baseline_host_tier=True), trace_of([[(PROMPT, 4, 0.0)]], [0.0]),
+    assert configs["mfs"].pool.host_tier_mb == configs["baseline"].pool.host_tier_mb == 128 * 1024
+    legacy = replace(settings, systems=("mfs", "baseline_legacy"))
+    plain, _ = system_configs(setup, legacy, trace_of([[(PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
+    assert plain["baseline_legacy"].pool.host_tier_mb == 0
+    both, _ = system_configs(setup, replace(legacy, baseline_host_tier=True), trace_of([[(PROMPT, 4, 0.0)]], [0.0]),
                              tokenizer=_tokenizer())
-    assert both["baseline"].pool.host_tier_mb == both["mfs"].pool.host_tier_mb == 128 * 1024
-    assert both["baseline"].pool.disk_tier_mb == 0
+    assert both["baseline_legacy"].pool.host_tier_mb == both["mfs"].pool.host_tier_mb == 128 * 1024
+    assert both["baseline_legacy"].pool.disk_tier_mb == 0
     none = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("per-member"), str(tmp_path / "t.json"),
                        host_tier_gib_per_gpu=0)
     assert none.host_tier_mb == 0
@@ -716,3 +719,31 @@ def test_a_paper_scale_trace_is_rebuilt_byte_for_byte_by_its_command_and_named_i
         assert digests[-1] == hashlib.sha256(trace.read_bytes()).hexdigest()
     assert digests[0] == digests[1]
     assert (tmp_path / "a_trace.json").read_bytes() == (tmp_path / "b_trace.json").read_bytes()
+
+
+def test_natural_lengths_end_each_simulated_reply_where_the_datasets_did_and_send_the_cap():
+    """No length oracle: a natural-length request carries the trace's cap and no ignore_eos; the simulated
+    engine ends it with EOS after the dataset reply's length (turns that reached the cap end at the cap)."""
+    from eval.bench.sessions import ClosedLoopSessions
+    from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec, natural_lengths, with_lengths
+    from eval.simulate.confidence import request_key
+
+    spec = WorkloadSpec(num_sessions=1, max_output_tokens=8)
+    trace = Trace(spec, [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 5, 0.0, [1, 2, 3]),
+                                                           Turn([1, 2, 3, 9], 8, 0.0, [9])])], [0.0])
+    assert trace.spec.lengths == "natural"
+    assert natural_lengths(trace, request_key) == {"s0-t0": 5}          # the second reply reached the cap
+    record, request = ClosedLoopSessions(trace, "x").start_turn(0, 0, 0.0, 0.0)
+    assert request.sampling.max_tokens == 8 and not request.sampling.ignore_eos
+    exact = with_lengths(trace, "exact")
+    assert natural_lengths(exact, request_key) == {}
+    _, request = ClosedLoopSessions(exact, "x").start_turn(0, 0, 0.0, 0.0)
+    assert request.sampling.max_tokens == 5 and request.sampling.ignore_eos
+
+    family = nested_family()
+    executor = SimExecutor(family, 64, 1024, FakeCost(), library(members=("s", "m", "l")), vocab_size=50,
+                           request_keys={"r": "s0-t0"}, natural_lengths={"s0-t0": 5})
+    eos = family.member("s").eos_token_ids[0]
+    tokens = [executor.execute(StepPlan(batches=[MemberBatch("s", [chunk("r", 9 + p, 1, generated=p)])]))[0].token_id
+              for p in range(7)]
+    assert tokens[5] == eos and eos not in tokens[:5] and tokens[6] != eos

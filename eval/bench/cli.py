@@ -23,8 +23,8 @@ from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
 from eval.systems import (DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
                           needs_split, system_config, system_scheduler)
-from eval.bench.workloads import (HISTORIES, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace,
-                                  trace_digest, with_history)
+from eval.bench.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
+                                  load_trace, save_trace, trace_digest, with_history, with_lengths)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
@@ -63,6 +63,7 @@ class BenchSettings:
     trace_file: str | None = None          # replay this saved trace instead of building one from ShareGPT
     save_trace: str | None = None          # write the trace used (built or loaded) here
     history: str | None = None             # closed | dataset; None: closed for a built trace, a file's own
+    lengths: str | None = None             # natural | exact; None: natural for a built trace, a file's own
     rates: tuple[float, ...] | None = None  # the load curve: session arrival rates (None: `rate` only)
     slo_ttft_x: float = TTFT_SLO_X         # SLO: p90 TTFT within this x the lightest-rate baseline's p50 TTFT
     slo_tpot_x: float = TPOT_SLO_X         # and p90 TPOT within this x its p50 TPOT
@@ -92,7 +93,8 @@ def make_trace(settings: BenchSettings, tokenizer: FamilyTokenizer, family: Fami
                         seed=settings.seed, context_tokens=context,
                         max_prompt_tokens=min(settings.max_prompt_tokens, context),
                         max_output_tokens=settings.max_output_tokens, max_turns=settings.max_turns,
-                        mean_think_time_s=settings.think_s, history=settings.history or "closed")
+                        mean_think_time_s=settings.think_s, history=settings.history or "closed",
+                        lengths=settings.lengths or "natural")
     return build_trace(spec, tokenizer)
 
 
@@ -154,6 +156,8 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
         trace = load_trace(settings.trace_file, tokenizer_hash)
         if settings.history:
             trace = with_history(trace, settings.history)
+        if settings.lengths:
+            trace = with_lengths(trace, settings.lengths)
     else:
         trace = make_trace(settings, tokenizer, family)
     if settings.save_trace:
@@ -306,6 +310,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history", choices=HISTORIES, default=None,
                         help="closed (default): each turn re-sends the reply this system generated; "
                              "dataset: re-sends ShareGPT's reply (an open-loop replay)")
+    parser.add_argument("--lengths", choices=LENGTHS, default=None,
+                        help="natural (default): EOS ends a reply, max_tokens is the cap (--max-output-tokens) as "
+                             "chat clients send it; exact: every reply has the dataset reply's length (ignore_eos), "
+                             "the same work for every system")
     parser.add_argument("--slo-ttft-x", type=float, default=TTFT_SLO_X,
                         help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
     parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
@@ -385,7 +393,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
-                   history=args.history, baseline_split=args.baseline_split,
+                   history=args.history, lengths=args.lengths, baseline_split=args.baseline_split,
                    baseline_host_tier=args.baseline_host_tier, slo_ttft_x=args.slo_ttft_x,
                    slo_tpot_x=args.slo_tpot_x, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                    record_confidences=getattr(args, "record_confidences", None), **chosen)

@@ -22,8 +22,10 @@ class ClosedLoopSessions:
                    **request_fields: Any) -> tuple[RequestRecord, Request | None]:
         """Turn k of session `index`, sent at now_s (replay time): its record and its request, or None when the
         session has ended (closed history and the previous turn failed: a chat client has no reply to send back;
-        the record says so and counts as failed, and the session sends no further turn). Every request is greedy
-        with ignore_eos and max_tokens = the trace's reply length, so every system generates the same lengths."""
+        the record says so and counts as failed, and the session sends no further turn). Every request is greedy.
+        Natural lengths (the trace's `lengths`): EOS ends the reply and max_tokens is the trace's cap, as a chat
+        client sends it, so no system knows a reply's length in advance; exact: ignore_eos and max_tokens = the
+        dataset reply's length, so every system generates the same lengths."""
         session = self.trace.sessions[index]
         turn = session.turns[k]
         last = self._previous.get(index)
@@ -38,9 +40,15 @@ class ClosedLoopSessions:
             record.error = f"session ended: turn {k - 1} failed"
             return record, None
         request = Request(request_id=RequestId(f"{self.tag}-{session.session_id}-t{k}"), prompt_token_ids=list(prompt),
-                          sampling=SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True),
+                          sampling=self._sampling(turn.max_tokens),
                           arrival_s=arrival_s, session_id=session.session_id, **request_fields)
         return record, request
+
+
+    def _sampling(self, reply_tokens: int) -> SamplingParams:
+        if self.trace.spec.lengths == "exact":
+            return SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=self.trace.spec.max_output_tokens, temperature=0.0)
 
 
 def record_output(record: RequestRecord, out: RequestOutput, now: float) -> None:

@@ -21,6 +21,9 @@ from orchestrator.serve.tokenizer import FamilyTokenizer
 
 WORKLOADS = ("multiturn", "mixed", "single")
 HISTORIES = ("closed", "dataset")
+# natural: EOS ends a reply and max_tokens is the cap, as chat clients send it; exact: every reply has the
+# dataset reply's length (ignore_eos, max_tokens = that length), for paired comparisons of the same work.
+LENGTHS = ("natural", "exact")
 SESSION_KINDS = ("multiturn", "short", "long")
 # `mixed`: fixed proportions of short single-turn, long single-turn and multi-turn sessions.
 MIXED_PROPORTIONS = {"short": 0.3, "long": 0.2, "multiturn": 0.5}
@@ -42,6 +45,7 @@ class WorkloadSpec:
     long_min_prompt_tokens: int = 256     # a `long` single-turn prompt is at least this long
     conversation_pool: int = 1500         # ShareGPT conversations read (then shuffled with the seed)
     history: str = "closed"               # closed: the system's own replies go back; dataset: ShareGPT's
+    lengths: str = "natural"              # natural | exact (LENGTHS)
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -50,6 +54,8 @@ class WorkloadSpec:
             raise ValueError("num_sessions and rate_sessions_per_s must be positive")
         if self.history not in HISTORIES:
             raise ValueError(f"history {self.history!r}: expected one of {', '.join(HISTORIES)}")
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"lengths {self.lengths!r}: expected one of {', '.join(LENGTHS)}")
 
 
 @dataclass(slots=True)
@@ -124,7 +130,7 @@ class Trace:
                 "num_requests": self.num_requests, "rate_sessions_per_s": self.spec.rate_sessions_per_s,
                 "mean_think_time_s": self.spec.mean_think_time_s, "max_output_tokens": self.spec.max_output_tokens,
                 "max_prompt_tokens": self.spec.max_prompt_tokens, "context_tokens": self.spec.context_tokens,
-                "history": self.spec.history, "max_turns": self.spec.max_turns,
+                "history": self.spec.history, "lengths": self.spec.lengths, "max_turns": self.spec.max_turns,
                 "sessions_by_kind": kinds, "prompt_tokens_total": sum(prompts),
                 # what the context and the caps do to the sessions (docs/BENCHMARKS.md 7.5)
                 "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
@@ -215,6 +221,24 @@ def with_history(trace: Trace, history: str) -> Trace:
         raise TraceFileError("this trace holds no user turns (format 1): only --history dataset can replay it")
     return Trace(spec=replace(trace.spec, history=history), sessions=trace.sessions,
                  arrival_times_s=list(trace.arrival_times_s), notes=list(trace.notes))
+
+
+def with_lengths(trace: Trace, lengths: str) -> Trace:
+    """The same trace replayed with natural or exact reply lengths (LENGTHS)."""
+    if lengths == trace.spec.lengths:
+        return trace
+    return Trace(spec=replace(trace.spec, lengths=lengths), sessions=trace.sessions,
+                 arrival_times_s=list(trace.arrival_times_s), notes=list(trace.notes))
+
+
+def natural_lengths(trace: Trace, request_key) -> dict[str, int]:
+    """request key -> the dataset reply's length, for the turns whose reply ended before the cap: where a
+    simulated reply of natural length ends (its EOS follows that many tokens)."""
+    if trace.spec.lengths != "natural":
+        return {}
+    cap = trace.spec.max_output_tokens
+    return {request_key(s.session_id, k): t.max_tokens for s in trace.sessions for k, t in enumerate(s.turns)
+            if t.max_tokens < cap}
 
 
 def kind_counts(name: str, num_sessions: int) -> dict[str, int]:

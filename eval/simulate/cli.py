@@ -24,7 +24,7 @@ from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments,
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.quality import member_token_share
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
-from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary, Confidences
+from eval.simulate.confidence import DEFAULT_LIBRARY, request_key, ConfidenceFileError, ConfidenceLibrary, Confidences
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
@@ -34,8 +34,8 @@ from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
 from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
-from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, save_trace, trace_digest,
-                                  with_history)
+from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, natural_lengths,
+                                  save_trace, trace_digest, with_history, with_lengths)
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
@@ -120,6 +120,8 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
         trace = load_trace(settings.trace_file, tokenizer_hash)
         if settings.history:
             trace = with_history(trace, settings.history)
+        if settings.lengths:
+            trace = with_lengths(trace, settings.lengths)
     else:
         context = min(4 * settings.max_prompt_tokens, 40960) if setup.family is not None else min(
             m.context_tokens for m in load_family(settings.family).members)
@@ -128,7 +130,7 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
                             max_prompt_tokens=min(settings.max_prompt_tokens, context),
                             max_output_tokens=settings.max_output_tokens, max_turns=settings.max_turns,
                             mean_think_time_s=settings.think_s, conversation_pool=max(1500, 3 * settings.sessions),
-                            history=settings.history or "closed")
+                            history=settings.history or "closed", lengths=settings.lengths or "natural")
         trace = build_trace(spec, tokenizer)
     if settings.save_trace:
         save_trace(trace, settings.save_trace, tokenizer_hash)
@@ -168,9 +170,11 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     keep_nodes: see driver.simulate (a forked worker's shortcut past freeing the nodes).
     scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
     scheduler_factory = scheduler_factory or system_scheduler(name)
+    lengths = natural_lengths(trace, request_key)
+
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
-                           members_in_parallel=setup.members_in_parallel, replies=replies)
+                           members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths)
 
     def make_nodes(clock, events, on_output):
         return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory)

@@ -31,7 +31,8 @@ class SimExecutor:
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, cost: CostModel,
                  confidences: Confidences, vocab_size: int, members_in_parallel: bool = False,
                  request_keys: dict[str, str] | None = None,
-                 replies: Mapping[str, Sequence[int]] | None = None) -> None:
+                 replies: Mapping[str, Sequence[int]] | None = None,
+                 natural_lengths: Mapping[str, int] | None = None) -> None:
         self.family = family
         self.num_pages = num_pages
         self.page_bytes = page_bytes
@@ -41,6 +42,9 @@ class SimExecutor:
         self.members_in_parallel = members_in_parallel
         self.request_keys = request_keys if request_keys is not None else {}
         self.replies = replies or {}             # request key -> a real run's reply (token ids), replayed
+        # request key -> tokens before its EOS (natural lengths: a reply ends where the dataset's did)
+        self.natural_lengths = natural_lengths or {}
+        self._eos = {m.name: (m.eos_token_ids[0] if m.eos_token_ids else None) for m in family.members}
         self._zero_page = bytes(page_bytes)
         self._key_crc: dict[str, int] = {}      # request key -> CRC-32 of its bytes (the token stream's prefix)
         self._save_bytes = 0                    # arena -> host tier since the last step (read_page)
@@ -97,7 +101,7 @@ class SimExecutor:
         self.num_steps += 1
         self.busy_s += self.last_step_s
         out = []
-        keys, value, token_id = self.request_keys, self.confidences.value, self.token_id
+        keys, value, token_id, natural = self.request_keys, self.confidences.value, self.token_id, self.natural_lengths
         for batch in plan.batches:
             member = batch.member
             for chunk in batch.chunks:
@@ -107,7 +111,10 @@ class SimExecutor:
                 key = keys.get(request_id, request_id)
                 position = chunk.num_generated
                 p = value(key, member, position)
-                out.append(tuple_new(SampledToken, (request_id, token_id(key, position), _log(p), p, ())))
+                token = token_id(key, position)
+                if natural and natural.get(key) == position and key not in self.replies:
+                    token = self._eos[member] if self._eos[member] is not None else token
+                out.append(tuple_new(SampledToken, (request_id, token, _log(p), p, ())))
         return out
 
     def read_page(self, page: PageId) -> bytes:
