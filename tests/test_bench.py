@@ -438,6 +438,33 @@ def test_baseline_split_modes_without_a_pilot():
     assert about == {"baseline_fixed": {"fractions": split, "rule": "given with --baseline-split"}}
 
 
+def test_a_search_with_no_feasible_split_leaves_the_operators_default(monkeypatch):
+    """The search's model may hold no candidate feasible (natural lengths send the cap as max_tokens): the pilot's
+    proportional split stands, and the JSON says why."""
+    import eval.baseline.split as split_module
+    from eval.bench.cli import BenchSettings
+    from eval.systems import StaticSplit, proportional_split, system_config
+    from orchestrator.core.family import load_family
+    from tests.test_workloads import family_dir
+
+    family = load_family(str(family_dir()))
+    traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
+    trace = Trace(spec=WorkloadSpec(num_sessions=1), sessions=[], arrival_times_s=[])
+
+    def pilot(fractions, rate):
+        return system_config("baseline", "tiny", 256, fractions), [], {"solo_decode_step_s": {}}
+
+    def infeasible(*args, **kwargs):
+        raise ValueError("no split lets every request run on some deployment")
+
+    monkeypatch.setattr(split_module, "search_split", infeasible)
+    monkeypatch.setattr(split_module, "sim_sessions", lambda *args: [])
+    split, about = split_module.choose_baseline_split(BenchSettings(baseline_split="search"), family, trace, (1.0,),
+                                                      traffic, None, pilot)
+    assert split == proportional_split(family)
+    assert about["baseline_split_search"]["error"].startswith("no split")
+
+
 @pytest.mark.parametrize("text, says", [
     ("tiny-s=0.5", "add up to 0.5"), ("tiny-s=0.5,tiny-m=0.5,tiny-l=0", "in (0, 1]"), ("tiny-s=0.5,tiny-s=0.5", "once"),
     ("tiny-s:0.5", "member=fraction"), ("seach", "member=fraction"), ("tiny-s=x,tiny-m=1", "member=fraction")])

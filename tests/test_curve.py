@@ -79,3 +79,15 @@ def test_parse_rates():
     for bad in ("", "1,x", "0,1", "1,1"):
         with pytest.raises(ValueError):
             parse_rates(bad)
+
+
+def test_mfs_against_another_baseline_is_read_at_the_reference_baselines_knee():
+    from eval.bench.curve import mfs_against_at
+
+    curve = [point(0.5, 0.010, 0.009), point(1, 0.012, 0.010), point(2, 0.016, 0.012), point(4, 0.032, 0.016)]
+    for p, elastic in zip(curve, (0.010, 0.011, 0.014, 0.022)):
+        p["systems"]["baseline_elastic"] = {"mean_token_latency_s": elastic}
+    knee = knee_rate(curve)                                  # 2 ** 1.25: a quarter of the way from 2 to 4
+    assert mfs_against_at(curve, knee) == {"baseline_elastic": pytest.approx(1 - 0.013 / 0.016)}
+    assert summarize_curve(curve, None)["mfs_against_at_knee"]["baseline_elastic"] == pytest.approx(1 - 0.013 / 0.016)
+    assert mfs_against_at(curve, None) == {}

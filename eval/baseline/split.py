@@ -113,7 +113,12 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
                                reserve_blocks=config.comparison.decode_reserve_blocks)
     route = lambda ids: router.adequate_member(estimator.score(ids))  # noqa: E731 - complexity only, as the baseline
     sessions = {rate: sim_sessions(trace.at_rate(rate), records, route) for rate in rates}
-    search = search_split(simulator, sessions, extra=[proportional, split.fractions])
+    try:
+        search = search_split(simulator, sessions, extra=[proportional, split.fractions])
+    except ValueError as exc:      # the search's model holds no candidate feasible: the operator's default stands
+        out["baseline_split_search"] = {"error": str(exc), "chosen": "the operator's default (proportional)"}
+        out["baseline_proportional"]["note"] = "the baseline ran on this split: the search found none feasible"
+        return proportional, out
     out["baseline_split_search"] = search_report(search)
     proportional_score = next((e["score_s"] for e in search["scored"] if e["split"] == proportional), None)
     out["baseline_proportional"]["simulated_score_s"] = proportional_score

@@ -128,6 +128,16 @@ def reductions_at(curve: Sequence[Mapping[str, Any]], rate: float | None) -> dic
     return {n: reduction(value_at(curve, n, rate), base) for n in names}
 
 
+def mfs_against_at(curve: Sequence[Mapping[str, Any]], rate: float | None) -> dict[str, float | None]:
+    """Per system other than mfs and the baseline: 1 - mfs's mean token latency / that system's, both interpolated
+    at `rate` (what MFS gains over, e.g., the elastic baseline where the reference baseline reaches its knee)."""
+    if rate is None or not curve:
+        return {}
+    names = dict.fromkeys(n for p in curve for n in p["systems"] if n not in ("mfs", BASELINE))
+    mine = value_at(curve, "mfs", rate)
+    return {n: reduction(mine, value_at(curve, n, rate)) for n in names}
+
+
 def default_slo(curve: Sequence[Mapping[str, Any]], ttft_x: float = TTFT_SLO_X,
                 tpot_x: float = TPOT_SLO_X) -> SLO | None:
     """A relative SLO: ttft_x and tpot_x times the lightest-rate baseline's p50 TTFT and p50 TPOT."""
@@ -194,6 +204,7 @@ def summarize_curve(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict
                      "interpolated linearly in log rate between grid points",
         "reduction_at_knee": at_knee.get("mfs"),
         "reductions_at_knee": at_knee,
+        "mfs_against_at_knee": mfs_against_at(curve, knee),
         "knee_grid_rate": grid_knee,
         "reduction_at_grid_knee": at_grid_knee.get("mfs"),
         "capacity_at_slo": capacity,
