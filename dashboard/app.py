@@ -293,7 +293,7 @@ def results_headline(results: dict) -> None:
     cols[0].metric("Mean token latency reduction vs baseline", data.fmt(head["reduction"], 100, 1, "%"))
     # the decode floor's ceiling: what MFS's token placement allows at zero scheduling cost
     cols[1].metric("Most its token placement allows", data.fmt(head["ceiling"], 100, 1, "%"),
-                   help="1 - MFS's decode floor / the baseline's measured latency (docs/BENCHMARKS.md 3, 5.1a)")
+                   help="1 - MFS's decode floor / the baseline's measured latency (docs/BENCHMARKS.md, Method: Metrics)")
     cols[2].metric(f"MFS mean token latency ({head['mfs'] or data.NA})", data.fmt(head["mfs_mean_s"], 1e3, 2, " ms"))
     cols[3].metric(f"Baseline mean token latency ({head['baseline'] or data.NA})",
                    data.fmt(head["baseline_mean_s"], 1e3, 2, " ms"))

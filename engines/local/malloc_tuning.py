@@ -5,7 +5,7 @@ glibc serves an allocation above its mmap threshold with a fresh mmap and gives 
 the heap top past its trim threshold), so every step pays page faults and zeroing for memory it just released:
 perf showed ~10% of an in-process serving-shaped loop in the kernel's page-fault path, and a 32-sequence decode
 step at 160 tokens of context took 59-79 ms of CPU with the defaults against 25-32 ms with these settings; the
-served engine gained less (+4% / +10% tok/s, docs/BENCHMARKS.md section 10, "The engine's CPU per token").
+served engine gained less (+4% / +10% tok/s, an earlier measurement in git history).
 The thresholds stay fixed once set (glibc stops adapting them).
 """
 from __future__ import annotations

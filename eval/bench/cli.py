@@ -37,7 +37,7 @@ FULL = dict(sessions=24, rate=0.5, kv_pages=768, max_turns=4, max_prompt_tokens=
 QUICK = dict(sessions=10, rate=1.0, kv_pages=512, max_turns=3, max_prompt_tokens=512, max_output_tokens=64,
              think_s=1.5)
 # The load curves `mfs bench` runs without --rates (session arrivals per second): from light load to well
-# past the baseline's knee on the CPU (docs/BENCHMARKS.md 7). The headline keys describe `rate`, which is
+# past the baseline's knee on the CPU (docs/BENCHMARKS.md, Method). The headline keys describe `rate`, which is
 # on each curve.
 FULL_RATES = (0.25, 0.5, 1.0, 2.0, 4.0)
 QUICK_RATES = (0.5, 1.0, 4.0)
@@ -147,17 +147,21 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
 
 
 # ----------------------------------------------------------------------------- orchestration
+def trace_from_file(settings: BenchSettings, tokenizer_hash: str) -> Trace:
+    """settings.trace_file, replayed with the history and lengths the settings ask for (else the file's own)."""
+    trace = load_trace(settings.trace_file, tokenizer_hash)
+    if settings.history:
+        trace = with_history(trace, settings.history)
+    return with_lengths(trace, settings.lengths) if settings.lengths else trace
+
+
 def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | None, list[str]]:
     """The family, the trace, the baseline's static split (when a system needs it) and their notes."""
     family = load_family(settings.family)
     tokenizer = family_tokenizer(family)
     tokenizer_hash = family.members[0].tokenizer_hash
     if settings.trace_file:
-        trace = load_trace(settings.trace_file, tokenizer_hash)
-        if settings.history:
-            trace = with_history(trace, settings.history)
-        if settings.lengths:
-            trace = with_lengths(trace, settings.lengths)
+        trace = trace_from_file(settings, tokenizer_hash)
     else:
         trace = make_trace(settings, tokenizer, family)
     if settings.save_trace:

@@ -31,7 +31,7 @@ def curve_points(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def curve_result(settings: Any, headline: float, head: dict[str, Any], rates, curve: list) -> dict[str, Any]:
-    """The headline point and the load curve with its knee, SLO and capacities (BENCHMARKS 7.3): the keys
+    """The headline point and the load curve with its knee, SLO and capacities (docs/BENCHMARKS.md, Method: The JSON): the keys
     `mfs bench` and `mfs simulate` both write."""
     return {"headline_rate": headline,
             "systems": head["systems"],

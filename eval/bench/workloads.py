@@ -132,7 +132,7 @@ class Trace:
                 "max_prompt_tokens": self.spec.max_prompt_tokens, "context_tokens": self.spec.context_tokens,
                 "history": self.spec.history, "lengths": self.spec.lengths, "max_turns": self.spec.max_turns,
                 "sessions_by_kind": kinds, "prompt_tokens_total": sum(prompts),
-                # what the context and the caps do to the sessions (docs/BENCHMARKS.md 7.5)
+                # what the context and the caps do to the sessions (docs/BENCHMARKS.md, Method)
                 "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
                 "max_prompt_tokens_sent": max(prompts, default=0),
                 "replies_at_cap_share": (sum(n == self.spec.max_output_tokens for n in outputs) / len(outputs)

@@ -20,7 +20,7 @@ from typing import Any
 
 from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
 from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
-                            format_table, settings_from_args, static_split_for)
+                            format_table, settings_from_args, static_split_for, trace_from_file)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.quality import member_token_share
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
@@ -34,8 +34,8 @@ from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
 from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
-from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, load_trace, natural_lengths,
-                                  save_trace, trace_digest, with_history, with_lengths)
+from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, natural_lengths, save_trace,
+                                  trace_digest)
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulate up to N systems at once, each in its own process (same output; N cores)")
     parser.add_argument("--compiled-core", action="store_true",
                         help="run the core's and the simulator's hot modules compiled by mypyc (`make compile-core` "
-                             "first; same output, less CPU: docs/BENCHMARKS.md 8.3); refused if the build is stale")
+                             "first; same output, less CPU: docs/SIMULATOR.md, Speed); refused if the build is stale")
 
 
 def sim_settings(args: argparse.Namespace) -> BenchSettings:
@@ -117,11 +117,7 @@ def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
 
 def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyTokenizer, tokenizer_hash: str) -> Trace:
     if settings.trace_file:
-        trace = load_trace(settings.trace_file, tokenizer_hash)
-        if settings.history:
-            trace = with_history(trace, settings.history)
-        if settings.lengths:
-            trace = with_lengths(trace, settings.lengths)
+        trace = trace_from_file(settings, tokenizer_hash)
     else:
         context = min(4 * settings.max_prompt_tokens, 40960) if setup.family is not None else min(
             m.context_tokens for m in load_family(settings.family).members)

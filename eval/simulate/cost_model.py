@@ -220,7 +220,7 @@ class TableWithServingTerms(TableCostModel):
     a model fitted to real runs: the history terms (after idle, after a prefill), the serving edge and, when given,
     prefill_extra_s: what a member batch holding a prefill chunk costs in serving beyond its table price (the
     engine timed alone prices decode steps within 1% but prefill steps 0.15-1.4 ms low, about the same for 16 and
-    200 tokens; BENCHMARKS 8.1). The validation's table_calibrated and table_held_out_serving
+    200 tokens; docs/SIMULATOR.md, Validation). The validation's table_calibrated and table_held_out_serving
     variants; a plain TableCostModel has none of these, so the executor skips them."""
 
     def __init__(self, table: StepTable, serving: "LinearCostModel", name: str = "table+serving",
@@ -273,7 +273,7 @@ class LinearCostModel:
     slower than after 0.5 ms, and the next one 0.7-0.9 ms; with one request decoding at 1.8-1.9 ms a step, the
     steps after a 40 / 200 / 400-token prefill beside it took 2.52 / 3.88 / 4.79 ms (the new request's first
     decode among them), then 2.07 / 2.67 / 3.03 ms (neither malloc's trimming nor AVX-512 clocks: caches, most
-    likely). docs/BENCHMARKS.md 8.1.
+    likely). docs/SIMULATOR.md, Validation.
 
     path_s = (in, out): the serving edge's latency outside the steps, measured on the real runs: from the client's
     call to the request entering the scheduler, and from the engine handing a step's output over to the client

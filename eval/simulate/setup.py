@@ -27,11 +27,11 @@ FITTED_MODEL = TABLES_DIR / "tiny_fitted.json"           # fitted to the validat
 # hundreds of multi-thousand-token sequences before it saturates (256 running x 512 tokens).
 # router.downgrade_running: 2 running requests is a busy member on the CPU, an idle one on a GPU.
 # router.downgrade_max_escalation_rate: at paper scale the wait-avoiding downgrades (token saturation) sent many
-# requests into members that escalated them back out (docs/BENCHMARKS.md section 9, "Paper scale past the knee").
+# requests into members that escalated them back out (measured on the paper-scale curves).
 # decode_step_token_budget None: a step's tokens are capped by max_batch_tokens alone, as the baseline's are. The
 # CPU default (512) let a GPU step carry hundreds of decodes and almost no prefill: past the knee MFS queued for
 # prefill (SIMULATED 1.7B/8B/32B at 8 sessions/s: 162.0 ms/token with 512, 115.4 with 2048, 109.6 without;
-# docs/BENCHMARKS.md section 9, "Paper scale: the step budget").
+# as measured on the paper-scale curves).
 GPU_SCHEDULER = {"scheduler.max_running_requests": 256, "scheduler.max_batch_tokens": 8192,
                  "scheduler.prefill_chunk_tokens": 2048, "scheduler.max_queue": 4096, "engine.dtype": "bfloat16",
                  "scheduler.decode_step_token_budget": None,

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                              "closed-loop turn's prompt, and the routing that reads it, is the real one (runs saved "
                              "without replies fall back to hash); hash: the seeded token stream mfs "
                              "simulate uses where no real run exists (a workload difference on top of the model's: "
-                             "up to 25%% on trace seed 1, docs/BENCHMARKS.md 8.1)")
+                             "up to 25%% on trace seed 1, docs/SIMULATOR.md)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The simulator's validation on a GPU (issue 14, docs/BENCHMARKS.md 8.1): the quick closed-loop curve run for
+# The simulator's validation on a GPU (docs/SIMULATOR.md, Validation): the quick closed-loop curve run for
 # real by the local engine on CUDA, on a random-weight family of real layer shapes (timing does not depend on
 # the weights), then simulated on cost models fitted to the steps it measured; errors per system and rate.
 #

@@ -1,5 +1,5 @@
 """Where a real request's time to first token goes: the way in, the wait for the first step that holds it, the
-steps until the one that samples its first token, and the way out (docs/BENCHMARKS.md 8.1).
+steps until the one that samples its first token, and the way out (docs/SIMULATOR.md, Validation).
 
 One real rate of the bench's trace is replayed through the bench's own run_system with every execute() timed and
 the request ids of its chunks kept; each request's TTFT is then cut at those points (time.monotonic throughout;

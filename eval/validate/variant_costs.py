@@ -164,7 +164,7 @@ def prefill_serving_extra_s(model: TableWithServingTerms, real: dict[float, dict
     an extra): the median over the
     fit runs' steps that hold one of (real - the step's price, history terms included) per such batch. The engine
     timed alone prices decode steps within 1% in serving but prefill steps 0.15-1.4 ms low, about as much for 16
-    tokens as for 200: a fixed amount, not a factor (docs/BENCHMARKS.md 8.1)."""
+    tokens as for 200: a fixed amount, not a factor (docs/SIMULATOR.md, Validation)."""
     extras = []
     for rate in fit_rates:
         for steps in real[rate]["steps"].values():

@@ -42,7 +42,7 @@ NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for page
 @dataclass(slots=True)
 class StepTimers:
     """Cumulative wall time of the loop's phases over the steps that ran a model, from the step clock the runner
-    passes in (issue 15: the serving bench reads deltas of these through /v1/stats)."""
+    passes in (the serving bench reads deltas of these through /v1/stats)."""
 
     steps: int = 0
     schedule_s: float = 0.0          # scheduler.schedule under the lock

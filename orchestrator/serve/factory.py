@@ -14,7 +14,7 @@ def build_serving_engine(config: MFSConfig) -> ServingEngine:
     for 'triton': TritonServing (MFS routing over Triton) in a child process behind ProcessServing ('separate')
     or in the HTTP process ('thread').
     Imports are deferred so a local deployment never needs the Triton client's packages, and back."""
-    separate = config.engine.process == "separate"     # the orchestrator core in its own process (issue 15)
+    separate = config.engine.process == "separate"     # the orchestrator core in its own process
     if config.engine.kind == "triton":
         if separate:
             from orchestrator.serve.engine_process import ProcessServing

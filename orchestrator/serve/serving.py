@@ -156,7 +156,7 @@ def engine_threads(configured: int | None) -> int:
     """Intra-op threads for the engine: the configured count, else every available core but one. The server's
     event loop (HTTP, streaming, the bench client) runs in this process too: when the engine's parallel regions
     take every core, each step waits for a worker the event loop has pre-empted. On the 2-core VM that made the
-    default bench's decode steps 2.2x slower (11.3 vs 5.0 ms, docs/BENCHMARKS.md 5.0)."""
+    default bench's decode steps 2.2x slower (11.3 vs 5.0 ms, an earlier measurement, in git history)."""
     if configured is not None:
         return configured
     return max(1, available_cores() - 1)
@@ -173,8 +173,8 @@ def available_cores() -> int:
 def parallel_forwards(configured: int | None, device: str, threads: int, own_process: bool) -> int:
     """developer.parallel_forwards, or its default: 2 for a CPU engine with one intra-op thread in a process of its
     own on a machine with a second core (the core the HTTP edge barely uses: 1.00-1.09x vLLM-CPU against
-    0.87-0.95x with 1, docs/BENCHMARKS.md section 10); 1 beside an event loop, where the second thread would
-    fight it for the core (the lesson of BENCHMARKS 5.0), on CUDA, or with more intra-op threads."""
+    0.87-0.95x with 1, earlier measurements in git history); 1 beside an event loop, where the second thread would
+    fight it for the core (as measured: 2-2.5x slower steps), on CUDA, or with more intra-op threads."""
     if configured is not None:
         return configured
     return 2 if own_process and device == "cpu" and threads == 1 and available_cores() >= 2 else 1

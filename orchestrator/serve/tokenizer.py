@@ -106,8 +106,8 @@ class IncrementalDecoder:
     """Turns a growing token list into text deltas and applies stop strings (OpenAI semantics: the stop
     string itself is not returned). Holds back a tail that could still become a stop string.
 
-    Decodes a window, not the whole answer (issue 15: per token that was O(answer length) of work on the event
-    loop): `read_offset` is where the text decoded so far ends; `prefix_offset` starts the last decoded piece,
+    Decodes a window, not the whole answer (decoding the whole answer per token was O(answer length) of work on
+    the event loop): `read_offset` is where the text decoded so far ends; `prefix_offset` starts the last decoded piece,
     decoded again with the new tokens so byte-level merges across the boundary come out as a full decode would.
     The window moves on only when it ends on a whole character (an incomplete UTF-8 sequence decodes to U+FFFD).
     """
