@@ -62,3 +62,31 @@ def test_cli_prints_and_writes_the_intervals(tmp_path, capsys):
     assert "mfs reduction at the knee         40.0% [" in text and "(n=3)" in text
     assert json.loads(out.read_text())["intervals"]["reduction_at_knee"]["n"] == 3
     assert main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_seeds_and_run_files():
+    from pathlib import Path
+
+    from eval.bench.intervals import parse_seeds, run_file
+
+    assert parse_seeds("0-4") == (0, 1, 2, 3, 4) and parse_seeds("3,1") == (3, 1)
+    for bad in ("", "a", "1,1", "3-x"):
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
+    assert run_file("out/r.json", 3, 0, 1) == Path("out/r_seed3.json")
+    assert run_file("r.json", 3, 1, 2) == Path("r_seed3_rep1.json")
+
+
+def test_simulate_over_seeds_writes_each_run_and_the_intervals(tmp_path):
+    from orchestrator.serve.cli import main as mfs
+
+    out = tmp_path / "sim.json"
+    assert mfs(["simulate", "--quick", "--sessions", "6", "--rates", "1,4", "--seeds", "0,1", "--no-progress",
+                "--out", str(out)]) == 0
+    combined = json.loads(out.read_text())
+    assert combined["files"] == [str(tmp_path / "sim_seed0.json"), str(tmp_path / "sim_seed1.json")]
+    runs = [json.loads(open(f).read()) for f in combined["files"]]
+    assert [r["settings"]["seed"] for r in runs] == [0, 1]
+    assert combined["intervals"]["capacity_at_slo"]["mfs"]["n"] == 2
+    with pytest.raises(SystemExit, match="--repeats"):
+        mfs(["simulate", "--quick", "--seeds", "0,1", "--repeats", "2", "--out", str(out)])

@@ -19,6 +19,7 @@ from eval.baseline.split import SplitError, choose_baseline_split, parse_split_m
 from eval.bench.quality import add_quality as _add_quality
 from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
+from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
 from eval.systems import (DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
@@ -339,6 +340,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="small trace, 3-rate curve: under 4 minutes on a quiet 2-core CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default=None, metavar="S1,S2,...|A-B",
+                        help="run every trace seed (and --repeats) as its own run beside OUT, then write the means "
+                             "and 95%% intervals of the curve figures over them to OUT")
+    parser.add_argument("--repeats", type=int, default=1, help="with --seeds: runs of each seed (real runs vary)")
     parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
     parser.add_argument("--no-quality", action="store_true", help="skip scoring the reference replies under the serving members")
     parser.add_argument("--no-progress", action="store_true")
@@ -404,6 +409,31 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.seeds:
+        return main_over_seeds(args)
+    return main_one(args)
+
+
+def main_over_seeds(args: argparse.Namespace) -> int:
+    """Every trace seed x repeat as its own run (OUT_seedS[_repR].json), then the intervals over them in OUT."""
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        raise SystemExit(f"mfs bench: {exc}") from None
+    if args.repeats < 1:
+        raise SystemExit("mfs bench: --repeats must be at least 1")
+    command = "mfs bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
+    files = []
+    for seed in seeds:
+        for repeat in range(args.repeats):
+            path = run_file(args.out, seed, repeat, args.repeats)
+            main_one(argparse.Namespace(**{**vars(args), "seed": seed, "out": str(path)}))
+            files.append(path)
+    write_over_runs(args.out, files, command)
+    return 0
+
+
+def main_one(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     started = time.monotonic()
     try:

@@ -133,6 +133,40 @@ def format_intervals(found: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """'0,1,2' or '0-4' -> the trace seeds (no repeats); ValueError says what is wrong."""
+    try:
+        if "-" in text and "," not in text:
+            low, high = (int(x) for x in text.split("-"))
+            seeds = tuple(range(low, high + 1))
+        else:
+            seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--seeds expects '0,1,2' or '0-4', got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds expects distinct seeds, got {text!r}")
+    return seeds
+
+
+def run_file(out: str | Path, seed: int, repeat: int, repeats: int) -> Path:
+    """Where one run of a multi-seed command writes its result: OUT_seedS[_repR].json beside OUT."""
+    out = Path(out)
+    tail = f"_seed{seed}" + (f"_rep{repeat}" if repeats > 1 else "")
+    return out.with_name(out.stem + tail + (out.suffix or ".json"))
+
+
+def write_over_runs(out: str | Path, files: Sequence[Path], command: str | None) -> dict[str, Any]:
+    """The intervals over the runs' files, written to OUT (what a multi-seed command ends with) and printed."""
+    results = [json.loads(Path(f).read_text()) for f in files]
+    found = intervals_over(results)
+    differ = differing_settings(results)
+    Path(out).write_text(json.dumps({"command": command, "files": [str(f) for f in files],
+                                     "differing_settings": differ, "intervals": found}, indent=1))
+    print(format_intervals(found))
+    print(f"wrote {out} (the intervals over {len(files)} runs)")
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.bench.intervals", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="bench or simulate result JSON files with a load curve")

@@ -22,6 +22,7 @@ from eval.baseline.split import SplitError, choose_baseline_split, split_mode_la
 from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
                             format_table, settings_from_args, static_split_for, trace_from_file)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
+from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.quality import member_token_share
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
 from eval.simulate.confidence import DEFAULT_LIBRARY, request_key, ConfidenceFileError, ConfidenceLibrary, Confidences
@@ -369,6 +370,25 @@ def use_compiled_core() -> None:
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "compiled_core", False):
         use_compiled_core()
+    if not args.seeds:
+        return main_one(args)
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        raise SystemExit(f"mfs simulate: {exc}") from None
+    if args.repeats != 1:
+        raise SystemExit("mfs simulate: --repeats is for real runs (a simulation gives the same figures every time)")
+    command = ("mfs simulate " + " ".join(sys.argv[2:])) if sys.argv[1:2] == ["simulate"] else None
+    files = []
+    for seed in seeds:
+        path = run_file(args.out, seed, 0, 1)
+        main_one(argparse.Namespace(**{**vars(args), "seed": seed, "out": str(path)}))
+        files.append(path)
+    write_over_runs(args.out, files, command)
+    return 0
+
+
+def main_one(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         result = run_simulation(args)

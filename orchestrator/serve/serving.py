@@ -155,8 +155,8 @@ class LocalServing:
 def engine_threads(configured: int | None) -> int:
     """Intra-op threads for the engine: the configured count, else every available core but one. The server's
     event loop (HTTP, streaming, the bench client) runs in this process too: when the engine's parallel regions
-    take every core, each step waits for a worker the event loop has pre-empted. On the 2-core VM that made the
-    default bench's decode steps 2.2x slower (11.3 vs 5.0 ms, an earlier measurement, in git history)."""
+    take every core, each step waits for a worker the event loop has pre-empted. On 2 cores that made the default
+    bench's decode steps 2.2x slower (11.3 vs 5.0 ms as measured)."""
     if configured is not None:
         return configured
     return max(1, available_cores() - 1)
