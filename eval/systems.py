@@ -14,7 +14,11 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "no_affinity",
-           "no_shared_pool", "no_tiers", "no_warmup", "no_layer_sharing", "mfs_single_server_policies")
+           "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
+           "mfs_single_server_policies")
+# MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
+# reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
+ATTRIBUTION_SYSTEMS = ("no_shared_pool", "no_family_routing", "no_warm_handover", "no_layer_sharing", "no_tiers")
 # What separate deployments of the members are, against one family server: the only configuration in which the
 # fair baselines differ from MFS (tests/test_baseline_parity.py holds them to it). Every generic scheduler policy
 # (reservation, retraction, aging, victim order, swap to the host tier, the stall-aware step budget), the host
@@ -98,6 +102,10 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base.update({**SINGLE_SERVER_POLICIES, **SINGLE_SERVER_ROUTING})
     elif name == "no_affinity":
         base["comparison.use_affinity"] = False
+    elif name == "no_family_routing":           # the baselines' routing: complexity only, blind to caches and load
+        base.update({"comparison.use_affinity": False, "comparison.use_load": False})
+    elif name == "no_warm_handover":            # an escalation re-sends the conversation, cold; no warm-up
+        base.update({"comparison.cold_handover": True, "comparison.warmup": False})
     elif name == "no_shared_pool":
         base["comparison.static_split"] = dict(split)
     elif name == "no_tiers":

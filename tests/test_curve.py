@@ -91,3 +91,27 @@ def test_mfs_against_another_baseline_is_read_at_the_reference_baselines_knee():
     assert mfs_against_at(curve, knee) == {"baseline_elastic": pytest.approx(1 - 0.013 / 0.016)}
     assert summarize_curve(curve, None)["mfs_against_at_knee"]["baseline_elastic"] == pytest.approx(1 - 0.013 / 0.016)
     assert mfs_against_at(curve, None) == {}
+
+
+def test_attribution_is_the_points_of_reduction_each_ablation_loses():
+    from eval.bench.curve import attribution
+
+    assert attribution({"mfs": 0.40, "no_shared_pool": 0.25, "no_tiers": 0.38, "baseline_elastic": 0.1}) == {
+        "no_shared_pool": pytest.approx(0.15), "no_tiers": pytest.approx(0.02)}
+    assert attribution({"mfs": None, "no_tiers": 0.3}) == {"no_tiers": None}
+
+
+def test_attribution_flag_adds_the_ablations():
+    import argparse
+
+    from eval.bench.cli import add_arguments, settings_from_args
+    from eval.systems import ATTRIBUTION_SYSTEMS, system_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = settings_from_args(parser.parse_args(["--attribution"]))
+    assert settings.systems == ("mfs", "baseline", *ATTRIBUTION_SYSTEMS)
+    routing = system_config("no_family_routing", "tiny", 256, None).comparison
+    assert not routing.use_affinity and not routing.use_load
+    handover = system_config("no_warm_handover", "tiny", 256, None).comparison
+    assert handover.cold_handover and not handover.warmup

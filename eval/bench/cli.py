@@ -22,7 +22,7 @@ from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
-from eval.systems import (DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
+from eval.systems import (ATTRIBUTION_SYSTEMS, DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
                           needs_split, system_config, system_scheduler)
 from eval.bench.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
                                   load_trace, save_trace, trace_digest, with_history, with_lengths)
@@ -336,6 +336,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=None)
     parser.add_argument("--kv-pages", type=int, default=None, help="arena pages, the same for every system")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    parser.add_argument("--attribution", action="store_true",
+                        help=f"also run MFS with one mechanism off at a time ({', '.join(ATTRIBUTION_SYSTEMS)}): "
+                             "the points of reduction each loses is what that mechanism is worth")
     parser.add_argument("--out", default="results.json")
     parser.add_argument("--quick", action="store_true",
                         help="small trace, 3-rate curve: under 4 minutes on a quiet 2-core CPU")
@@ -377,6 +380,8 @@ def parse_overrides(items: list[str], prog: str) -> dict[str, Any]:
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    if getattr(args, "attribution", False):
+        systems = tuple(dict.fromkeys((*systems, "mfs", "baseline", *ATTRIBUTION_SYSTEMS)))
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"mfs bench: unknown system(s) {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")

@@ -138,6 +138,13 @@ def mfs_against_at(curve: Sequence[Mapping[str, Any]], rate: float | None) -> di
     return {n: reduction(mine, value_at(curve, n, rate)) for n in names}
 
 
+def attribution(reductions: Mapping[str, float | None]) -> dict[str, float | None]:
+    """Per ablation (a system named no_*: MFS with one mechanism off): the points of reduction against the
+    baseline that MFS loses without that mechanism (its worth; interactions make them not add up exactly)."""
+    mine = reductions.get("mfs")
+    return {n: (None if mine is None or r is None else mine - r) for n, r in reductions.items() if n.startswith("no_")}
+
+
 def default_slo(curve: Sequence[Mapping[str, Any]], ttft_x: float = TTFT_SLO_X,
                 tpot_x: float = TPOT_SLO_X) -> SLO | None:
     """A relative SLO: ttft_x and tpot_x times the lightest-rate baseline's p50 TTFT and p50 TPOT."""
@@ -205,6 +212,7 @@ def summarize_curve(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict
         "reduction_at_knee": at_knee.get("mfs"),
         "reductions_at_knee": at_knee,
         "mfs_against_at_knee": mfs_against_at(curve, knee),
+        "attribution_at_knee": attribution(at_knee),
         "knee_grid_rate": grid_knee,
         "reduction_at_grid_knee": at_grid_knee.get("mfs"),
         "capacity_at_slo": capacity,

@@ -33,7 +33,7 @@ _RUN_KEYS = frozenset({"seed", "trace_file", "save_trace", "progress", "record_c
                        "command", "wall_s"})
 # The figures an interval is given for: top-level keys, and per-system maps.
 FIGURES = ("reduction_at_knee", "knee_rate", "capacity_ratio", "reduction_at_grid_knee")
-PER_SYSTEM = ("reductions_at_knee", "mfs_against_at_knee", "capacity_at_slo")
+PER_SYSTEM = ("reductions_at_knee", "mfs_against_at_knee", "attribution_at_knee", "capacity_at_slo")
 
 
 def t_quantile_975(df: int) -> float:
@@ -130,6 +130,8 @@ def format_intervals(found: Mapping[str, Any]) -> str:
             lines.append(f"  {name} against the baseline at the knee {_pct(value)}")
     for name, value in found.get("mfs_against_at_knee", {}).items():
         lines.append(f"  mfs against {name} at the knee {_pct(value)}")
+    for name, value in found.get("attribution_at_knee", {}).items():
+        lines.append(f"  points of reduction lost with {name} (what that mechanism is worth) {_pct(value)}")
     return "\n".join(lines)
 
 
