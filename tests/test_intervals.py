@@ -90,3 +90,13 @@ def test_simulate_over_seeds_writes_each_run_and_the_intervals(tmp_path):
     assert combined["intervals"]["capacity_at_slo"]["mfs"]["n"] == 2
     with pytest.raises(SystemExit, match="--repeats"):
         mfs(["simulate", "--quick", "--seeds", "0,1", "--repeats", "2", "--out", str(out)])
+
+
+def test_mfs_against_each_system_at_every_rate_all_runs_share():
+    from eval.bench.intervals import mfs_against_by_rate
+
+    runs = [run(0, 1.0, 0.6), run(1, 2.0, 0.5)]
+    by_rate = mfs_against_by_rate(runs)
+    assert list(by_rate) == ["0.5", "1", "2", "4", "8"]
+    assert by_rate["2"]["baseline"]["values"] == [pytest.approx(0.4), pytest.approx(0.5)]
+    assert mfs_against_by_rate([run(0, 1.0, 0.6), {"curve": [], "settings": {}}]) == {}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.bench.curve import SLO, default_slo, summarize_curve
+from eval.bench.metrics import reduction
 
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; past 30 the nearest lower entry.
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -93,6 +94,25 @@ def intervals_over(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         names = dict.fromkeys(n for s in summaries for n in (s.get(key) or {}))
         out[key] = {n: (lambda i: i.to_dict() if i else None)(
             interval([s[key][n] for s in summaries if (s.get(key) or {}).get(n) is not None])) for n in names}
+    out["mfs_against_by_rate"] = mfs_against_by_rate(results)
+    return out
+
+
+def mfs_against_by_rate(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per grid rate every run has, per other system: 1 - mfs's mean token latency / that system's, over the runs
+    (the curve where no knee is reached: how much faster or slower MFS is at each load)."""
+    curves = [{p["rate"]: p["systems"] for p in r.get("curve") or []} for r in results]
+    rates = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    out: dict[str, dict[str, Any]] = {}
+    for rate in rates:
+        names = dict.fromkeys(n for c in curves for n in c[rate] if n != "mfs")
+        row = {}
+        for name in names:
+            values = [reduction(c[rate].get("mfs", {}).get("mean_token_latency_s"),
+                                c[rate].get(name, {}).get("mean_token_latency_s")) for c in curves]
+            found = interval([v for v in values if v is not None])
+            row[name] = found.to_dict() if found else None
+        out[f"{rate:g}"] = row
     return out
 
 
@@ -132,6 +152,8 @@ def format_intervals(found: Mapping[str, Any]) -> str:
         lines.append(f"  mfs against {name} at the knee {_pct(value)}")
     for name, value in found.get("attribution_at_knee", {}).items():
         lines.append(f"  points of reduction lost with {name} (what that mechanism is worth) {_pct(value)}")
+    for rate, row in found.get("mfs_against_by_rate", {}).items():
+        lines.append(f"  at {rate} sessions/s, mfs against: " + "; ".join(f"{n} {_pct(v)}" for n, v in row.items()))
     return "\n".join(lines)
 
 
