@@ -37,9 +37,10 @@ class ParametricConfidences:
 
     def value(self, key: str, member: str, position: int) -> float:
         """The top-1 probability of token `position` of request `key`'s reply on `member`."""
-        trip = self._trips.get((key, member), -1)
-        if trip == -1:
-            trip = self._trips[(key, member)] = self._trip(key, member)
+        pair = (key, member)
+        if pair not in self._trips:          # drawn once per request and member: value() runs for every token
+            self._trips[pair] = self._trip(key, member)
+        trip = self._trips[pair]
         return HIGH if trip is None or position < trip else LOW
 
     def _trip(self, key: str, member: str) -> int | None:

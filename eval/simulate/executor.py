@@ -42,8 +42,9 @@ class SimExecutor:
         self.members_in_parallel = members_in_parallel
         self.request_keys = request_keys if request_keys is not None else {}
         self.replies = replies or {}             # request key -> a real run's reply (token ids), replayed
-        # request key -> tokens before its EOS (natural lengths: a reply ends where the dataset's did)
-        self.natural_lengths = natural_lengths or {}
+        # request key -> tokens before its EOS (natural lengths: a reply ends where the dataset's did); a replayed
+        # real reply ends where it ended
+        self.natural_lengths = {k: n for k, n in (natural_lengths or {}).items() if k not in self.replies}
         self._eos = {m.name: (m.eos_token_ids[0] if m.eos_token_ids else None) for m in family.members}
         self._zero_page = bytes(page_bytes)
         self._key_crc: dict[str, int] = {}      # request key -> CRC-32 of its bytes (the token stream's prefix)
@@ -112,7 +113,7 @@ class SimExecutor:
                 position = chunk.num_generated
                 p = value(key, member, position)
                 token = token_id(key, position)
-                if natural and natural.get(key) == position and key not in self.replies:
+                if natural and natural.get(key) == position:
                     token = self._eos[member] if self._eos[member] is not None else token
                 out.append(tuple_new(SampledToken, (request_id, token, _log(p), p, ())))
         return out
