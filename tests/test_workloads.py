@@ -289,8 +289,12 @@ def test_saved_trace_is_asdict_of_the_trace(tokenizer, conversations, tmp_path):
     trace = build_trace(_spec(num_sessions=6), tokenizer, conversations)
     save_trace(trace, tmp_path / "t.json", "h")
     data = json.loads((tmp_path / "t.json").read_text())
-    assert data["sessions"] == [asdict(s) for s in trace.sessions]
-    assert list(data["sessions"][0]) == list(asdict(trace.sessions[0]))          # same key order
+
+    def saved(session):         # an unset complexity is left out (a trace without one keeps its bytes)
+        return {k: v for k, v in asdict(session).items() if not (k == "complexity" and v is None)}
+
+    assert data["sessions"] == [saved(s) for s in trace.sessions]
+    assert list(data["sessions"][0]) == list(saved(trace.sessions[0]))          # same key order
     assert list(data["sessions"][0]["turns"][0]) == list(asdict(trace.sessions[0].turns[0]))
 
 
@@ -307,3 +311,34 @@ def test_a_traces_digest_is_the_sha256_of_its_saved_file(tokenizer, conversation
     assert trace_digest(trace, "tok") == hashlib.sha256((tmp_path / "a.json").read_bytes()).hexdigest()
     assert trace_digest(build_trace(_spec(name="mixed", seed=4), tokenizer, conversations), "tok") != \
         trace_digest(trace, "tok")
+
+
+def test_mix_phases_shift_the_share_of_the_largest_member_and_survive_a_save(tokenizer, conversations, tmp_path):
+    from eval.bench.workloads import load_trace, save_trace, trace_digest, with_mix_phases
+
+    trace = build_trace(_spec(num_sessions=40, name="single"), tokenizer, conversations)
+    mixed = with_mix_phases(trace, (0.9, 0.1), top_threshold=0.7, seed=3)
+    assert all(s.complexity is None for s in trace.sessions)            # the input is left alone
+    by_arrival = sorted(range(40), key=lambda i: mixed.arrival_times_s[i])
+    first = [mixed.sessions[i].complexity >= 0.7 for i in by_arrival[:20]]
+    second = [mixed.sessions[i].complexity >= 0.7 for i in by_arrival[20:]]
+    assert sum(first) >= 14 and sum(second) <= 6                       # 0.9 and 0.1 of 20 sessions, seeded
+    assert all(0.0 <= s.complexity < 1.0 for s in mixed.sessions)
+    assert with_mix_phases(trace, (0.9, 0.1), 0.7, seed=3).sessions == mixed.sessions     # deterministic
+    assert trace_digest(mixed, "h") != trace_digest(trace, "h")
+    save_trace(mixed, tmp_path / "m.json", "h")
+    assert [s.complexity for s in load_trace(tmp_path / "m.json", "h").sessions] == \
+        [s.complexity for s in mixed.sessions]
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        with_mix_phases(trace, (1.5,), 0.7, seed=3)
+
+
+def test_a_sessions_complexity_goes_to_its_requests_as_the_hint(tokenizer, conversations):
+    from eval.bench.sessions import ClosedLoopSessions
+    from eval.bench.workloads import with_mix_phases
+
+    trace = with_mix_phases(build_trace(_spec(num_sessions=4), tokenizer, conversations), (1.0,), 0.7, seed=0)
+    _, request = ClosedLoopSessions(trace, "t").start_turn(0, 0, 0.0, 0.0)
+    assert request.complexity_hint == trace.sessions[0].complexity >= 0.7
+    plain = build_trace(_spec(num_sessions=4), tokenizer, conversations)
+    assert ClosedLoopSessions(plain, "t").start_turn(0, 0, 0.0, 0.0)[1].complexity_hint is None

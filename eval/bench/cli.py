@@ -25,9 +25,10 @@ from eval.bench.result import curve_points, curve_result, rate_point, without_ro
 from eval.systems import (ATTRIBUTION_SYSTEMS, DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
                           needs_split, system_config, system_scheduler)
 from eval.bench.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
-                                  load_trace, save_trace, trace_digest, with_history, with_lengths)
+                                  load_trace, save_trace, trace_digest, with_history, with_lengths, with_mix_phases)
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.core.router import largest_member_bound
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 # Defaults: the case MFS targets - multi-turn chat under a KV budget that is tight for separate
@@ -65,6 +66,7 @@ class BenchSettings:
     save_trace: str | None = None          # write the trace used (built or loaded) here
     history: str | None = None             # closed | dataset; None: closed for a built trace, a file's own
     lengths: str | None = None             # natural | exact; None: natural for a built trace, a file's own
+    mix_phases: tuple[float, ...] = ()     # a shifting traffic mix (workloads.with_mix_phases); () keeps the estimate
     rates: tuple[float, ...] | None = None  # the load curve: session arrival rates (None: `rate` only)
     slo_ttft_x: float = TTFT_SLO_X         # SLO: p90 TTFT within this x the lightest-rate baseline's p50 TTFT
     slo_tpot_x: float = TPOT_SLO_X         # and p90 TPOT within this x its p50 TPOT
@@ -156,6 +158,29 @@ def trace_from_file(settings: BenchSettings, tokenizer_hash: str) -> Trace:
     return with_lengths(trace, settings.lengths) if settings.lengths else trace
 
 
+def parse_mix_phases(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        fractions = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--mix-phases {text!r}: expected comma-separated fractions, e.g. 0.7,0.2") from None
+    if any(not 0.0 <= f <= 1.0 for f in fractions):
+        raise ValueError(f"--mix-phases {text!r}: each fraction must be between 0 and 1")
+    return fractions
+
+
+def mixed_in_phases(trace: Trace, settings: BenchSettings, family: FamilySpec) -> Trace:
+    """The trace with the settings' shifting mix (--mix-phases), on the router's own band of the largest member."""
+    if not settings.mix_phases:
+        return trace
+    if len(family.members) < 2:
+        raise ValueError("--mix-phases shifts traffic between members: the family has one")
+    thresholds = load_config(overrides=settings.extra_overrides or None).router.complexity_thresholds
+    return with_mix_phases(trace, settings.mix_phases, largest_member_bound(thresholds, len(family.members)),
+                           settings.seed)
+
+
 def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | None, list[str]]:
     """The family, the trace, the baseline's static split (when a system needs it) and their notes."""
     family = load_family(settings.family)
@@ -165,6 +190,7 @@ def prepare(settings: BenchSettings) -> tuple[FamilySpec, Trace, StaticSplit | N
         trace = trace_from_file(settings, tokenizer_hash)
     else:
         trace = make_trace(settings, tokenizer, family)
+    trace = mixed_in_phases(trace, settings, family)
     if settings.save_trace:
         save_trace(trace, settings.save_trace, tokenizer_hash)
     notes: list[str] = list(trace.notes)
@@ -319,6 +345,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="natural (default): EOS ends a reply, max_tokens is the cap (--max-output-tokens) as "
                              "chat clients send it; exact: every reply has the dataset reply's length (ignore_eos), "
                              "the same work for every system")
+    parser.add_argument("--mix-phases", default=None, metavar="F1,F2,...",
+                        help="a traffic mix that shifts: the sessions fall into equal phases by arrival, and in "
+                             "phase i a share Fi of them is for the largest member (the rest for the smaller "
+                             "ones); every system routes on these difficulties, e.g. 0.7,0.2")
     parser.add_argument("--slo-ttft-x", type=float, default=TTFT_SLO_X,
                         help="SLO: p90 TTFT within this multiple of the lightest-rate baseline's p50 TTFT")
     parser.add_argument("--slo-tpot-x", type=float, default=TPOT_SLO_X,
@@ -398,6 +428,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
             rates = (args.rate,)
         else:
             rates = QUICK_RATES if args.quick else FULL_RATES
+        mix_phases = parse_mix_phases(args.mix_phases)
     except ValueError as exc:
         raise SystemExit(f"mfs bench: {exc}") from None
     base = BenchSettings.quick_defaults() if args.quick else BenchSettings()
@@ -407,7 +438,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(base, workload=args.workload, systems=systems, seed=args.seed, family=args.family,
                    score_quality=not args.no_quality, progress=not args.no_progress, extra_overrides=extra,
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
-                   history=args.history, lengths=args.lengths, baseline_split=args.baseline_split,
+                   history=args.history, lengths=args.lengths, mix_phases=mix_phases,
+                   baseline_split=args.baseline_split,
                    baseline_host_tier=args.baseline_host_tier, slo_ttft_x=args.slo_ttft_x,
                    slo_tpot_x=args.slo_tpot_x, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                    record_confidences=getattr(args, "record_confidences", None), **chosen)

@@ -41,7 +41,8 @@ class ClosedLoopSessions:
             return record, None
         request = Request(request_id=RequestId(f"{self.tag}-{session.session_id}-t{k}"), prompt_token_ids=list(prompt),
                           sampling=self._sampling(turn.max_tokens),
-                          arrival_s=arrival_s, session_id=session.session_id, **request_fields)
+                          arrival_s=arrival_s, session_id=session.session_id,
+                          complexity_hint=session.complexity, **request_fields)
         return record, request
 
 

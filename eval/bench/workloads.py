@@ -94,6 +94,9 @@ class Session:
     kind: str                             # multiturn | short | long
     conversation_id: str
     turns: list[Turn]
+    # the session's difficulty as the router reads it (Request.complexity_hint), when the workload sets it
+    # (with_mix_phases); None: estimated from each prompt
+    complexity: float | None = None
 
 
 @dataclass(slots=True)
@@ -170,7 +173,9 @@ def trace_bytes(trace: Trace, tokenizer_hash: str) -> bytes:
     sessions = [{"session_id": s.session_id, "kind": s.kind, "conversation_id": s.conversation_id,
                  "turns": [{"prompt_token_ids": t.prompt_token_ids, "max_tokens": t.max_tokens,
                             "think_time_s": t.think_time_s, "user_token_ids": t.user_token_ids,
-                            "reference_token_ids": t.reference_token_ids} for t in s.turns]}
+                            "reference_token_ids": t.reference_token_ids} for t in s.turns],
+                 # only when set, so a trace without it keeps its bytes (and its sha256)
+                 **({"complexity": s.complexity} if s.complexity is not None else {})}
                 for s in trace.sessions]
     data = {"format": TRACE_FORMAT, "tokenizer_hash": tokenizer_hash, "spec": asdict(trace.spec),
             "arrival_times_s": trace.arrival_times_s, "notes": trace.notes, "sessions": sessions}
@@ -194,7 +199,8 @@ def load_trace(path: str | Path, tokenizer_hash: str) -> Trace:
         sessions = [Session(s["session_id"], s["kind"], s["conversation_id"],
                             [Turn(list(t["prompt_token_ids"]), int(t["max_tokens"]), float(t["think_time_s"]),
                                   list(t.get("user_token_ids") or ()), list(t.get("reference_token_ids") or ()))
-                             for t in s["turns"]])
+                             for t in s["turns"]],
+                            None if s.get("complexity") is None else float(s["complexity"]))
                     for s in data["sessions"]]
         spec = dict(data["spec"])
         notes = list(data.get("notes", []))
@@ -229,6 +235,31 @@ def with_lengths(trace: Trace, lengths: str) -> Trace:
         return trace
     return Trace(spec=replace(trace.spec, lengths=lengths), sessions=trace.sessions,
                  arrival_times_s=list(trace.arrival_times_s), notes=list(trace.notes))
+
+
+def with_mix_phases(trace: Trace, fractions: Sequence[float], top_threshold: float, seed: int) -> Trace:
+    """The same sessions in a traffic mix that shifts: the sessions, in arrival order, fall into len(fractions)
+    phases of equal size; in phase i a session is for the largest member with probability fractions[i] (its
+    complexity drawn uniformly above top_threshold, the router's lower bound of the largest member's band), else
+    for the smaller members (uniformly below it, so each smaller member gets its band's width). Every system routes
+    on these complexities (Request.complexity_hint) instead of estimating them from the prompts."""
+    if not fractions or any(not 0.0 <= f <= 1.0 for f in fractions):
+        raise ValueError(f"mix phases {list(fractions)}: expected fractions between 0 and 1")
+    if not 0.0 < top_threshold < 1.0:
+        raise ValueError(f"the largest member's complexity bound {top_threshold} is not inside (0, 1)")
+    rng = random.Random(f"{seed}-mix")
+    order = sorted(range(len(trace.sessions)), key=lambda i: trace.arrival_times_s[i])
+    sessions = list(trace.sessions)
+    for rank, index in enumerate(order):
+        fraction = fractions[rank * len(fractions) // len(order)]
+        large = rng.random() < fraction
+        u = rng.random()
+        complexity = top_threshold + u * (1.0 - top_threshold) if large else u * top_threshold
+        sessions[index] = replace(sessions[index], complexity=complexity)
+    note = (f"mix phases {','.join(f'{f:g}' for f in fractions)}: share of sessions for the largest member in each "
+            f"of {len(fractions)} equal phases of arrivals (complexity above {top_threshold:g})")
+    return Trace(spec=trace.spec, sessions=sessions, arrival_times_s=list(trace.arrival_times_s),
+                 notes=[*trace.notes, note])
 
 
 def natural_lengths(trace: Trace, request_key) -> dict[str, int]:

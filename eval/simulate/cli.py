@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
-from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
+from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
                             format_table, settings_from_args, static_split_for, trace_from_file)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
@@ -129,6 +129,7 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
                             mean_think_time_s=settings.think_s, conversation_pool=max(1500, 3 * settings.sessions),
                             history=settings.history or "closed", lengths=settings.lengths or "natural")
         trace = build_trace(spec, tokenizer)
+    trace = mixed_in_phases(trace, settings, setup.family or load_family(settings.family))
     if settings.save_trace:
         save_trace(trace, settings.save_trace, tokenizer_hash)
     return trace

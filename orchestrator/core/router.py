@@ -113,6 +113,10 @@ class Router:
         self.session_bonus = (config.session_bonus if config.session_bonus is not None
                               else 0.0 if family.is_nested() else SESSION_BONUS_INDEPENDENT)
 
+    def largest_member_bound(self) -> float:
+        """The lowest complexity routed to the largest member (its band's lower bound)."""
+        return largest_member_bound(self._thresholds, self._num_members)
+
     def adequate_index(self, complexity: float) -> int:
         """Index of the smallest member whose complexity band holds `complexity` (thresholds are lower bounds)."""
         return min(bisect.bisect_right(self._thresholds, complexity), self._num_members - 1)
@@ -259,3 +263,12 @@ class Router:
         if key == "session":
             return f"the session's last member {winner} outweighed it"
         return f"{adequate} is loaded ({loads.get(adequate, _IDLE).total_tokens} tokens), {winner} chosen"
+
+
+def largest_member_bound(thresholds, num_members: int) -> float:
+    """The complexity from which adequate_index gives the largest of num_members members (thresholds are the
+    lower bounds of the members' bands after the first; a family smaller than the list uses its first ones, a
+    larger one has no band for its largest members and gets the highest band's bound)."""
+    if num_members < 2:
+        return 0.0
+    return float(thresholds[min(num_members, len(thresholds) + 1) - 2])
