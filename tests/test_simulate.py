@@ -352,9 +352,35 @@ def test_parse_placement():
     assert parse_placement("colocated").label == "colocated"
     fleet = parse_placement("fleet:8", "per-member")
     assert (fleet.kind, fleet.num_nodes, fleet.label) == ("per-member", 8, "fleet:8")
-    for bad in ("fleet:0", "fleet:x", "ring"):
+    pooled = parse_placement("pooled:6")
+    assert (pooled.kind, pooled.num_nodes, pooled.label) == ("pooled", 6, "pooled:6")
+    for bad in ("fleet:0", "fleet:x", "ring", "pooled:0", "pooled:x"):
         with pytest.raises(PlacementError):
             parse_placement(bad)
+
+
+def test_pooled_placement_gives_the_family_every_gpu_group_and_the_deployments_their_own_gpus(tmp_path):
+    """pooled:N: MFS on N/G colocated nodes, the separate deployments on per-member GPUs, the same N GPUs; a GPU
+    count that leaves either with a spare GPU is refused with the count that works."""
+    import json
+
+    from eval.simulate.setup import pooled_setups
+    from orchestrator.serve.cli import main
+
+    with pytest.raises(PlacementError, match="pooled:6"):
+        pooled_setups("llama3.1", "h200_sxm", "trtllm", 3, None)    # 8B on 1 GPU + 70B on 2; the pair needs 2
+    family, separate = pooled_setups("llama3.1", "h200_sxm", "trtllm", 6, None)
+    assert (family.placement.kind, family.placement.num_nodes) == ("colocated", 3)
+    assert (separate.placement.kind, separate.placement.num_nodes) == ("per-member", 2)
+    assert family.host_tier_mb * 3 == separate.host_tier_mb * 2          # the same host memory per GPU
+    out = tmp_path / "pooled.json"
+    assert main(["simulate", "--family", "qwen3-large", "--gpu", "h200_sxm", "--placement", "pooled:3",
+                 "--sessions", "6", "--rates", "2", "--systems", "mfs,baseline", "--no-progress",
+                 "--out", str(out)]) == 0
+    sim = json.loads(out.read_text())["simulated"]
+    assert (sim["placement"], sim["num_nodes"], sim["node_placement"]) == ("pooled:3", 3, "colocated")
+    assert sim["separate_deployments"]["placement"] == "per-member"
+    assert sim["separate_deployments"]["systems"] == ["baseline"]
 
 
 # ----------------------------------------------------------------------------- the real core in virtual time

@@ -32,7 +32,7 @@ from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.node import SimNode
-from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
+from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, pooled_setups, tiny_setup
 from eval.simulate.step_table import StepTableError
 from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, natural_lengths, save_trace,
@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-table", default=None, metavar="FILE", help="an mfs-step-table/1 file to use")
     parser.add_argument("--gpu", default="h200_sxm", help="aiconfigurator system: h200_sxm, h100_sxm, a100_sxm, l40s, ...")
     parser.add_argument("--backend", default="trtllm", help="aiconfigurator backend: trtllm, vllm, sglang")
-    parser.add_argument("--placement", default="colocated", help="colocated | per-member | fleet:N")
+    parser.add_argument("--placement", default="colocated",
+                        help="colocated | per-member | fleet:N | pooled:N (N GPUs: the family on every GPU group "
+                             "for MFS, each member on its own GPUs for the separate deployments)")
     parser.add_argument("--node-placement", default="colocated", help="inside a fleet: colocated | per-member")
     parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS, help="tokens per KV block (GPU)")
     parser.add_argument("--host-tier-gib", type=float, default=None, metavar="GIB",
@@ -94,17 +96,33 @@ def sim_settings(args: argparse.Namespace) -> BenchSettings:
     return replace(settings, score_quality=False, **chosen)
 
 
+def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[SimSetup, SimSetup | None]:
+    """The run's setup, and under pooled:N the separate deployments' own (None: every system shares the first)."""
+    placement = parse_placement(args.placement, args.node_placement)
+    if placement.kind != "pooled":
+        return build_setup(args, settings), None
+    if not is_paper_family(args.family):
+        raise PlacementError(f"--placement {placement.label} places a GPU family on GPUs; {args.family} runs on this "
+                             "machine's measured cost model (colocated or fleet:N)")
+    return pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table, args.block_tokens,
+                         host_tier_gib_per_gpu=_host_tier_gib(args), saves_overlap=not args.serial_saves)
+
+
+def _host_tier_gib(args: argparse.Namespace) -> float:
+    host_gib = HOST_TIER_GIB_PER_GPU if args.host_tier_gib is None else args.host_tier_gib
+    if host_gib < 0:
+        raise PlacementError(f"--host-tier-gib {host_gib:g}: expected 0 or more")
+    return host_gib
+
+
 def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
     placement = parse_placement(args.placement, args.node_placement)
     if is_paper_family(args.family):
         if args.cost_model == "measured":
             raise PlacementError(f"--cost-model measured times this machine's engine; {args.family} runs on "
                                  "--cost-model aiconfigurator")
-        host_gib = HOST_TIER_GIB_PER_GPU if args.host_tier_gib is None else args.host_tier_gib
-        if host_gib < 0:
-            raise PlacementError(f"--host-tier-gib {host_gib:g}: expected 0 or more")
         return paper_setup(args.family, args.gpu, args.backend, placement, args.step_table, args.block_tokens,
-                           host_tier_gib_per_gpu=host_gib, saves_overlap=not args.serial_saves)
+                           host_tier_gib_per_gpu=_host_tier_gib(args), saves_overlap=not args.serial_saves)
     if args.serial_saves:
         raise PlacementError(f"--serial-saves is for paper-scale families; {args.family}'s measured cost model "
                              "already charges every copy in the step, as its engine makes them")
@@ -227,15 +245,17 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
 
-def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: Confidences, vocab_size: int,
-              interval_s: float, jobs: int = 1) -> dict[str, Any]:
-    """Every system on `trace` (one rate): the point's JSON block (eval.bench.result.rate_point). jobs > 1:
-    the systems run in forked processes (each simulation is a function of its inputs alone: same output)."""
-    args = (setup, trace, confidences, vocab_size, interval_s)
+def run_point(setup: SimSetup | dict[str, SimSetup], configs: dict, trace: Trace, confidences: Confidences,
+              vocab_size: int, interval_s: float, jobs: int = 1) -> dict[str, Any]:
+    """Every system on `trace` (one rate): the point's JSON block (eval.bench.result.rate_point). setup: one for
+    every system, or each system's own (pooled placement). jobs > 1: the systems run in forked processes (each
+    simulation is a function of its inputs alone: same output)."""
+    setups = setup if isinstance(setup, dict) else {name: setup for name in configs}
+    args = (trace, confidences, vocab_size, interval_s)
     if jobs > 1 and len(configs) > 1:
-        results = _run_forked(configs, args, jobs)
+        results = _run_forked(configs, setups, args, jobs)
     else:
-        results = {name: _records_and_metrics(name, config, *args) for name, config in configs.items()}
+        results = {name: _records_and_metrics(name, config, setups[name], *args) for name, config in configs.items()}
     records_by_system = {name: records for name, (records, _) in results.items()}
     systems = {name: metrics for name, (_, metrics) in results.items()}
     return rate_point(trace.spec.rate_sessions_per_s, records_by_system, systems)
@@ -254,18 +274,18 @@ _WORKER_NODES: list = []
 
 
 def _forked_system(name: str) -> tuple[list, dict[str, Any]]:
-    configs, args = _FORKED
-    records, metrics = _records_and_metrics(name, configs[name], *args, keep_nodes=_WORKER_NODES)
+    configs, setups, args = _FORKED
+    records, metrics = _records_and_metrics(name, configs[name], setups[name], *args, keep_nodes=_WORKER_NODES)
     for record in records:         # only latencies are read back (eval.bench.result.paired_vs_baseline): do not ship the tokens
         record.prompt_token_ids, record.output_token_ids, record.output_logprobs = [], [], []
     return records, metrics
 
 
-def _run_forked(configs: dict, args: tuple, jobs: int) -> dict[str, tuple[list, dict[str, Any]]]:
+def _run_forked(configs: dict, setups: dict, args: tuple, jobs: int) -> dict[str, tuple[list, dict[str, Any]]]:
     import multiprocessing
 
     global _FORKED
-    _FORKED = (configs, args)
+    _FORKED = (configs, setups, args)
     try:
         # one system per worker: a worker keeps its finished nodes (_WORKER_NODES) until it exits
         with multiprocessing.get_context("fork").Pool(min(jobs, len(configs)), maxtasksperchild=1) as pool:
@@ -289,7 +309,7 @@ def load_confidences(args: argparse.Namespace, settings: BenchSettings, setup: S
 
 def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     settings = sim_settings(args)
-    setup = build_setup(args, settings)
+    setup, separate = build_setups(args, settings)
     tiny = load_family("tiny") if setup.family is not None else load_family(settings.family)
     tokenizer = FamilyTokenizer(tiny.members[0].checkpoint_dir)
     started = time.perf_counter()
@@ -298,17 +318,27 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     rates = curve_rates(settings, trace)
     headline = trace.spec.rate_sessions_per_s if trace.spec.rate_sessions_per_s in rates else rates[0]
     confidences = load_confidences(args, settings, setup, tiny)
-    configs, split = system_configs(setup, settings, trace, tokenizer)
+    if separate is None:
+        configs, split = system_configs(setup, settings, trace, tokenizer)
+        setups: SimSetup | dict[str, SimSetup] = setup
+    else:       # pooled: the separate deployments on their per-member GPUs, the family's systems pooled
+        deployed = tuple(n for n in settings.systems if system_scheduler(n) is not None)
+        pooled = tuple(n for n in settings.systems if n not in deployed)
+        configs, _ = system_configs(setup, replace(settings, systems=pooled), trace, tokenizer)
+        deployed_configs, split = system_configs(separate, replace(settings, systems=deployed), trace, tokenizer)
+        configs = {n: {**configs, **deployed_configs}[n] for n in settings.systems}
+        setups = {n: separate if n in deployed else setup for n in settings.systems}
     sim_started = time.perf_counter()
     split_baselines = [n for n in configs if n in SPLIT_BASELINES]
+    placed = (separate or setup).split is not None       # the deployments' GPUs fix their split
     about_split: dict[str, Any] = {"baseline_split_mode": None if not split_baselines else
-                                   "placement" if setup.split is not None else "traffic"}
-    if split_baselines and setup.split is None and settings.baseline_split != "traffic":
+                                   "placement" if placed else "traffic"}
+    if split_baselines and not placed and settings.baseline_split != "traffic":
         about_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer)
     points = []
     for rate in rates:
         at_rate = trace.at_rate(rate)
-        points.append(run_point(setup, configs, at_rate, confidences, tokenizer.vocab_size, stats_interval_for(at_rate),
+        points.append(run_point(setups, configs, at_rate, confidences, tokenizer.vocab_size, stats_interval_for(at_rate),
                                 jobs=getattr(args, "jobs", 1)))
     sim_s = time.perf_counter() - sim_started
     head = next(p for p in points if p["rate"] == headline)
@@ -318,7 +348,10 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                  "is a measurement")
     notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served")
     if setup.host_tier_mb is not None:
-        notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for every system that keeps one (the "
+        per_gpu = setup.memory.get("host_tier_gib_per_gpu")
+        notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node"
+                     + (f" ({per_gpu:g} GiB per GPU)" if per_gpu is not None else "")
+                     + " for every system that keeps one (the "
                      "fair baselines: as one LRU their deployments share); baseline_legacy: "
                      + ("the same (--baseline-host-tier)" if settings.baseline_host_tier else "none (its servers' default)")
                      + ("; copies of evicted pages to it run beside the step's compute (the GPU's copy stream; "
@@ -334,9 +367,15 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         **about_split,
         **curve_result(settings, headline, head, rates, curve),
         "notes": notes,
-        "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu, "placement": setup.placement.label,
+        "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu,
+                      "placement": setup.placement.label if separate is None else args.placement,
                       "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,
                       "memory": setup.memory, "num_pages_per_node": setup.num_pages, "page_bytes": setup.page_bytes,
+                      **({} if separate is None else {"separate_deployments": {
+                          "placement": separate.placement.label, "num_nodes": separate.placement.num_nodes,
+                          "memory": separate.memory, "num_pages_per_node": separate.num_pages,
+                          "cost_model": separate.cost.describe(),
+                          "systems": [n for n in settings.systems if setups[n] is separate]}}),
                       "confidences": confidences.describe(),
                       "tokenizer": ("the shipped tiny family's tokenizer (the simulated family's own)" if
                                     setup.family is None else TOKENIZER_NOTE),

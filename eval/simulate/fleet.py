@@ -8,6 +8,10 @@ per-member   each member on its own GPUs (tensor parallel when its weights need 
              member batches of a step run side by side and the step lasts as long as the slowest (lock-step:
              the core plans one step for all members).
 fleet:N      N identical nodes, each holding the family as `--node-placement` says, behind a front router.
+pooled:N     N GPUs, each system as it would use them: the family's own systems (MFS and its ablations) place the
+             whole family on every GPU group (as many colocated nodes as the GPUs hold, behind the front router),
+             the separate deployments give each member its own GPUs (per-member nodes, replicated to fill the N
+             GPUs). Same GPUs and the same host memory per GPU for both (eval/simulate/setup.py pooled_setups).
 
 The front router is modelled on what is deployed today (sglang-router's cache_aware policy, Dynamo's KV
 router): a session sticks to its node while that node is not overloaded; otherwise the node whose routed
@@ -35,17 +39,27 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    kind: str                       # colocated | per-member
-    num_nodes: int = 1              # > 1: a fleet of nodes of `kind`
+    kind: str                       # colocated | per-member | pooled
+    num_nodes: int = 1              # > 1: a fleet of nodes of `kind`; pooled: the number of GPUs
 
     @property
     def label(self) -> str:
+        if self.kind == "pooled":
+            return f"pooled:{self.num_nodes}"
         return f"fleet:{self.num_nodes}" if self.num_nodes > 1 else self.kind
 
 
 def parse_placement(text: str, node_placement: str = "colocated") -> Placement:
     if text in ("colocated", "per-member"):
         return Placement(text)
+    if text.startswith("pooled:"):
+        try:
+            gpus = int(text.split(":", 1)[1])
+        except ValueError:
+            gpus = 0
+        if gpus < 1:
+            raise PlacementError(f"--placement {text!r}: pooled:N needs a positive GPU count")
+        return Placement("pooled", gpus)
     if text.startswith("fleet:"):
         try:
             n = int(text.split(":", 1)[1])
@@ -56,7 +70,7 @@ def parse_placement(text: str, node_placement: str = "colocated") -> Placement:
         if node_placement not in ("colocated", "per-member"):
             raise PlacementError(f"--node-placement {node_placement!r}: expected colocated or per-member")
         return Placement(node_placement, n)
-    raise PlacementError(f"--placement {text!r}: expected colocated, per-member or fleet:N")
+    raise PlacementError(f"--placement {text!r}: expected colocated, per-member, fleet:N or pooled:N")
 
 
 class FrontRouter:

@@ -7,6 +7,7 @@ aiconfigurator only when no table exists yet).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,38 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
                                                                                    for n, w in weights.items()},
                             "host_tier_gib": host_tier_gib, "host_tier_gib_per_gpu": host_tier_gib_per_gpu},
                     notes=notes)
+
+
+def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path: str | None,
+                  block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION,
+                  host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU,
+                  saves_overlap: bool = True) -> tuple[SimSetup, SimSetup]:
+    """pooled:N (fleet.py): the family's systems on N/G colocated nodes of G GPUs each (G: the tensor parallelism
+    the whole family needs), the separate deployments on N/M per-member nodes (M: the GPUs one copy of every
+    member needs, each at its own tensor parallelism). N must be a multiple of both, so neither has a GPU left."""
+    if table_path:
+        raise PlacementError("--placement pooled:N builds one step table per placement; --step-table names one")
+    from eval.simulate.aic_table import build_aic_table
+
+    preset = PRESETS[family]
+    probe = _cached_table(family, gpu, backend, None) or StepTable.from_dict(
+        build_aic_table([(n, m, 1) for n, m in preset], gpu, backend))
+    configs = {n: probe.member(n).hf_config for n, _ in preset}
+    group = next(iter(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("colocated")).values()))
+    per_member = sum(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("per-member")).values())
+    if num_gpus % group or num_gpus % per_member:
+        need = group * per_member // math.gcd(group, per_member)
+        raise PlacementError(f"--placement pooled:{num_gpus}: {family} on {gpu} needs a multiple of {group} GPUs "
+                             f"(one node holding the whole family) and of {per_member} (one GPU group per member, "
+                             f"for the separate deployments): try pooled:{need}")
+    common = dict(block_tokens=block_tokens, free_fraction=free_fraction, host_tier_gib_per_gpu=host_tier_gib_per_gpu,
+                  saves_overlap=saves_overlap)
+    pooled = paper_setup(family, gpu, backend, Placement("colocated", num_gpus // group), None, **common)
+    separate = paper_setup(family, gpu, backend, Placement("per-member", num_gpus // per_member), None, **common)
+    pooled.notes.append(f"pooled:{num_gpus}: the family's systems on {num_gpus // group} node(s) of {group} GPU(s) "
+                        f"each holding every member; the separate deployments on {num_gpus // per_member} set(s) "
+                        f"of per-member GPUs ({per_member} GPUs each)")
+    return pooled, separate
 
 
 def _tensor_parallel(configs: dict[str, dict], gpu_memory_bytes: int, placement: Placement) -> dict[str, int]:
