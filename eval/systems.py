@@ -15,7 +15,7 @@ from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
-           "mfs_single_server_policies")
+           "mfs_single_server_policies", "mfs_per_turn")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
 ATTRIBUTION_SYSTEMS = ("no_shared_pool", "no_family_routing", "no_warm_handover", "no_layer_sharing", "no_tiers")
@@ -32,6 +32,7 @@ DEPLOYMENTS = {
     "comparison.use_load": False,               # ... and to their load: complexity, then the session's member
     "comparison.cold_handover": True,           # an escalation re-sends the conversation to another server
     "comparison.warmup": False,                 # no server prefills for another one
+    "router.sticky_sessions": True,             # a front balancer keeps a session on its first turn's server
 }
 # Baselines on a static split of the pool (baseline_elastic draws from one elastic pool instead).
 SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy")
@@ -92,6 +93,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         raise ValueError(f"system {name!r} needs the static split")
     if name in SPLIT_BASELINES:
         base.update({"comparison.static_split": dict(baseline_split or split), **DEPLOYMENTS})
+    if name in ("baseline_per_turn", "baseline_legacy"):
+        base["router.sticky_sessions"] = False      # every turn routed on its complexity alone
     if name == "baseline_elastic":
         base.update(DEPLOYMENTS)
     elif name == "baseline_legacy":
@@ -102,6 +105,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base.update({**SINGLE_SERVER_POLICIES, **SINGLE_SERVER_ROUTING})
     elif name == "no_affinity":
         base["comparison.use_affinity"] = False
+    elif name == "mfs_per_turn":               # every turn routed afresh (sessions not kept on their first member)
+        base["router.sticky_sessions"] = False
     elif name == "no_family_routing":           # the baselines' routing: complexity only, blind to caches and load
         base.update({"comparison.use_affinity": False, "comparison.use_load": False})
     elif name == "no_warm_handover":            # an escalation re-sends the conversation, cold; no warm-up

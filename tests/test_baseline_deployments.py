@@ -19,8 +19,8 @@ BASELINE = {"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.
 
 
 def deployments(low_confidence=(), **overrides) -> Harness:
-    h = Harness(low_confidence=low_confidence, **{**BASELINE, **overrides})
-    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()), sticky=False)
+    h = Harness(low_confidence=low_confidence, **{**BASELINE, "router.sticky_sessions": False, **overrides})
+    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
     return h
 
 
@@ -107,7 +107,7 @@ def test_escalation_only_to_a_deployment_that_can_hold_the_request():
 def test_independent_deployments_need_a_static_split():
     h = Harness()
     with pytest.raises(ValueError, match="static_split"):
-        deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()), sticky=False)
+        deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
 
 
 def submit_session(h: Harness, rid: str, session: str, num_prompt_tokens: int, complexity: float, start: int = 10):
@@ -118,7 +118,7 @@ def submit_session(h: Harness, rid: str, session: str, num_prompt_tokens: int, c
 
 
 def sticky_deployments(**overrides) -> Harness:
-    h = Harness(**{**BASELINE, **overrides})
+    h = Harness(**{**BASELINE, "router.sticky_sessions": True, **overrides})
     h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
     return h
 

@@ -442,3 +442,25 @@ def test_memoized_private_page_count_equals_the_pools_count_at_every_step(scenar
         assert shared_seen > 0          # the scenario did make pages shared between running requests
     if scenario == "preemption":
         assert h.scheduler.snapshot(h.now)["counters"]["preemptions"] > 0
+
+
+@pytest.mark.parametrize("family,sticky,expect_kept", [(independent_family, None, True),
+                                                        (independent_family, False, False),
+                                                        (nested_family, None, False),
+                                                        (nested_family, True, True)])
+def test_sticky_sessions_keep_later_turns_on_the_first_turns_member(family, sticky, expect_kept):
+    """router.sticky_sessions (null: on for independent families only): a later turn whose complexity routes it
+    elsewhere stays on the member of the session's first turn."""
+    h = Harness(family=family(), **{"router.sticky_sessions": sticky})
+    first = h.submit("t0", PROMPT, max_tokens=2, session_id="chat", complexity_hint=0.1)
+    h.run()
+    later = h.submit("t1", PROMPT + [7] * 8, max_tokens=2, session_id="chat", complexity_hint=0.95)
+    largest = h.family.member_names[-1]
+    assert first.member == h.family.member_names[0]
+    assert (later.member == first.member) == expect_kept
+    if expect_kept:
+        assert later.reason.startswith(f"session kept on {first.member}")
+    else:
+        assert later.member == largest
+    other = h.submit("other", PROMPT, max_tokens=2, session_id="another", complexity_hint=0.95)
+    assert other.member == largest                      # a new session is routed on its own complexity

@@ -10,9 +10,9 @@ The baselines (eval/systems.py) run the core's own Scheduler with these policy o
 - step members: the deployments take turns on the device: one step runs one deployment's batch, with its own
   step token budget, round robin over the deployments with work (separate processes time-slice one
   accelerator; none sees the others' batches).
-- sessions (sticky): a session stays on the member that served its first turn while that member can hold it,
-  as a front balancer with session affinity keeps a conversation on its server; per-turn routing (the
-  baseline_per_turn variant and baseline_legacy) routes every turn on its complexity alone.
+- sessions: kept on the member that served their first turn while its slice holds them (the core's
+  router.sticky_sessions, set by eval/systems.py: a front balancer's session affinity), or per turn (the
+  baseline_per_turn variant and baseline_legacy route every turn on its complexity alone).
 - memory: a static slice per deployment (comparison.static_split), or one pool every deployment draws pages
   from as it needs them (elastic: KV memory mapped on demand, as kvcached gives co-located engines). With one
   pool the core's admission sees every deployment's reserved decode demand: more coordination than separate
@@ -23,7 +23,6 @@ configuration: eval/systems.py DEPLOYMENTS.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from functools import partial
 
 from orchestrator.core.complexity import ComplexityEstimator
@@ -42,20 +41,15 @@ from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import MemberName, Request, RouteDecision
 
 
-MAX_SESSIONS = 1 << 16          # sessions whose member a sticky front balancer remembers (least recent forgotten)
-
-
 class Deployments:
     """Placement, running cap and step members of separate per-member servers on one device."""
 
     def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
-                 sticky: bool = True, elastic: bool = False) -> None:
+                 elastic: bool = False) -> None:
         if (config.comparison.static_split is None) != elastic:
             raise ValueError("separate deployments need comparison.static_split (each deployment's slice), "
                              "and elastic ones none (one pool)")
         self.family = family
-        self.sticky = sticky
-        self._homes: OrderedDict[str, str] = OrderedDict()   # session -> the member of its first turn
         self.kv = kv
         self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         self.member_cap = config.scheduler.max_running_requests
@@ -94,27 +88,13 @@ class Deployments:
     def place(self, decision: RouteDecision, request: Request) -> RouteDecision:
         if request.pinned_member is not None:
             return decision
-        decision = self._keep_session(decision, request)
         member = self.placement(decision.member, request)
-        if self.sticky and request.session_id and request.session_id not in self._homes and member is not None:
-            self._homes[request.session_id] = member
-            if len(self._homes) > MAX_SESSIONS:
-                self._homes.popitem(last=False)
         if member is None or member == decision.member:
             return decision
         self.num_reroutes += 1
         return dataclasses.replace(decision, member=MemberName(member), rerouted_from=decision.member,
                                    reason=f"re-routed {decision.member}->{member} (slice too small); "
                                           f"{decision.reason}")
-
-    def _keep_session(self, decision: RouteDecision, request: Request) -> RouteDecision:
-        """The session's first-turn member instead of the routed one, while it can hold the request."""
-        home = self._homes.get(request.session_id) if self.sticky and request.session_id else None
-        if home is None or home == decision.member or not self.holds(home, request):
-            return decision
-        self._homes.move_to_end(request.session_id)
-        return dataclasses.replace(decision, member=MemberName(home),
-                                   reason=f"session kept on {home}; {decision.reason}")
 
     def accepts_escalation(self, seq: Sequence) -> bool:
         target = escalation_target(self.family, seq.member, pinned=seq.request.pinned_member is not None)
@@ -146,10 +126,10 @@ class Deployments:
 
 def deployments_scheduler(family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
                           estimator: ComplexityEstimator, tiers: TieredStore | None = None,
-                          events: EventLog | None = None, stats: Stats | None = None, *, sticky: bool = True,
+                          events: EventLog | None = None, stats: Stats | None = None, *,
                           elastic: bool = False) -> Scheduler:
     """The core's Scheduler with Deployments' policies (EngineCore's scheduler_factory signature)."""
-    deployments = Deployments(family, config, pool, kv, sticky=sticky, elastic=elastic)
+    deployments = Deployments(family, config, pool, kv, elastic=elastic)
     return Scheduler(family, config, pool, kv, estimator, tiers, events, stats,
                      policies=SchedulerPolicies(placement=deployments, running_cap=deployments,
                                                 step_members=deployments))
@@ -157,8 +137,8 @@ def deployments_scheduler(family: FamilySpec, config: MFSConfig, pool: PagePool,
 
 # system name -> its scheduler factory (module-level partials: they pickle into the engine process)
 DEPLOYMENT_SCHEDULERS = {
-    "baseline": partial(deployments_scheduler, sticky=True),
-    "baseline_elastic": partial(deployments_scheduler, sticky=True, elastic=True),
-    "baseline_per_turn": partial(deployments_scheduler, sticky=False),
-    "baseline_legacy": partial(deployments_scheduler, sticky=False),
+    "baseline": deployments_scheduler,
+    "baseline_elastic": partial(deployments_scheduler, elastic=True),
+    "baseline_per_turn": deployments_scheduler,
+    "baseline_legacy": deployments_scheduler,
 }

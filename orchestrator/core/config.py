@@ -76,6 +76,11 @@ class RouterConfig:
     complexity_thresholds: list[float] = field(default_factory=lambda: [0.4, 0.7])  # boundaries between members
     affinity_min_tokens: int = 32         # matches shorter than this earn no affinity
     session_bonus: float | None = None    # added to the session's last member; None = 0 nested, 0.2 otherwise
+    # keep a session's later turns on the member of its first turn while it can hold them (a front balancer's
+    # session affinity); escalation still moves a turn up mid-reply. None: on for independent families (a later
+    # turn scores higher only because its context grew, and a larger member costs every token more), off for
+    # nested ones (a smaller member reuses the larger one's lower layers, so moving is cheap)
+    sticky_sessions: bool | None = None
     load_saturation_tokens: int = 4096    # queued+running tokens at which a member counts as saturated
     # whole-device routing (docs/CONFIG.md)
     delay_saturation_s: float = 1.0       # expected wait at which a member's load term is full

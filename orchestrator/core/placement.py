@@ -32,6 +32,7 @@ def check_fits(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str,
 
 class Placement(Protocol):
     def check_fits(self, request: Request) -> None: ...
+    def holds(self, member: str, request: Request) -> bool: ...
     def place(self, decision: RouteDecision, request: Request) -> RouteDecision: ...
     def accepts_escalation(self, seq: Sequence) -> bool: ...
 
@@ -46,6 +47,12 @@ class SharedPoolPlacement:
 
     def check_fits(self, request: Request) -> None:
         check_fits(self.family, self.kv, self.capacity_pages, request)
+
+    def holds(self, member: str, request: Request) -> bool:
+        """The member's context holds the prompt and its share of the pool the whole request."""
+        needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        return (len(request.prompt_token_ids) < self.family.member(member).context_tokens
+                and self.kv.pages_for_tokens(member, needed_tokens) <= self.capacity_pages[member])
 
     def place(self, decision: RouteDecision, request: Request) -> RouteDecision:
         return decision

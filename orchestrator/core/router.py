@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.core.config import RouterConfig, RouterWeights
@@ -53,6 +55,33 @@ class SessionAffinity:
         self._members.move_to_end(session_id)
         if len(self._members) > self.max_sessions:
             self._members.popitem(last=False)
+
+
+class SessionHomes:
+    """Session id -> the member that served its first turn (router.sticky_sessions): later turns go there while it
+    holds them, as a front balancer with session affinity keeps a conversation on its server. LRU-bounded."""
+
+    __slots__ = ("max_sessions", "_homes")
+
+    def __init__(self, max_sessions: int = 1 << 16) -> None:
+        self.max_sessions = max_sessions
+        self._homes: OrderedDict[str, MemberName] = OrderedDict()
+
+    def keep(self, decision: RouteDecision, request: Request, holds: Callable[[str, Request], bool]) -> RouteDecision:
+        """The session's home instead of the routed member while holds(home, request)."""
+        home = self._homes.get(request.session_id) if request.session_id else None
+        if home is None or home == decision.member or request.pinned_member is not None or not holds(home, request):
+            return decision
+        self._homes.move_to_end(request.session_id)
+        return dataclasses.replace(decision, member=home, reason=f"session kept on {home}; {decision.reason}")
+
+    def remember(self, request: Request, member: str) -> None:
+        """The first turn's (placed) member becomes the session's home."""
+        session = request.session_id
+        if session and session not in self._homes and request.pinned_member is None:
+            self._homes[session] = MemberName(member)
+            if len(self._homes) > self.max_sessions:
+                self._homes.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)

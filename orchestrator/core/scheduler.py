@@ -27,7 +27,7 @@ from orchestrator.core.placement import Placement, SharedPoolPlacement
 from orchestrator.core.preemption import Preemption
 from orchestrator.core.request_queue import RunningSet, WaitingQueue
 from orchestrator.core.reservation import RESERVATIONS
-from orchestrator.core.router import MemberLoad, Router
+from orchestrator.core.router import MemberLoad, Router, SessionHomes
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.snapshot import pages_state
 from orchestrator.core.tiers import TieredStore
@@ -57,6 +57,8 @@ class Scheduler:
         self.tiers = tiers
         self.router = Router(family, config.router, use_affinity=config.comparison.use_affinity,
                              use_load=config.comparison.use_load)
+        sticky = config.router.sticky_sessions
+        self.homes = SessionHomes() if (sticky if sticky is not None else not family.is_nested()) else None
         self.estimator = estimator
         self.events = events if events is not None else EventLog()   # an empty log is falsy (__len__)
         self.stats = stats if stats is not None else Stats()
@@ -137,7 +139,11 @@ class Scheduler:
         session_member = self.lifecycle.sessions.get(request.session_id) if request.session_id else None
         decision = self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
                                      loads=self.loads(request), session_member=session_member, now_s=now_s)
-        return self.placement.place(decision, request)
+        if self.homes is None:
+            return self.placement.place(decision, request)
+        decision = self.placement.place(self.homes.keep(decision, request, self.placement.holds), request)
+        self.homes.remember(request, decision.member)
+        return decision
 
     def loads(self, request: Request | None = None) -> dict[str, MemberLoad]:
         """Each member's load; with `request`, also the expected wait before it could be admitted there
