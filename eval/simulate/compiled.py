@@ -38,6 +38,7 @@ MODULES = (
     "orchestrator.core.snapshot", "orchestrator.core.parts", "orchestrator.core.escalation", "orchestrator.core.tiers",
     "orchestrator.core.block_hash", "orchestrator.core.complexity", "orchestrator.core.events",
     "orchestrator.core.types", "orchestrator.core.kv_layout", "orchestrator.core.router",
+    "orchestrator.core.member_turns",
     "eval.baseline.deployments",
     "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",
     "eval.simulate.confidence", "eval.simulate.escalation_model", "eval.simulate.cost_model",

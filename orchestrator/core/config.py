@@ -52,6 +52,9 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001  # per step while no request runs short
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
+    # token-level member scheduling on a shared device (member_turns.py): each member's decodes step at their own
+    # frequency, a member's token period at most this many times that of stepping every member (None = off)
+    member_turns: float | None = None
 
 
 @dataclass(slots=True)

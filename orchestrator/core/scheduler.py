@@ -21,6 +21,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.handover import Handover
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
+from orchestrator.core.member_turns import MemberTurns
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.placement import Placement, SharedPoolPlacement
@@ -75,7 +76,10 @@ class Scheduler:
         self.lifecycle = Lifecycle(parts, self.escalation_rates)
         self.preemption = Preemption(parts, self.reservation, self.handover.release_pins, self.lifecycle.forget)
         self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap)
-        self.batches = BatchFormer(config.scheduler, self.stats, policies.step_members)
+        step_members = policies.step_members
+        if step_members is None and config.scheduler.member_turns is not None:
+            step_members = MemberTurns(family, config.scheduler.member_turns)
+        self.batches = BatchFormer(config.scheduler, self.stats, step_members)
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
                              for m in family.members}

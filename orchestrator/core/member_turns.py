@@ -1,0 +1,92 @@
+"""Token-level member scheduling on a shared device: which members' decodes run in a step.
+
+When every member steps in every step, each token of every member waits for the sum of all the members' forwards,
+so a small member's tokens are held behind the largest member's forward. One scheduler over the family can instead
+let each member step at its own frequency f (a share of the steps; a member with prefill work steps at once, so
+time to first token is not traded): a step then lasts D = sum_i f_i c_i (c_i: member i's forward), member i's
+token period is D / f_i, and the mean over the running requests' token periods, sum_i n_i D / f_i (n_i: requests
+decoding on i), is smallest at f_i proportional to sqrt(n_i / c_i) (a Lagrange condition), the largest member
+stepping every time. Each member's period is bounded by `max_slowdown` x the period of running every member in
+every step (sum_i c_i), its TPOT guard; frequencies below what that bound needs are raised to it.
+
+The formulas are scale-free, so relative forward costs suffice: a cost function given by whoever builds the
+scheduler (the executor's own estimate), else weight bytes estimated from the member's shape (a decode forward of
+a small batch reads every weight once). A deterministic credit per member (credit += f each step; the member
+steps when it reaches 1) turns the frequencies into steps. Pure: no clock, no I/O.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from orchestrator.core.family import FamilySpec, MemberSpec
+from orchestrator.core.request_queue import RunningSet
+from orchestrator.core.sequence import Sequence
+
+# member, requests decoding on it -> the relative cost of its decode forward
+ForwardCost = Callable[[str, int], float]
+
+
+def shape_weight_bytes(member: MemberSpec) -> float:
+    """Weights a decode forward reads, from the shape alone (attention and an MLP of about 3x the hidden size, the
+    embedding and the output head); only the ratio between members matters here."""
+    hidden = member.hidden_size
+    attention = hidden * member.head_dim * (2 * member.num_heads + 2 * member.num_kv_heads)
+    mlp = 3 * hidden * (3 * hidden)
+    return float(member.num_layers * (attention + mlp) + 2 * member.vocab_size * hidden)
+
+
+class MemberTurns:
+    """StepMembers (batching.py): every member with prefill work, and each decoding member at its frequency."""
+
+    def __init__(self, family: FamilySpec, max_slowdown: float, cost: ForwardCost | None = None) -> None:
+        if max_slowdown < 1.0:
+            raise ValueError(f"scheduler.member_turns {max_slowdown}: a member's token period can only grow (>= 1)")
+        self.max_slowdown = max_slowdown
+        weights = {m.name: shape_weight_bytes(m) for m in family.members}
+        self.cost: ForwardCost = cost or (lambda member, _n: weights[member])
+        self.credit: dict[str, float] = {m.name: 0.0 for m in family.members}
+        self.last_frequencies: dict[str, float] = {}
+
+    def frequencies(self, decoding: dict[str, int]) -> dict[str, float]:
+        """Each decoding member's share of the steps (the largest is 1), its period within the guard."""
+        costs = {m: max(self.cost(m, n), 1e-12) for m, n in decoding.items()}
+        raw = {m: math.sqrt(n / costs[m]) for m, n in decoding.items()}
+        top = max(raw.values())
+        freq = {m: r / top for m, r in raw.items()}
+        bound = self.max_slowdown * sum(costs.values())      # the longest period a member may see
+        guarded: set[str] = set()
+        for _ in range(len(freq)):
+            # Guarded members step just often enough: f_g = D / bound, so D = A + D * C_g / bound
+            free_work = sum(freq[m] * costs[m] for m in freq if m not in guarded)
+            guarded_cost = sum(costs[m] for m in guarded)
+            step = (free_work / (1.0 - guarded_cost / bound) if guarded_cost < bound else math.inf)
+            for m in guarded:
+                freq[m] = min(1.0, step / bound)
+            if step / bound >= 1.0:
+                step = free_work + guarded_cost
+            late = {m for m in freq if m not in guarded and step / freq[m] > bound * (1.0 + 1e-9)}
+            if not late:
+                break
+            guarded |= late
+        return freq
+
+    def select(self, running: RunningSet) -> Iterable[Sequence]:
+        decoding: dict[str, int] = {}
+        prefilling: set[str] = set()
+        for seq in running:
+            if seq.is_decoding():
+                decoding[seq.member] = decoding.get(seq.member, 0) + 1
+            else:
+                prefilling.add(seq.member)
+        if len(decoding) + len(prefilling - decoding.keys()) <= 1:
+            return running                      # one member has work: it steps
+        freq = self.frequencies(decoding) if decoding else {}
+        self.last_frequencies = freq
+        stepping = set(prefilling)
+        for member, f in freq.items():
+            self.credit[member] += f
+            if self.credit[member] >= 1.0 - 1e-9 or member in prefilling:
+                self.credit[member] = max(0.0, self.credit[member] - 1.0)
+                stepping.add(member)
+        return [seq for seq in running if seq.member in stepping]

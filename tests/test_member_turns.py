@@ -1,0 +1,73 @@
+"""Token-level member scheduling (orchestrator/core/member_turns.py): frequencies, the TPOT guard, the turns."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from orchestrator.core.member_turns import MemberTurns
+from orchestrator.core.request_queue import RunningSet
+from tests.fakes import independent_family
+
+
+def turns(max_slowdown: float, costs: dict[str, float]) -> MemberTurns:
+    return MemberTurns(independent_family(), max_slowdown, cost=lambda member, _n: costs[member])
+
+
+def test_frequencies_follow_the_square_root_rule_with_the_largest_at_one():
+    freq = turns(10.0, {"s": 1.0, "l": 9.0}).frequencies({"s": 10, "l": 10})
+    assert freq == pytest.approx({"s": 1.0, "l": 1 / 3})
+    # more requests on the large member: it steps more often
+    assert turns(10.0, {"s": 1.0, "l": 9.0}).frequencies({"s": 10, "l": 90}) == pytest.approx({"s": 1.0, "l": 1.0})
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 1.05, 1.1, 2.0])
+def test_the_guard_bounds_every_members_period(slowdown):
+    costs = {"s": 1.0, "l": 9.0}
+    freq = turns(slowdown, costs).frequencies({"s": 10, "l": 10})
+    step = sum(freq[m] * costs[m] for m in freq)
+    every_step = sum(costs.values())
+    assert all(step / f <= slowdown * every_step * (1 + 1e-9) for f in freq.values())
+    if slowdown == 1.0:
+        assert freq == pytest.approx({"s": 1.0, "l": 1.0})            # no member may slow down: all step
+    elif 12.0 > slowdown * every_step:       # unguarded, l's period would be 12: the guard binds exactly
+        assert step / freq["l"] == pytest.approx(slowdown * every_step)
+    else:
+        assert freq["l"] == pytest.approx(1 / 3)
+
+
+class _Seq:
+    def __init__(self, member: str, decoding: bool, rid: str) -> None:
+        self.member, self._decoding, self.request_id = member, decoding, rid
+
+    def is_decoding(self) -> bool:
+        return self._decoding
+
+
+def _running(*seqs) -> RunningSet:
+    running = RunningSet()
+    for seq in seqs:
+        running.add(seq)
+    return running
+
+
+def test_a_member_steps_at_its_frequency_and_at_once_with_prefill_work():
+    policy = turns(10.0, {"s": 1.0, "l": 9.0})
+    running = _running(*[_Seq("s", True, f"s{i}") for i in range(10)], *[_Seq("l", True, f"l{i}") for i in range(10)])
+    large_steps = sum(any(q.member == "l" for q in policy.select(running)) for _ in range(9))
+    assert large_steps == 3                          # f = 1/3
+    prefill = _running(_Seq("s", True, "a"), _Seq("l", False, "b"))
+    assert {q.member for q in policy.select(prefill)} == {"s", "l"}
+    alone = _running(_Seq("l", True, "c"))
+    assert [q.member for q in policy.select(alone)] == ["l"]        # one member: it steps every time
+
+
+def test_without_a_cost_function_the_shape_orders_the_members():
+    from orchestrator.core.member_turns import shape_weight_bytes
+
+    family = independent_family()
+    small, large = (shape_weight_bytes(m) for m in family.members)
+    assert large > small > 0
+    assert not math.isnan(MemberTurns(family, 2.0).frequencies({"s": 4, "l": 4})["l"])
+    with pytest.raises(ValueError, match=">= 1"):
+        MemberTurns(family, 0.5)
