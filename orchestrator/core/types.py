@@ -189,6 +189,18 @@ class StepPlan:
         return not self.batches and not self.page_saves and not self.page_loads
 
 
+class ForwardShape(NamedTuple):
+    """One member forward of a step as a step-cost estimate reads it (engine_api.StepCostEstimator): a draft
+    member's forward (the drafts run before the step's member forwards) or a member batch."""
+
+    member: MemberName
+    decode_contexts: tuple[int, ...]              # per one-row chunk: the tokens before it
+    verifies: tuple[tuple[int, int], ...]         # per few-row chunk at a context (a verify, a draft's catch-up):
+                                                  # (rows, tokens before them); each reads its request's KV once
+    prefills: tuple[tuple[int, int], ...]         # per prefill chunk: (new tokens, tokens before them)
+    is_draft: bool = False
+
+
 class SampledToken(NamedTuple):
     """What the engine returns for a chunk with sample=True. A tuple, as PageKey: one is made per generated
     token, and a tuple is built in C (a frozen dataclass's __init__ sets each field through Python).
@@ -227,3 +239,5 @@ class RequestOutput:
     spans: tuple[MemberSpan, ...] = ()
     route: RouteDecision | None = None
     error: str | None = None
+    num_drafted_tokens: int = 0           # tokens drafted for this request so far (speculation)
+    num_accepted_tokens: int = 0          # of those, the ones its members accepted
