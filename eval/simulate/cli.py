@@ -25,6 +25,7 @@ from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summa
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.quality import member_token_share
 from eval.bench.result import curve_points, curve_result, rate_point, without_rows
+from eval.simulate.acceptance import acceptance_table
 from eval.simulate.confidence import DEFAULT_LIBRARY, request_key, ConfidenceFileError, ConfidenceLibrary, Confidences
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
@@ -32,7 +33,8 @@ from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.node import SimNode
-from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, pooled_setups, tiny_setup
+from eval.simulate.setup import (SimSetup, is_paper_family, paper_setup, pooled_setups, private_draft_memory,
+                                   tiny_setup)
 from eval.simulate.step_table import StepTableError
 from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, natural_lengths, save_trace,
@@ -75,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default) or 'parametric:P1,...@MEAN' (a probability per member but the largest and the "
                              "mean trip position in tokens: eval/simulate/escalation_model.py; paper-scale default "
                              "parametric with 0.15 per member @24)")
+    parser.add_argument("--acceptance", type=float, default=None, metavar="A",
+                        help="speculation: the per-token acceptance of every draft->target pair, greedy and sampled "
+                             "(default: the published Qwen3 figure, about 0.76 greedy, for paper-scale families; the "
+                             "tiny family's measured table, else 0.7 assumed: eval/simulate/acceptance.py)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--max-turns", type=int, default=None)
@@ -116,6 +122,15 @@ def _host_tier_gib(args: argparse.Namespace) -> float:
 
 
 def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
+    setup = _build_setup(args, settings)
+    try:
+        setup.acceptance = acceptance_table(setup.family_name, setup.member_names, getattr(args, "acceptance", None))
+    except ValueError as exc:
+        raise PlacementError(str(exc)) from None
+    return setup
+
+
+def _build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
     placement = parse_placement(args.placement, args.node_placement)
     if is_paper_family(args.family):
         if args.cost_model == "measured":
@@ -153,8 +168,25 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
     return trace
 
 
+def _extra(setup: SimSetup, settings: BenchSettings) -> dict[str, Any]:
+    """Every system's overrides: the setup's (a GPU's scheduler, speculation's priors from the acceptance table),
+    then --set."""
+    priors = {"speculation.acceptance": setup.acceptance.priors()} if setup.acceptance is not None else {}
+    return {**setup.overrides, **priors, **settings.extra_overrides}
+
+
+def _draft_copies(setup: SimSetup, configs: dict, names) -> list[str]:
+    """Private draft copies out of each speculating separate deployment's memory (setup.private_draft_memory)."""
+    notes = []
+    for name in names:
+        note = private_draft_memory(setup, configs[name])
+        if note is not None:
+            notes.append(f"{name}: {note}")
+    return notes
+
+
 def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, tokenizer) -> tuple[dict, Any]:
-    extra = {**setup.overrides, **settings.extra_overrides}
+    extra = _extra(setup, settings)
     split = None
     if setup.split is not None:
         split = setup.split           # per-member: the GPUs split the memory for every system alike
@@ -175,6 +207,7 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
         for name, config in configs.items():
             if system_scheduler(name) is None:
                 config.scheduler.max_running_requests *= len(setup.member_names)
+    setup.notes.extend(_draft_copies(setup, configs, configs))
     return configs, split
 
 
@@ -190,7 +223,8 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
 
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
-                           members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths)
+                           members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths,
+                           acceptance=setup.acceptance, private_drafts=config.comparison.private_drafts)
 
     def make_nodes(clock, events, on_output):
         return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory)
@@ -222,7 +256,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
     operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
     solo decode steps. Replaces the split baselines' configs; returns what the JSON says about the split."""
     family = setup.family or load_family(settings.family)
-    extra = {**setup.overrides, **settings.extra_overrides}
+    extra = _extra(setup, settings)
 
     def config_on(fractions: dict[str, float]):
         return system_config("baseline", settings.family, setup.num_pages, fractions, extra,
@@ -242,6 +276,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
             configs[name] = system_config(name, settings.family, setup.num_pages, chosen, extra,
                                           host_tier_mb=setup.host_tier_mb,
                                           baseline_host_tier=settings.baseline_host_tier)
+    _draft_copies(setup, configs, [n for n in configs if n in SPLIT_BASELINES])
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
 
@@ -377,6 +412,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                           "cost_model": separate.cost.describe(),
                           "systems": [n for n in settings.systems if setups[n] is separate]}}),
                       "confidences": confidences.describe(),
+                      "acceptance": setup.acceptance.describe() if setup.acceptance is not None else None,
                       "tokenizer": ("the shipped tiny family's tokenizer (the simulated family's own)" if
                                     setup.family is None else TOKENIZER_NOTE),
                       "trace_build_s": round(trace_s, 1), "simulate_s": round(sim_s, 1),

@@ -39,6 +39,7 @@ class SimNode:
         self.scheduler = self.serving.scheduler
         self.executor = make_executor(self.family, self.serving.pool.num_pages, config.pool.page_bytes)
         self.executor.attach_clock(clock)       # it sees the idle gaps between its steps
+        self.scheduler.speculation.use_step_cost(self.executor.estimate_step_s)   # the draft length's prices
         self.serving._executor = self.executor
         self.busy = False
         self.num_in_flight = 0          # requests submitted and not finished (the front router's load)
