@@ -110,8 +110,10 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
     if not is_paper_family(args.family):
         raise PlacementError(f"--placement {placement.label} places a GPU family on GPUs; {args.family} runs on this "
                              "machine's measured cost model (colocated or fleet:N)")
-    return pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table, args.block_tokens,
-                         host_tier_gib_per_gpu=_host_tier_gib(args), saves_overlap=not args.serial_saves)
+    pooled, separate = pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table,
+                                     args.block_tokens, host_tier_gib_per_gpu=_host_tier_gib(args),
+                                     saves_overlap=not args.serial_saves)
+    return _with_acceptance(args, pooled), _with_acceptance(args, separate)
 
 
 def _host_tier_gib(args: argparse.Namespace) -> float:
@@ -122,7 +124,11 @@ def _host_tier_gib(args: argparse.Namespace) -> float:
 
 
 def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
-    setup = _build_setup(args, settings)
+    return _with_acceptance(args, _build_setup(args, settings))
+
+
+def _with_acceptance(args: argparse.Namespace, setup: SimSetup) -> SimSetup:
+    """What the setup's simulated verifies accept (acceptance.py; --acceptance overrides every pair)."""
     try:
         setup.acceptance = acceptance_table(setup.family_name, setup.member_names, getattr(args, "acceptance", None))
     except ValueError as exc:
