@@ -165,16 +165,24 @@ def test_private_draft_copies_come_out_of_each_larger_servers_memory():
 
     family = paper_family("qwen3-large", [("qwen3-1.7b", hf_config(4, 512)), ("qwen3-8b", hf_config(8, 1024)),
                                           ("qwen3-32b", hf_config(16, 2048))])
-    setup = SimSetup("qwen3-large", family, family.member_names, FakeCost(), parse_placement("colocated", "colocated"),
-                     num_pages=100_000, page_bytes=4096, split=None)
+    from orchestrator.core.page_pool import split_pages
+
     split = {"qwen3-1.7b": 0.2, "qwen3-8b": 0.3, "qwen3-32b": 0.5}
     draft_pages = int(family.members[0].serving["weight_bytes"] * 0.9) // 4096
+    # per-member GPUs: each larger member's own slice holds its copy
+    setup = SimSetup("qwen3-large", family, family.member_names, FakeCost(), parse_placement("per-member", "colocated"),
+                     num_pages=100_000, page_bytes=4096, split=split)
     spec = system_config("baseline_spec", "tiny", 100_000, split)
     assert spec.speculation.enabled and spec.comparison.private_drafts
     assert private_draft_memory(setup, spec) is not None
-    from orchestrator.core.page_pool import split_pages
     pages = split_pages(spec.pool.num_pages, spec.comparison.static_split)
     assert pages == {"qwen3-1.7b": 20_000, "qwen3-8b": 30_000 - draft_pages, "qwen3-32b": 50_000 - draft_pages}
+    # one GPU for every server: the copies come out of the whole, the operator's split of what is left stands
+    setup = SimSetup("qwen3-large", family, family.member_names, FakeCost(), parse_placement("colocated", "colocated"),
+                     num_pages=100_000, page_bytes=4096, split=None)
+    spec = system_config("baseline_spec", "tiny", 100_000, split)
+    assert private_draft_memory(setup, spec) is not None
+    assert spec.pool.num_pages == 100_000 - 2 * draft_pages and spec.comparison.static_split == split
     for name in ("baseline", "mfs_no_spec"):     # no draft copies: their memory as it was
         config = system_config(name, "tiny", 100_000, split)
         assert private_draft_memory(setup, config) is None and config.pool.num_pages == 100_000

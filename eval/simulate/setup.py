@@ -75,16 +75,18 @@ class SimSetup:
 
 def private_draft_memory(setup: SimSetup, config: MFSConfig) -> str | None:
     """Takes the draft copies of a system whose servers each keep their own (comparison.private_drafts, speculating)
-    out of its KV memory: each larger member's server holds the smallest member's weights too, so its slice loses
-    what they take of the GPU memory the arena is made of ((memory - weights) x free_fraction); one pool (elastic)
-    loses them all. Paper-scale families only (the tiny family's pool is given in pages). Returns what it did."""
+    out of its KV memory: each larger member's server holds the smallest member's weights too, which take their
+    share of the GPU memory the arena is made of ((memory - weights) x free_fraction). Servers sharing GPUs
+    (colocated: the operator chooses each one's share) keep their split of what is left; a server on GPUs of its own
+    (per-member placement: the split is the GPUs') loses its copy from its own slice. Paper-scale families only (the
+    tiny family's pool is given in pages). Returns what it did."""
     if setup.family is None or not (config.speculation.enabled and config.comparison.private_drafts):
         return None
     draft = setup.family.members[0]
     pages = int(int(draft.serving["weight_bytes"]) * setup.free_fraction) // setup.page_bytes
     targets = [m.name for m in setup.family.members[1:]]
     split = config.comparison.static_split
-    if split is None:
+    if split is None or setup.split is None:
         config.pool.num_pages -= pages * len(targets)
     else:
         per = split_pages(config.pool.num_pages, split)

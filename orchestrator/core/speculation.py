@@ -100,8 +100,9 @@ class DraftLength:
     """The step's k: the one that makes the step's time per token, summed over its requests, smallest:
     T(k) x sum_r 1 / E_r(k), where E_r is what request r gets from the step (expected_tokens for a drafting
     request, 1 for every other chunk) and T(k) the executor's estimate of the step with k drafts (k draft forwards
-    of the draft batch before the step, each verify k + 1 rows at its context). A k must beat every smaller one;
-    0 (no drafts) where none pays: large batches, compute-bound steps. Without an estimate, the fixed k."""
+    of the draft batch before the step, each verify k + 1 rows at its context). k grows while each step up lowers
+    the cost (T grows about linearly in k, sum 1 / E_r falls ever less: one minimum); 0 (no drafts) where even one
+    does not pay: large batches, compute-bound steps. Without an estimate, the fixed k."""
 
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config
@@ -115,8 +116,9 @@ class DraftLength:
         for k in range(1, self.config.max_k + 1):
             per_token = others + sum(1.0 / expected_tokens(c.acceptance, min(k, c.max_k)) for c in candidates)
             cost = estimate(step_forwards(plan, candidates, k, self.config.max_k)) * per_token
-            if cost < best:
-                best_k, best = k, cost
+            if cost >= best:
+                break       # one more draft adds a forward and gains less each time: past the best, it only grows
+            best_k, best = k, cost
         return best_k
 
 
