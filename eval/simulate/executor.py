@@ -30,7 +30,8 @@ from eval.simulate.confidence import Confidences
 from eval.simulate.cost_model import (BatchShape, CostModel, HistoryTracker, forward_batch_shapes, plan_shapes,
                                       prefill_tokens_of)
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import ForwardShape, PageId, RequestId, SampledToken, SeqChunk, StepPlan, tuple_new
+from orchestrator.core.types import (ForwardShape, MemberName, PageId, RequestId, SampledToken, SeqChunk, StepPlan,
+                                     tuple_new)
 
 FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (pad, bos, eos)
 
@@ -158,7 +159,7 @@ class SimExecutor:
                 out.append(tuple_new(SampledToken, (request_id, token, _log(p), p, (), 0)))
         return out
 
-    def _verify(self, member: str, chunk: SeqChunk, key: str, position: int) -> list[SampledToken]:
+    def _verify(self, member: MemberName, chunk: SeqChunk, key: str, position: int) -> list[SampledToken]:
         """A verify's tokens: the stream's tokens from `position`, one per accepted draft plus the target's own
         (EOS ends them where the reply ends); the first says how many were drafted."""
         draft = chunk.draft

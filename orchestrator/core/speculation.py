@@ -189,7 +189,7 @@ class Speculation:
         (what that member holds of the prompt is not recomputed), allocated beside reserve_pages. None when they
         do not fit: the request decodes without drafting."""
         member = draft_member_for(self.family, self.config, seq)
-        if member is None or not self.settings.enabled:
+        if member is None:
             return
         salt = seq.request.cache_salt
         if self.private:
