@@ -177,7 +177,8 @@ def test_update_moves_both_members_computed_positions_by_what_the_verify_accepte
     assert [len(o.new_token_ids) for o in outputs] == [returned]          # one output for the step's tokens
     assert outputs[0].num_drafted_tokens == 3 and outputs[0].num_accepted_tokens == n
     counters = h.scheduler.snapshot(h.now)["counters"]
-    assert counters["drafted_tokens"] == {"s->l": 3} and counters["accepted_draft_tokens"] == {"s->l": n}
+    assert counters["drafted_tokens"] == {"s->m": 0, "s->l": 3}
+    assert counters["accepted_draft_tokens"] == {"s->m": 0, "s->l": n}
     # the next step's draft catches up from where the draft stopped, through the new last token
     _, chunk = _verify_plan(h, "a")
     assert chunk.draft.start_pos == seq.draft.num_computed_tokens

@@ -227,8 +227,8 @@ class Stats:
                                      for m in _union(members, self._generated_tokens)},
                 "prompt_tokens": {m: self._prompt_tokens.get(m, 0) for m in _union(members, self._prompt_tokens)},
                 "member_steps": {m: self._member_steps.get(m, 0) for m in _union(members, self._member_steps)},
-                "drafted_tokens": dict(self._drafted_tokens),
-                "accepted_draft_tokens": dict(self._accepted_tokens),
+                "drafted_tokens": {**_draft_pairs(members), **self._drafted_tokens},
+                "accepted_draft_tokens": {**_draft_pairs(members), **self._accepted_tokens},
                 "draft_length_steps": {str(k): n for k, n in sorted(self._draft_length_steps.items())},
             }
             waits = {m: list(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
@@ -275,6 +275,11 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 def _wait_percentiles(waits: list[float]) -> dict[str, float]:
     """A member's recent queue waits: their count and p50/p90/p99 (0.0 while it has none, as its gauges read)."""
     return {"count": len(waits), **{f"p{q}": percentile(waits, q) or 0.0 for q in (50, 90, 99)}}
+
+
+def _draft_pairs(members: list[str]) -> dict[str, int]:
+    """Zeros for every pair speculation drafts for: the smallest member for each larger one."""
+    return {f"{members[0]}->{m}": 0 for m in members[1:]}
 
 
 def _union(members: list[str], extra: Mapping[str, Any]) -> list[str]:
