@@ -188,3 +188,17 @@ def test_private_draft_copies_come_out_of_each_larger_servers_memory():
         assert private_draft_memory(setup, config) is None and config.pool.num_pages == 100_000
     mfs = system_config("mfs", "tiny", 100_000, split, extra={"speculation.enabled": True})
     assert private_draft_memory(setup, mfs) is None      # one copy of every member: the draft is the member itself
+
+
+def test_the_split_search_counts_a_private_drafts_pages_on_each_larger_server():
+    from eval.baseline.split import pages_rule
+    from eval.systems import system_config
+    from orchestrator.core.kv_layout import KVLayout
+
+    family = independent_family()                     # s: 2 layers, l: 4 layers; 4 tokens a block
+    split = {"s": 0.3, "l": 0.7}
+    for name, with_draft in (("baseline", False), ("baseline_spec", True)):
+        config = system_config(name, "tiny", 768, split, {"pool.page_bytes": 1024})
+        rule = pages_rule(KVLayout.for_config(family, config), family, config)
+        assert rule("s", 10) == 3 * 2                 # the smallest member's server holds no draft
+        assert rule("l", 10) == 3 * 4 + (3 * 2 if with_draft else 0)

@@ -73,6 +73,21 @@ def runs_pilot(mode: str) -> bool:
     return mode == "search"
 
 
+def pages_rule(layout: KVLayout, family: FamilySpec, config) -> Callable[[str, int], int]:
+    """(member, tokens) -> the pages a request holds on that member's server: its own, plus its draft's where each
+    server drafts with its own copy of the smallest member (speculating, comparison.private_drafts: the draft's
+    tables come from the same slice, one page per draft layer per block)."""
+    if not (config.speculation.enabled and config.comparison.private_drafts):
+        return layout.pages_for_tokens
+    draft = family.members[0]
+    draft_block = layout.tokens_per_block(draft.name)
+
+    def pages_for_tokens(member: str, num_tokens: int) -> int:
+        own = layout.pages_for_tokens(member, num_tokens)
+        return own if member == draft.name else own + -(-num_tokens // draft_block) * draft.num_layers
+    return pages_for_tokens
+
+
 def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tuple[float, ...],
                           split: StaticSplit, estimator, run_pilot: PilotRunner,
                           progress=None) -> tuple[dict[str, float], dict[str, Any]]:
@@ -105,7 +120,7 @@ def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tup
 
     router = Router(family, config.router)
     layout = KVLayout.for_config(family, config)       # the scheduler's own pages rule for the baseline's config
-    simulator = SplitSimulator(family.member_names, layout.pages_for_tokens, settings.kv_pages,
+    simulator = SplitSimulator(family.member_names, pages_rule(layout, family, config), settings.kv_pages,
                                metrics["solo_decode_step_s"], {m: layout.tokens_per_block(m) for m in family.member_names},
                                max_running=config.scheduler.max_running_requests,
                                max_batch_tokens=config.scheduler.max_batch_tokens,

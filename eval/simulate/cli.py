@@ -257,32 +257,38 @@ def stats_interval_for(trace: Trace) -> float:
 
 
 def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
-                          confidences: Confidences, tokenizer) -> dict[str, Any]:
+                          confidences: Confidences, tokenizer, system: str = "baseline") -> dict[str, Any]:
     """The bench's own baseline split (eval/baseline/split.py), with the pilot simulated: the baseline on the
     operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
-    solo decode steps. Replaces the split baselines' configs; returns what the JSON says about the split."""
+    solo decode steps. Replaces the split baselines' configs; returns what the JSON says about the split.
+    system: whose split (baseline_spec searches its own: its draft copies and drafts change what each server
+    holds), applied to the split baselines that speculate as it does."""
     family = setup.family or load_family(settings.family)
     extra = _extra(setup, settings)
 
     def config_on(fractions: dict[str, float]):
-        return system_config("baseline", settings.family, setup.num_pages, fractions, extra,
-                             host_tier_mb=setup.host_tier_mb, baseline_host_tier=settings.baseline_host_tier)
+        config = system_config(system, settings.family, setup.num_pages, fractions, extra,
+                               host_tier_mb=setup.host_tier_mb, baseline_host_tier=settings.baseline_host_tier)
+        private_draft_memory(setup, config)
+        return config
 
     def run_pilot(fractions: dict[str, float], rate: float):
         config = config_on(fractions)
         at_rate = trace.at_rate(rate)
-        run, metrics = run_system("baseline_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
-                                  stats_interval_for(at_rate), scheduler_factory=system_scheduler("baseline"))
+        run, metrics = run_system(f"{system}_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
+                                  stats_interval_for(at_rate), scheduler_factory=system_scheduler(system))
         return config, run.records, without_rows(metrics)
 
-    chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
-                                          split, complexity_estimator(tokenizer), run_pilot)
+    searched = config_on(split.fractions)
+    chosen, about = choose_baseline_split(replace(settings, kv_pages=searched.pool.num_pages), family, trace,
+                                          tuple(rates), split, complexity_estimator(tokenizer), run_pilot)
+    speculates = searched.speculation.enabled
     for name in configs:
-        if name in SPLIT_BASELINES:
+        if name in SPLIT_BASELINES and configs[name].speculation.enabled == speculates:
             configs[name] = system_config(name, settings.family, setup.num_pages, chosen, extra,
                                           host_tier_mb=setup.host_tier_mb,
                                           baseline_host_tier=settings.baseline_host_tier)
-    _draft_copies(setup, configs, [n for n in configs if n in SPLIT_BASELINES])
+            private_draft_memory(setup, configs[name])
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
 
@@ -375,7 +381,15 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     about_split: dict[str, Any] = {"baseline_split_mode": None if not split_baselines else
                                    "placement" if placed else "traffic"}
     if split_baselines and not placed and settings.baseline_split != "traffic":
-        about_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer)
+        plain = [n for n in split_baselines if not configs[n].speculation.enabled]
+        if plain:
+            about_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer)
+        if "baseline_spec" in configs:
+            spec_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer,
+                                               system="baseline_spec")
+            if not plain:
+                about_split = {"baseline_split_mode": spec_split["baseline_split_mode"]}
+            about_split["baseline_spec_split"] = {k: v for k, v in spec_split.items() if k != "baseline_split_mode"}
     points = []
     for rate in rates:
         at_rate = trace.at_rate(rate)
