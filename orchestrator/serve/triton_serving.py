@@ -208,8 +208,7 @@ class TritonServing:
                                running_tokens=sum(f.tokens for f in self._in_flight.values() if f.member == m),
                                queued_tokens=0) for m in self.member_names}
         decision = self._router.route(request, complexity=complexity, matched_prefix_tokens=matched, loads=loads,
-                                      session_member=self._sessions.get(request.session_id or ""),
-                                      now_s=self.clock())
+                                      session_member=self._sessions.get(request.session_id or ""))
         self.stats_counters.record_route(decision)
         return decision
 
