@@ -123,7 +123,7 @@ class EngineCore:
     def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
                  clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
                  cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None,
-                 tiers: TieredStore | None = None, executor: StepExecutor | None = None):
+                 tiers: TieredStore | None = None):
         """tiers: None takes the ones the config asks for (build_tiers). Prefer EngineCore.build."""
         self.config = config
         self.family = family
@@ -139,7 +139,7 @@ class EngineCore:
         # MFS's scheduler, or one eval's baselines compose from the core's scheduler and their own policies
         self.scheduler = (scheduler_factory or Scheduler)(family, config, self.pool, self.kv, estimator, self.tiers,
                                                           self.events, self.stats_counters)
-        self.executor: StepExecutor | None = executor   # None until the runner attaches it (a model loads slowly)
+        self.executor: StepExecutor | None = None      # attached by build's make_executor, or later by the runner
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.num_steps = 0
@@ -154,23 +154,23 @@ class EngineCore:
 
     @classmethod
     def build(cls, config: MFSConfig, family: FamilySpec | None = None, *, clock: Callable[[], float],
-              estimator: EstimatorSource, executor: StepExecutor | None = None,
-              make_executor: ExecutorFactory | None = None, scheduler_factory: SchedulerFactory | None = None,
+              estimator: EstimatorSource, make_executor: ExecutorFactory | None = None,
+              scheduler_factory: SchedulerFactory | None = None,
               tiers: TieredStore | None = None, step_clock: Callable[[], float] | None = None,
               cpu_clock: Callable[[], float] | None = None) -> EngineCore:
         """The core for `config`, as every runner assembles it.
 
         family: None loads config.family as the local engine serves it (serving_family). estimator: the one routing
-        scores with, or a function of the family that makes it (the edge's tokenizer: orchestrator.serve). executor,
-        or make_executor(family, num_pages, page_bytes) called once the arena's size is known; neither: the runner
-        attaches one to `executor` before stepping. scheduler_factory: the scheduler to run (None: MFS's); eval's
+        scores with, or a function of the family that makes it (the edge's tokenizer: orchestrator.serve).
+        make_executor(family, num_pages, page_bytes): called once the arena's size is known; None: the runner
+        attaches one to `executor` before stepping (LocalServing loads the model when it starts). scheduler_factory: the scheduler to run (None: MFS's); eval's
         baselines pass theirs. tiers: None takes the ones the config asks for. step_clock, cpu_clock: fill `timers`.
         """
         family = family if family is not None else serving_family(config)
         if not isinstance(estimator, ComplexityEstimator):
             estimator = estimator(family)
         core = cls(config, family, estimator, clock, step_clock=step_clock, cpu_clock=cpu_clock,
-                   scheduler_factory=scheduler_factory, tiers=tiers, executor=executor)
+                   scheduler_factory=scheduler_factory, tiers=tiers)
         if make_executor is not None:
             core.executor = make_executor(family, core.pool.num_pages, config.pool.page_bytes)
         return core
