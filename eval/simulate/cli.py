@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
-from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
-                            format_table, settings_from_args, static_split_for, trace_from_file)
+from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add_bench_arguments, curve_rates, format_table,
+                            settings_from_args, static_split_for, trace_from_file)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.quality import member_token_share
@@ -40,7 +40,7 @@ from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_tra
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
-from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator
 
 # Paper-scale traces: ShareGPT conversations as they are (long histories, real reply lengths).
 PAPER = dict(max_prompt_tokens=4096, max_output_tokens=512, max_turns=4, think_s=5.0, kv_pages=0)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from eval.simulate.confidence import Confidences
 from eval.simulate.cost_model import BatchShape, CostModel, HistoryTracker, plan_shapes, prefill_tokens_of
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan, tuple_new
+from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan
 
 FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (pad, bos, eos)
 
@@ -115,7 +115,7 @@ class SimExecutor:
                 token = token_id(key, position)
                 if natural and natural.get(key) == position:
                     token = self._eos[member] if self._eos[member] is not None else token
-                out.append(tuple_new(SampledToken, (request_id, token, _log(p), p, ())))
+                out.append(SampledToken(request_id=request_id, token_id=token, logprob=_log(p), top1_prob=p))
         return out
 
     def read_page(self, page: PageId) -> bytes:

@@ -20,7 +20,7 @@ from orchestrator.core.config import SchedulerConfig
 from orchestrator.core.kv_cache import PrefixMatch
 from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.types import PageId, Request, SamplingParams, tuple_new
+from orchestrator.core.types import PageId, Request, SamplingParams
 
 
 class NewTokenRatio:
@@ -124,8 +124,9 @@ def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pag
                    pages_for: Callable[[int], int], slack_tokens: int, tokens_per_block: int) -> DecodeProfile:
     """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation);
     tokens_per_block: the block size behind pages_for."""
-    return tuple_new(DecodeProfile, (steps_left, tokens_now, final_tokens, held_pages, private_pages, pages_for,
-                                     slack_tokens, tokens_per_block))
+    return DecodeProfile(steps_left=steps_left, tokens_now=tokens_now, final_tokens=final_tokens,
+                         held_pages=held_pages, private_pages=private_pages, pages_for=pages_for,
+                         slack_tokens=slack_tokens, tokens_per_block=tokens_per_block)
 
 
 def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
@@ -278,8 +279,8 @@ class Reservation(ABC):
             _, per_block, context = geometry[s.member]
             final = expected_final_tokens(s, ratio, context)
             held = len(s.kv.block_tables[0]) * per_block
-            demands.append(tuple_new(RunningDemand, (held, max(0, pages_for[s.member](final) - held),
-                                                     max(0, final - len(s.token_ids)) + 1)))
+            demands.append(RunningDemand(held_pages=held, future_pages=max(0, pages_for[s.member](final) - held),
+                                         remaining_steps=max(0, final - len(s.token_ids)) + 1))
         return demands
 
 

@@ -108,7 +108,7 @@ class Scheduler:
         complexity = (request.complexity_hint if request.complexity_hint is not None
                       else self.estimator.score(request.prompt_token_ids))
         hashes_by_block: dict[int, list[bytes]] = {}
-        decision = self.route(request, complexity, now_s, hashes_by_block)
+        decision = self.route(request, complexity, hashes_by_block)
         seq = Sequence(request=request, member=decision.member, token_ids=list(request.prompt_token_ids),
                        num_prompt_tokens=len(request.prompt_token_ids), route=decision, complexity=complexity)
         seq.hashes = hashes_by_block.get(self.kv.tokens_per_block(seq.member), [])
@@ -129,7 +129,7 @@ class Scheduler:
         counts as finished, anything else as cancelled. Aborting twice is harmless."""
         self.lifecycle.aborts.append((request_id, reason, finish_reason))
 
-    def route(self, request: Request, complexity: float, now_s: float,
+    def route(self, request: Request, complexity: float,
               by_block_size: dict[int, list[bytes]] | None = None) -> RouteDecision:
         """Routes, then places; fills by_block_size with the prompt's block hashes so admission can reuse them."""
         matched: dict[str, int] = {}
@@ -142,7 +142,7 @@ class Scheduler:
                 matched[name] = self.kv.estimate_cached_tokens(name, by_block_size[size])
         session_member = self.lifecycle.sessions.get(request.session_id) if request.session_id else None
         decision = self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
-                                     loads=self.loads(request), session_member=session_member, now_s=now_s)
+                                     loads=self.loads(request), session_member=session_member)
         if self.homes is None:
             return self.placement.place(decision, request)
         decision = self.placement.place(self.homes.keep(decision, request, self.placement.holds), request)
