@@ -1,4 +1,4 @@
-"""Separate deployments of the family's members: each member its own server, taking turns on one device.
+"""Separate deployments of the family's members: each member its own server, taking turns on a shared device.
 
 The baselines (eval/systems.py) run the core's own Scheduler with these policy objects in place of MFS's
 (Deployments is all three), so every generic scheduler policy is the same as MFS's by construction:
@@ -9,7 +9,8 @@ The baselines (eval/systems.py) run the core's own Scheduler with these policy o
 - running cap: each deployment has its own batch cap (scheduler.max_running_requests).
 - step members: the deployments take turns on the device: one step runs one deployment's batch, with its own
   step token budget, round robin over the deployments with work (separate processes time-slice one
-  accelerator; none sees the others' batches).
+  accelerator; none sees the others' batches). Each on devices of its own (the simulator's per-member
+  placement), each steps on its own timeline: the node asks for a plan per free device.
 - sessions (sticky): a session stays on the member that served its first turn while that member can hold it,
   as a front balancer with session affinity keeps a conversation on its server; per-turn routing (the
   baseline_per_turn variant and baseline_legacy) routes every turn on its complexity alone.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Collection
 from functools import partial
 
 from orchestrator.core.complexity import ComplexityEstimator
@@ -46,7 +48,7 @@ MAX_SESSIONS = 1 << 16          # sessions whose member a sticky front balancer 
 
 
 class Deployments:
-    """Placement, running cap and step members of separate per-member servers on one device."""
+    """Placement, running cap and step members of separate per-member servers (on one device or one each)."""
 
     def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
                  sticky: bool = True, elastic: bool = False) -> None:
@@ -128,11 +130,13 @@ class Deployments:
     def has_room(self, seq: Sequence, running: RunningSet) -> bool:
         return running.num_on(seq.member) < self.member_cap
 
-    def select(self, running: RunningSet) -> list[Sequence]:
-        """One deployment per step (the next with running requests after the last one served), in admission
-        order; the others' requests keep their pages and wait for their turn."""
+    def select(self, running: RunningSet, members: Collection[str] | None = None) -> list[Sequence]:
+        """One deployment per step (the next with running requests after the last one served, among `members`
+        when the plan is for those alone), in admission order; the others' requests keep their pages and wait
+        for their turn. Deployments on devices of their own each get plans of their own (members: that one),
+        so they never wait for each other."""
         names = list(self.family.member_names)
-        busy = {s.member for s in running}
+        busy = {s.member for s in running if members is None or s.member in members}
         if not busy:
             return []
         for offset in range(1, len(names) + 1):

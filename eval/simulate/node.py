@@ -5,6 +5,14 @@ LocalServing's engine thread runs schedule -> tier copies -> execute -> update b
 calls run as two events: at the step's start schedule, the tier copies (LocalServing's own _copy_tiers) and
 execute (which says how long the step takes); at its end update, whose outputs go to the driver. Requests that
 arrive meanwhile are added to the scheduler at their arrival time, as the real loop adds them between steps.
+
+Devices: when the members share one device (colocated) that is the node's one timeline. When each member has
+its own (the executor's members_in_parallel: per-member placement), each member is a timeline of its own: a
+free device whose member has work asks the scheduler for a plan for that member alone, executes it at that
+member's cost and updates it at its own end, while the other devices' plans run. The scheduler never touches a
+request of a member outside the plan (Scheduler.schedule's members), so a request in a step in flight is not
+planned again before that step's update; one scheduler (MFS) and one scheduler per deployment alike step each
+device on its own.
 """
 from __future__ import annotations
 
@@ -20,6 +28,17 @@ from orchestrator.core.types import Request, RequestOutput, StepPlan
 # Nothing runnable although work is queued (e.g. the only waiting request needs pages a finishing one still
 # holds): the real loop waits 10 ms for a wake-up; so does the simulated one.
 IDLE_RETRY_S = 0.01
+
+
+class Device:
+    """One device's timeline: the members it runs (None: every member) and whether a step is planned or running."""
+
+    __slots__ = ("members", "name", "busy")
+
+    def __init__(self, members: tuple[str, ...] | None) -> None:
+        self.members = members
+        self.name = None if members is None else "+".join(members)
+        self.busy = False           # a step is running or a start is queued (a free device with work starts one)
 
 
 class SimNode:
@@ -40,7 +59,9 @@ class SimNode:
         self.executor = make_executor(self.family, self.serving.pool.num_pages, config.pool.page_bytes)
         self.executor.attach_clock(clock)       # it sees the idle gaps between its steps
         self.serving._executor = self.executor
-        self.busy = False
+        # one timeline per device: the whole family on one device (members None: every member), else one per member
+        self.devices = ([Device(None)] if not self.executor.members_in_parallel
+                        else [Device((name,)) for name in self.family.member_names])
         self.num_in_flight = 0          # requests submitted and not finished (the front router's load)
 
     # ------------------------------------------------------------------ requests
@@ -48,39 +69,43 @@ class SimNode:
         """Adds the request now (raises the scheduler's InvalidRequestError / QueueFullError at once)."""
         self.scheduler.add_request(request, self.clock())
         self.num_in_flight += 1
-        self._wake()
+        self._wake_idle()
 
-    def _wake(self) -> None:
-        if not self.busy:
-            self.busy = True
-            self.events.push(self.clock(), self._start_step)
+    def _wake_idle(self, but: Device | None = None) -> None:
+        """Every idle device whose members have work starts a step now."""
+        for device in self.devices:
+            if device is not but and not device.busy and self.scheduler.has_work(device.members):
+                device.busy = True
+                self.events.push(self.clock(), lambda device=device: self._start_step(device))
 
     # ------------------------------------------------------------------ steps
-    def _start_step(self) -> None:
+    def _start_step(self, device: Device) -> None:
         now = self.clock()
-        plan, outputs = self.scheduler.schedule(now)
+        plan, outputs = self.scheduler.schedule(now, device.members)
         self._deliver(outputs, now)
         plan = self.serving._copy_tiers(plan)
         if not plan.batches:
             if plan.released_requests:
                 self.executor.release(plan.released_requests)
-            if self.scheduler.has_work():
-                self.events.push(now + IDLE_RETRY_S, self._start_step)
+            if self.scheduler.has_work(device.members):
+                self.events.push(now + IDLE_RETRY_S, lambda: self._start_step(device))
             else:
-                self.busy = False
+                device.busy = False
             return
-        sampled = self.executor.execute(plan)
-        self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(plan, sampled))
+        sampled = self.executor.execute(plan, device.name)
+        self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(device, plan, sampled))
 
-    def _finish_step(self, plan: StepPlan, sampled: list) -> None:
+    def _finish_step(self, device: Device, plan: StepPlan, sampled: list) -> None:
         now = self.clock()
         outputs = self.scheduler.update(plan, sampled, now)
         self.serving.num_steps += 1
         self._deliver(outputs, now)
-        if self.scheduler.has_work():
-            self._start_step()
+        if self.scheduler.has_work(device.members):
+            self._start_step(device)
         else:
-            self.busy = False
+            device.busy = False
+        if len(self.devices) > 1:
+            self._wake_idle(but=device)     # an escalation to another member, or pages its step returned
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
