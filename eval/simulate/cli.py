@@ -42,6 +42,9 @@ from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator
 
+# --capacity-policy -> the comparison.decode_reservation every system runs (None: each system's own, the peak
+# reservation with its decaying expected-length ratio for MFS and the fair baselines)
+CAPACITY_POLICIES = {"guaranteed_no_evict": "guaranteed_no_evict", "max_utilization": None}
 # Paper-scale traces: ShareGPT conversations as they are (long histories, real reply lengths).
 PAPER = dict(max_prompt_tokens=4096, max_output_tokens=512, max_turns=4, think_s=5.0, kv_pages=0)
 
@@ -68,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paper-scale families: charge copies of evicted pages to the host tier before the step "
                              "(as the local engine does) instead of beside its compute on the GPU's copy stream "
                              "(the default, as TensorRT-LLM offloads)")
+    parser.add_argument("--capacity-policy", choices=CAPACITY_POLICIES, default=None,
+                        help="every system's admission: guaranteed_no_evict admits a request only when the KV for its "
+                             "whole prompt + max_tokens fits beside every running request's remaining max_tokens "
+                             "(never preempts); max_utilization packs on the expected reply length and preempts when "
+                             "a decode runs short (TensorRT-LLM's two policies; default: guaranteed_no_evict, its "
+                             "default, for the aiconfigurator trtllm backend, else max_utilization)")
     parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
                         help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
     parser.add_argument("--escalation-model", default=None, metavar="MODEL",
@@ -116,6 +125,20 @@ def _host_tier_gib(args: argparse.Namespace) -> float:
 
 
 def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
+    setup = _build_setup(args, settings)
+    policy = args.capacity_policy or ("guaranteed_no_evict" if setup.family is not None and args.backend == "trtllm"
+                                      else "max_utilization")
+    reservation = CAPACITY_POLICIES[policy]
+    if reservation is not None:
+        if "comparison.decode_reservation" in settings.extra_overrides:
+            raise PlacementError(f"--capacity-policy {policy} sets comparison.decode_reservation for every system; "
+                                 "drop the --set, or pass --capacity-policy max_utilization with it")
+        setup.overrides["comparison.decode_reservation"] = reservation
+    setup.capacity_policy = policy
+    return setup
+
+
+def _build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
     placement = parse_placement(args.placement, args.node_placement)
     if is_paper_family(args.family):
         if args.cost_model == "measured":
@@ -157,6 +180,10 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     extra = {**setup.overrides, **settings.extra_overrides}
     split = None
     if setup.split is not None:
+        if "baseline_elastic" in settings.systems:
+            raise PlacementError("baseline_elastic draws every deployment's KV from one pool of co-located engines; "
+                                 "under per-member placement each member's KV lives on its own GPUs, so it is the "
+                                 "baseline: run that")
         split = setup.split           # per-member: the GPUs split the memory for every system alike
         extra["comparison.static_split"] = dict(split)
     elif needs_split(settings.systems):     # the bench's own split search, on this deployment's pages
@@ -369,6 +396,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         "notes": notes,
         "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu,
                       "placement": setup.placement.label if separate is None else args.placement,
+                      "capacity_policy": setup.capacity_policy,
                       "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,
                       "memory": setup.memory, "num_pages_per_node": setup.num_pages, "page_bytes": setup.page_bytes,
                       **({} if separate is None else {"separate_deployments": {

@@ -2,7 +2,8 @@
 long the step would have taken.
 
 Durations: the cost model's fixed per-step overhead, plus the member batches (one after the other when the
-members share a device, side by side when each has its own), plus the tier copies made before the step: loads
+members share a device, side by side when each has its own: the node then plans and executes each device's
+members apart, on their own timelines, node.py), plus the tier copies made before the step: loads
 (host -> arena) always on the step's path, saves (arena -> host) too unless the cost model says they run beside
 the compute (saves_overlap: a GPU engine's copy stream), where only what outlasts the compute adds; plus, when
 the cost model prices them and the node gave a clock, what a step costs extra right after the engine sat idle
@@ -52,12 +53,12 @@ class SimExecutor:
         self._load_bytes = 0                    # host tier -> arena (write_page)
         self.last_step_s = 0.0
         self.num_steps = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0                       # summed over devices (device-seconds)
         # the history terms (after idle, after a prefill): priced only by a cost model that has them, and only
         # once a clock is attached
         self._history_s: Callable[[float, int, int, int], float] | None = getattr(cost, "history_s", None)
         self._clock: Callable[[], float] | None = None
-        self._history = HistoryTracker()
+        self._histories: dict[str | None, HistoryTracker] = {}     # device -> its steps' history
 
     def attach_clock(self, clock: Callable[[], float]) -> None:
         """The node's virtual clock: lets the executor see the idle gaps between its steps (history terms)."""
@@ -89,15 +90,21 @@ class SimExecutor:
         body = max(compute, saves) if self.cost.saves_overlap else compute + saves
         return self.cost.step_overhead_s() + body + loads
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    def execute(self, plan: StepPlan, device: str | None = None) -> list[SampledToken]:
+        """Runs the plan on `device` (None: the node's one device): the history terms read that device's own
+        steps and idle gaps. The tier copies counted are those made since the last execute, i.e. this plan's
+        (the node copies right before it executes)."""
         self.release(plan.released_requests)
         shapes = plan_shapes(plan, self.family)
         self.last_step_s = self._step_s(shapes)
         if self._history_s is not None and self._clock is not None:
             now = self._clock()
-            idle_s, since_wake, since_prefill, tokens = self._history.start(now, prefill_tokens_of(shapes))
+            history = self._histories.get(device)
+            if history is None:
+                history = self._histories[device] = HistoryTracker()
+            idle_s, since_wake, since_prefill, tokens = history.start(now, prefill_tokens_of(shapes))
             self.last_step_s += self._history_s(idle_s, since_wake, since_prefill, tokens)
-            self._history.end(now + self.last_step_s)
+            history.end(now + self.last_step_s)
         self._save_bytes = self._load_bytes = 0
         self.num_steps += 1
         self.busy_s += self.last_step_s

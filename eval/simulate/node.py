@@ -5,6 +5,14 @@ The real loop runs a step's two halves back to back (EngineCore.step); here they
 step's start begin_step (schedule, tier copies, execute, which says how long the step takes), at its end
 finish_step (update), whose outputs go to the driver. Requests that arrive meanwhile are added at their arrival
 time, as the real loop adds them between steps.
+
+Devices: when the members share one device (colocated) that is the node's one timeline. When each member has
+its own (the executor's members_in_parallel: per-member placement), each member is a timeline of its own: a
+free device whose member has work asks the scheduler for a plan for that member alone, executes it at that
+member's cost and updates it at its own end, while the other devices' plans run. The scheduler never touches a
+request of a member outside the plan (Scheduler.schedule's members), so a request in a step in flight is not
+planned again before that step's update; one scheduler (MFS) and one scheduler per deployment alike step each
+device on its own.
 """
 from __future__ import annotations
 
@@ -22,6 +30,17 @@ from orchestrator.core.types import Request, RequestOutput
 # Nothing runnable although work is queued (e.g. the only waiting request needs pages a finishing one still
 # holds): the real loop waits 10 ms for a wake-up; so does the simulated one.
 IDLE_RETRY_S = 0.01
+
+
+class Device:
+    """One device's timeline: the members it runs (None: every member) and whether a step is planned or running."""
+
+    __slots__ = ("members", "name", "busy")
+
+    def __init__(self, members: tuple[str, ...] | None) -> None:
+        self.members = members
+        self.name = None if members is None else "+".join(members)
+        self.busy = False           # a step is running or a start is queued (a free device with work starts one)
 
 
 class SimNode:
@@ -44,7 +63,9 @@ class SimNode:
         assert isinstance(executor, SimExecutor)
         self.executor = executor
         self.executor.attach_clock(clock)       # it sees the idle gaps between its steps
-        self.busy = False
+        # one timeline per device: the whole family on one device (members None: every member), else one per member
+        self.devices = ([Device(None)] if not self.executor.members_in_parallel
+                        else [Device((name,)) for name in self.family.member_names])
         self.num_in_flight = 0          # requests submitted and not finished (the front router's load)
 
     # ------------------------------------------------------------------ requests
@@ -52,31 +73,35 @@ class SimNode:
         """Adds the request now (raises the scheduler's InvalidRequestError / QueueFullError at once)."""
         self.core.add_request(request, self._deliver)
         self.num_in_flight += 1
-        self._wake()
+        self._wake_idle()
 
-    def _wake(self) -> None:
-        if not self.busy:
-            self.busy = True
-            self.events.push(self.clock(), self._start_step)
+    def _wake_idle(self, but: Device | None = None) -> None:
+        """Every idle device whose members have work starts a step now."""
+        for device in self.devices:
+            if device is not but and not device.busy and self.scheduler.has_work(device.members):
+                device.busy = True
+                self.events.push(self.clock(), lambda device=device: self._start_step(device))
 
     # ------------------------------------------------------------------ steps
-    def _start_step(self) -> None:
+    def _start_step(self, device: Device) -> None:
         now = self.clock()
-        step = self.core.begin_step()
+        step = self.core.begin_step(device.members, device.name)
         if not step.ran:
-            if self.scheduler.has_work():
-                self.events.push(now + IDLE_RETRY_S, self._start_step)
+            if self.scheduler.has_work(device.members):
+                self.events.push(now + IDLE_RETRY_S, lambda: self._start_step(device))
             else:
-                self.busy = False
+                device.busy = False
             return
-        self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(step))
+        self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(device, step))
 
-    def _finish_step(self, step: Step) -> None:
+    def _finish_step(self, device: Device, step: Step) -> None:
         self.core.finish_step(step)
-        if self.scheduler.has_work():
-            self._start_step()
+        if self.scheduler.has_work(device.members):
+            self._start_step(device)
         else:
-            self.busy = False
+            device.busy = False
+        if len(self.devices) > 1:
+            self._wake_idle(but=device)     # an escalation to another member, or pages its step returned
 
     def _deliver(self, out: RequestOutput | MFSError) -> None:
         """Every request's sink: the driver gets each output at the node's time (a step never fails here: an

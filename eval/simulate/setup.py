@@ -58,6 +58,7 @@ class SimSetup:
     memory: dict[str, Any] = field(default_factory=dict)
     gpu: str | None = None
     notes: list[str] = field(default_factory=list)
+    capacity_policy: str = "max_utilization"      # every system's admission (cli.CAPACITY_POLICIES)
 
     @property
     def members_in_parallel(self) -> bool:

@@ -14,7 +14,7 @@ most one planning call.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,13 +246,15 @@ class EngineCore:
             self.finish_step(step)
         return step
 
-    def begin_step(self) -> Step:
+    def begin_step(self, members: Collection[str] | None = None, device: str | None = None) -> Step:
         """The step's first half: schedule, deliver what scheduling produced, tier copies, execute. When the plan
-        has no batch nothing runs (step.ran is False) and the requests it released are released here."""
+        has no batch nothing runs (step.ran is False) and the requests it released are released here.
+        members: plan only these members' requests (a device of their own: the simulator's per-member timelines);
+        device: its name, for an executor that prices each device on its own (the simulated one)."""
         tick = self.step_clock or _no_clock
         began = tick()
         with self.lock:
-            plan, outputs = self.scheduler.schedule(self.clock())
+            plan, outputs = self.scheduler.schedule(self.clock(), members)
         scheduled = tick()
         self.deliver(outputs)
         plan = self.copy_tiers(plan)
@@ -263,7 +265,7 @@ class EngineCore:
             return step
         cpu = self.cpu_clock
         step.executing_s, cpu_began = tick(), cpu() if cpu is not None else 0.0
-        step.sampled = self.executor.execute(plan)
+        step.sampled = self.executor.execute(plan) if device is None else self.executor.execute(plan, device)
         step.executed_s = tick()
         if cpu is not None:
             self.timers.execute_cpu_s += cpu() - cpu_began

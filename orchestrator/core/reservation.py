@@ -1,7 +1,7 @@
 """Reservation: the pages admitted requests will still need, and how long a new request would wait for pages.
 
 What admission leaves free beside the running requests, and the router's expected delay; chosen by name (peak |
-block).
+block | guaranteed_no_evict).
 
 A running request grows to prompt + max_tokens tokens. Under `ignore_eos` (or `min_tokens` up to `max_tokens`)
 that length is exact, so its remaining decode pages are reserved exactly; otherwise a share `ratio` of the
@@ -382,7 +382,24 @@ class BlockReservation(Reservation):
         return self._reserve_pages[seq.member]
 
 
-RESERVATIONS: dict[str, type[Reservation]] = {cls.name: cls for cls in (PeakReservation, BlockReservation)}
+class GuaranteedNoEvict(PeakReservation):
+    """TensorRT-LLM's guaranteed_no_evict capacity policy: a request is admitted only when the pages for its whole
+    prompt + max_tokens fit beside every running request's remaining max_tokens in full, so a decode never runs
+    short and nothing is ever preempted; the price is admitting fewer requests while replies end early. The peak
+    reservation with the reserved share of an open length's remaining tokens held at 1 (it never decays)."""
+
+    name: ClassVar[str] = "guaranteed_no_evict"
+
+    def __init__(self, parts: SchedulerParts) -> None:
+        super().__init__(parts)
+        ratio = self.ratio
+        ratio.init = ratio.minimum = ratio.value = 1.0
+
+
+# comparison.decode_reservation -> the reservation; guaranteed_no_evict is also the simulator's capacity policy of
+# that name (peak: max_utilization, with its decaying ratio and preemption when a decode runs short)
+RESERVATIONS: dict[str, type[Reservation]] = {cls.name: cls for cls in (PeakReservation, BlockReservation,
+                                                                        GuaranteedNoEvict)}
 
 
 def _pages_rule(tokens_per_block: int, pages_per_block: int, context_tokens: int) -> Callable[[int], int]:
