@@ -48,7 +48,8 @@ class RecordingExecutor(SimExecutor):
         return super().execute(plan, device)
 
 
-def run_node(system: str, requests: list[tuple[str, str, float, int]], members_in_parallel: bool = True):
+def run_node(system: str, requests: list[tuple[str, str, float, int]], members_in_parallel: bool = True,
+             share_device: bool = False):
     """requests: (id, pinned member, arrival s, max_tokens). Returns the executor and each request's token times."""
     config = system_config(system, str(family_dir()), 512, SPLIT,
                            {"comparison.static_split": SPLIT, "pool.host_tier_mb": 0, "escalation.enabled": False})
@@ -63,7 +64,8 @@ def run_node(system: str, requests: list[tuple[str, str, float, int]], members_i
         return RecordingExecutor(family, num_pages, page_bytes, PerMemberCost(), library(), vocab_size=4096,
                                  members_in_parallel=members_in_parallel)
 
-    node = SimNode("n0", config, None, clock, events, make_executor, on_output, system_scheduler(system))
+    node = SimNode("n0", config, None, clock, events, make_executor, on_output, system_scheduler(system),
+                   share_device=share_device)
     for rid, member, arrival_s, max_tokens in requests:
         request = Request(request_id=RequestId(rid), prompt_token_ids=list(range(10, 18)),
                           sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=arrival_s,
@@ -141,3 +143,15 @@ def test_an_abort_of_a_request_in_another_members_step_waits_for_that_members_pl
     h.scheduler.update(plan_s, h.executor.execute(plan_s), 1.0)
     _, outputs = h.scheduler.schedule(1.0, members=("s",))
     assert [o.request_id for o in outputs] == ["a"] and outputs[0].finished
+
+
+def test_deployments_sharing_one_device_progress_at_its_speed_divided_among_the_steps_in_flight():
+    """Processor sharing (separate processes on one device): tiny-s (1 s a step) and tiny-m (3 s) start at 0 and
+    each runs at half speed while both are in flight: tiny-s's steps end at 2 and 4 (tiny-m has done 1 s of its 3
+    by 2, 2 s by 4); from 4 both have 1 s left and end together at 6; tiny-m's second step then runs alone, 6 to 9."""
+    requests = [("a", "tiny-s", 0.0, 3), ("b", "tiny-m", 0.0, 2)]
+    executor, tokens = run_node("baseline", requests, members_in_parallel=False, share_device=True)
+    assert [(t, d) for t, d, _ in executor.steps] == [(0.0, "tiny-s"), (0.0, "tiny-m"), (2.0, "tiny-s"),
+                                                      (4.0, "tiny-s"), (6.0, "tiny-m")]
+    assert tokens["a"] == pytest.approx([2.0, 4.0, 6.0])
+    assert tokens["b"] == pytest.approx([6.0, 9.0])

@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paper-scale families: charge copies of evicted pages to the host tier before the step "
                              "(as the local engine does) instead of beside its compute on the GPU's copy stream "
                              "(the default, as TensorRT-LLM offloads)")
+    parser.add_argument("--colocated-deployments", choices=("shared", "turns"), default=None,
+                        help="how separate deployments share one device: shared (the default for GPU families: each "
+                             "deployment's process steps on its own, the device's time shared among the steps in "
+                             "flight, as CUDA streams or MPS share it) or turns (one deployment's step at a time, "
+                             "round robin: the tiny family's default, as the real bench's baseline runs)")
     parser.add_argument("--capacity-policy", choices=CAPACITY_POLICIES, default=None,
                         help="every system's admission: guaranteed_no_evict admits a request only when the KV for its "
                              "whole prompt + max_tokens fits beside every running request's remaining max_tokens "
@@ -113,8 +118,10 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
     if not is_paper_family(args.family):
         raise PlacementError(f"--placement {placement.label} places a GPU family on GPUs; {args.family} runs on this "
                              "machine's measured cost model (colocated or fleet:N)")
-    return pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table, args.block_tokens,
-                         host_tier_gib_per_gpu=_host_tier_gib(args), saves_overlap=not args.serial_saves)
+    pooled, separate = pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table,
+                                     args.block_tokens, host_tier_gib_per_gpu=_host_tier_gib(args),
+                                     saves_overlap=not args.serial_saves)
+    return _with_policies(pooled, args, settings), _with_policies(separate, args, settings)
 
 
 def _host_tier_gib(args: argparse.Namespace) -> float:
@@ -125,7 +132,13 @@ def _host_tier_gib(args: argparse.Namespace) -> float:
 
 
 def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
-    setup = _build_setup(args, settings)
+    return _with_policies(_build_setup(args, settings), args, settings)
+
+
+def _with_policies(setup: SimSetup, args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
+    """The capacity policy every system runs, and how separate deployments share one device."""
+    sharing = getattr(args, "colocated_deployments", None) or ("shared" if setup.family is not None else "turns")
+    setup.colocated_deployments = sharing
     policy = args.capacity_policy or ("guaranteed_no_evict" if setup.family is not None and args.backend == "trtllm"
                                       else "max_utilization")
     reservation = CAPACITY_POLICIES[policy]
@@ -220,7 +233,9 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
                            members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths)
 
     def make_nodes(clock, events, on_output):
-        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory)
+        share = scheduler_factory is not None and setup.colocated_deployments == "shared"
+        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory,
+                        share_device=share)
                 for i in range(setup.placement.num_nodes)]
 
     run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
@@ -397,6 +412,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu,
                       "placement": setup.placement.label if separate is None else args.placement,
                       "capacity_policy": setup.capacity_policy,
+                      "colocated_deployments": setup.colocated_deployments,
                       "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,
                       "memory": setup.memory, "num_pages_per_node": setup.num_pages, "page_bytes": setup.page_bytes,
                       **({} if separate is None else {"separate_deployments": {

@@ -43,10 +43,54 @@ class Device:
         self.busy = False           # a step is running or a start is queued (a free device with work starts one)
 
 
+class SharedDevice:
+    """Timelines that share one device, as separate server processes do (CUDA streams or MPS): processor sharing,
+    each of the k steps in flight progressing at 1/k of the device's speed. The steps' costs are charged in full
+    and nothing is lost to switching between them: the most a time-shared device gives the deployments."""
+
+    __slots__ = ("clock", "events", "_running", "_last_s", "_generation")
+
+    def __init__(self, clock: VirtualClock, events: EventQueue) -> None:
+        self.clock = clock
+        self.events = events
+        self._running: dict[Device, tuple[float, Callable[[], None]]] = {}   # remaining work (s alone), on done
+        self._last_s = 0.0
+        self._generation = 0            # finish events pushed before the last change are stale
+
+    def start(self, device: Device, work_s: float, on_done: Callable[[], None]) -> None:
+        self._advance()
+        self._running[device] = (work_s, on_done)
+        self._reschedule()
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if self._running:
+            done = (now - self._last_s) / len(self._running)
+            self._running = {d: (max(0.0, w - done), cb) for d, (w, cb) in self._running.items()}
+        self._last_s = now
+
+    def _reschedule(self) -> None:
+        self._generation += 1
+        now, share, generation = self.clock(), len(self._running), self._generation
+        for device, (work_s, _cb) in self._running.items():
+            self.events.push(now + work_s * share, lambda d=device: self._finish(d, generation))
+
+    def _finish(self, device: Device, generation: int) -> None:
+        if generation != self._generation or device not in self._running:
+            return
+        self._advance()
+        _work, on_done = self._running.pop(device)
+        self._reschedule()
+        on_done()
+
+
 class SimNode:
     def __init__(self, name: str, config: MFSConfig, family: FamilySpec | None, clock: VirtualClock,
                  events: EventQueue, make_executor: Callable[[FamilySpec, int, int], SimExecutor],
-                 on_output: Callable[[RequestOutput, float], None], scheduler_factory=None) -> None:
+                 on_output: Callable[[RequestOutput, float], None], scheduler_factory=None,
+                 share_device: bool = False) -> None:
+        """share_device: on one device, each member is a timeline of its own sharing it (SharedDevice): separate
+        deployments' processes; else the members on one device step together (one scheduler, one loop)."""
         from orchestrator.serve.tokenizer import family_estimator
 
         self.name = name
@@ -64,8 +108,10 @@ class SimNode:
         self.executor = executor
         self.executor.attach_clock(clock)       # it sees the idle gaps between its steps
         # one timeline per device: the whole family on one device (members None: every member), else one per member
-        self.devices = ([Device(None)] if not self.executor.members_in_parallel
-                        else [Device((name,)) for name in self.family.member_names])
+        # (on its own device, or sharing the one device)
+        per_member = self.executor.members_in_parallel or share_device
+        self.devices = ([Device(None)] if not per_member else [Device((name,)) for name in self.family.member_names])
+        self.shared = SharedDevice(clock, events) if share_device and not self.executor.members_in_parallel else None
         self.num_in_flight = 0          # requests submitted and not finished (the front router's load)
 
     # ------------------------------------------------------------------ requests
@@ -92,7 +138,10 @@ class SimNode:
             else:
                 device.busy = False
             return
-        self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(device, step))
+        if self.shared is not None:
+            self.shared.start(device, self.executor.last_step_s, lambda: self._finish_step(device, step))
+        else:
+            self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(device, step))
 
     def _finish_step(self, device: Device, step: Step) -> None:
         self.core.finish_step(step)

@@ -59,6 +59,7 @@ class SimSetup:
     gpu: str | None = None
     notes: list[str] = field(default_factory=list)
     capacity_policy: str = "max_utilization"      # every system's admission (cli.CAPACITY_POLICIES)
+    colocated_deployments: str = "turns"          # separate deployments on one device: shared | turns (node.py)
 
     @property
     def members_in_parallel(self) -> bool:
