@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from eval.simulate.families import weight_bytes
+from eval.weights import weight_bytes
 from orchestrator.core.family import RANDOM_WEIGHTS_KEY, SHIPPED_FAMILIES_DIR
 
 TOKENIZER_SOURCE = SHIPPED_FAMILIES_DIR / "tiny" / "tiny-l"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eval.baseline.deployments import DEPLOYMENT_SCHEDULERS
+from eval.weights import member_weight_bytes
 from orchestrator.core.config import MFSConfig, load_config
 from orchestrator.core.engine_core import SchedulerFactory
 from orchestrator.core.family import FamilySpec
@@ -151,33 +152,12 @@ def system_config(name: str, family: str, num_pages: int, split: dict[str, float
     return load_config(overrides=overrides)
 
 
-def pages_rule(family: FamilySpec, config: MFSConfig, num_pages: int):
+def pages_rule(family: FamilySpec, config: MFSConfig):
     """(member, tokens) -> pages and tokens per block of a system configured like `config`: the one
     rule the scheduler validates with (KVLayout.pages_for_tokens; residual pages included when that
-    system records them). num_pages is unused by the rule; kept so callers read as before."""
-    del num_pages
+    system records them)."""
     layout = KVLayout.for_config(family, config)
     return layout.pages_for_tokens, layout.tokens_per_block
-
-
-def member_weight_bytes(family: FamilySpec) -> dict[str, int]:
-    """Bytes of each member's weights: what the family says (`serving.weight_bytes`: the simulator's paper-scale
-    members, whose checkpoint_dir is only the shipped tokenizer), else its checkpoint files (*.safetensors /
-    *.bin); members without either (test fakes) get an estimate from their shape (attention + 3 MLP matrices of
-    4x hidden per layer, plus the embedding, 2 bytes per weight)."""
-    out = {}
-    for m in family.members:
-        if m.serving.get("weight_bytes"):
-            out[m.name] = int(m.serving["weight_bytes"])
-            continue
-        files = [f for pattern in ("*.safetensors", "*.bin") for f in m.checkpoint_dir.glob(pattern)]
-        size = sum(f.stat().st_size for f in files if f.is_file())
-        if not size:
-            h = m.hidden_size
-            per_layer = 2 * h * m.num_heads * m.head_dim + 2 * h * m.num_kv_heads * m.head_dim + 3 * h * 4 * h
-            size = 2 * (m.num_layers * per_layer + m.vocab_size * h)
-        out[m.name] = size
-    return out
 
 
 def proportional_split(family: FamilySpec) -> dict[str, float]:
@@ -217,7 +197,7 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     longest = max((r.tokens for r in requests), default=1)
     # Floors through the one page rule (residual pages included when this config records them: the
     # no_shared_pool ablation does), plus the decode reserve; half a page over so rounding never bites.
-    pages_for_tokens, tokens_per_block = pages_rule(family, config, num_pages)
+    pages_for_tokens, tokens_per_block = pages_rule(family, config)
     floor = {}
     for m in family.members:
         reserve = config.comparison.decode_reserve_blocks * tokens_per_block(m.name)

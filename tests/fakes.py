@@ -73,6 +73,7 @@ class FakeExecutor:
         return self.family.member(member).tokens_per_block(self.page_bytes, 4)
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
+        self.release(plan.released_requests)
         out = []
         for batch in plan.batches:
             size = self._block(batch.member)

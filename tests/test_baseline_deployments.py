@@ -3,6 +3,8 @@ deployments' policies): re-route instead of refuse, one deployment per step, per
 escalations only to a slice that holds the request. Fakes, exact states."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from eval.baseline.deployments import Deployments, deployments_scheduler
@@ -19,9 +21,8 @@ BASELINE = {"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.
 
 
 def deployments(low_confidence=(), **overrides) -> Harness:
-    h = Harness(low_confidence=low_confidence, **{**BASELINE, "router.sticky_sessions": False, **overrides})
-    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
-    return h
+    return Harness(low_confidence=low_confidence, scheduler_factory=deployments_scheduler,
+                   **{**BASELINE, "router.sticky_sessions": False, **overrides})
 
 
 def deployments_of(h: Harness) -> Deployments:
@@ -32,7 +33,7 @@ def submit(h: Harness, rid: str, num_prompt_tokens: int, complexity: float, max_
     request = Request(request_id=RequestId(rid), prompt_token_ids=list(range(start, start + num_prompt_tokens)),
                       sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=h.now,
                       complexity_hint=complexity)
-    return h.scheduler.add_request(request, h.now)
+    return h.add(request)
 
 
 def test_a_request_the_routed_slice_cannot_hold_goes_to_a_deployment_that_can():
@@ -66,9 +67,7 @@ def test_deployments_take_turns_on_the_device():
     submit(h, "a", 8, complexity=0.1, max_tokens=6)
     submit(h, "b", 8, complexity=0.5, max_tokens=6, start=60)
     members_per_step = []
-    while h.scheduler.has_work():
-        plan = h.step()
-        members_per_step.append(sorted({b.member for b in plan.batches}))
+    h.run(on_step=lambda plan: members_per_step.append(sorted({b.member for b in plan.batches})))
     assert all(len(m) <= 1 for m in members_per_step)            # never two deployments in one step
     ran = [m[0] for m in members_per_step if m]
     assert ran[:4] == ["s", "m", "s", "m"]                        # round robin while both have work
@@ -114,13 +113,11 @@ def submit_session(h: Harness, rid: str, session: str, num_prompt_tokens: int, c
     request = Request(request_id=RequestId(rid), prompt_token_ids=list(range(start, start + num_prompt_tokens)),
                       sampling=SamplingParams(max_tokens=4, ignore_eos=True), arrival_s=h.now,
                       complexity_hint=complexity, session_id=session)
-    return h.scheduler.add_request(request, h.now)
+    return h.add(request)
 
 
 def sticky_deployments(**overrides) -> Harness:
-    h = Harness(**{**BASELINE, "router.sticky_sessions": True, **overrides})
-    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
-    return h
+    return Harness(scheduler_factory=deployments_scheduler, **{**BASELINE, "router.sticky_sessions": True, **overrides})
 
 
 def test_a_session_stays_on_the_member_of_its_first_turn_while_that_member_can_hold_it():
@@ -143,9 +140,7 @@ def test_a_session_stays_on_the_member_of_its_first_turn_while_that_member_can_h
 
 def test_elastic_deployments_draw_from_one_pool():
     elastic = {k: v for k, v in BASELINE.items() if k != "comparison.static_split"}
-    h = Harness(**elastic)
-    h.scheduler = deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()),
-                                        elastic=True)
+    h = Harness(scheduler_factory=partial(deployments_scheduler, elastic=True), **elastic)
     # 20 + 8 tokens on l: 42 pages, more than l's static slice (30) but within the pool (120): no re-route
     decision = submit(h, "big", 20, complexity=0.9)
     assert decision.member == "l" and decision.rerouted_from is None

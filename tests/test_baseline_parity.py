@@ -77,8 +77,8 @@ def test_every_fair_baseline_runs_the_cores_scheduler_with_mfs_policies_but_the_
     cores = {}
     for name in ("mfs", *FAIR):
         config = system_config(name, "tiny", 768, SPLIT)
-        cores[name] = EngineCore(config, family, ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
-                                 scheduler_factory=system_scheduler(name)).scheduler
+        cores[name] = EngineCore.build(config, family, clock=lambda: 0.0, estimator=ComplexityEstimator(fake_vocab()),
+                                       scheduler_factory=system_scheduler(name)).scheduler
     mfs = cores["mfs"]
     for name in FAIR:
         other = cores[name]

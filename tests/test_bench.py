@@ -60,7 +60,8 @@ def test_split_floors_use_the_page_rule_residual_pages_included():
 def test_proportional_split_follows_weight_bytes(tmp_path):
     from dataclasses import replace as dc_replace
 
-    from eval.systems import member_weight_bytes, proportional_split
+    from eval.systems import proportional_split
+    from eval.weights import member_weight_bytes
     from orchestrator.core.family import FamilySpec
 
     family = fake_family()
@@ -81,7 +82,7 @@ def test_split_floor_pages_are_the_schedulers_page_rule():
     from orchestrator.core.kv_layout import KVLayout
 
     config = load_config(overrides={"pool.num_pages": 1024})
-    pages_for_tokens, _ = pages_rule(fake_family(), config, 1024)
+    pages_for_tokens, _ = pages_rule(fake_family(), config)
     layout = KVLayout.for_config(fake_family(), config)
     for member in ("tiny-s", "tiny-m", "tiny-l"):
         assert pages_for_tokens(member, 500) == layout.pages_for_tokens(member, 500)

@@ -43,7 +43,7 @@ def test_missing_file():
 def test_engine_threads_leave_a_core_for_the_event_loop(monkeypatch):
     import os
 
-    from orchestrator.serve.serving import engine_threads
+    from orchestrator.serve.local_engine import engine_threads
     assert engine_threads(3) == 3                       # an explicit setting wins
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     assert engine_threads(None) == 1

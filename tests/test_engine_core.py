@@ -3,7 +3,7 @@ a detached request's outputs are dropped, a failed step fails its requests (MFSE
 from __future__ import annotations
 
 from orchestrator.core.complexity import ComplexityEstimator
-from orchestrator.core.engine_core import EngineCore
+from orchestrator.core.engine_core import EngineCore, drain
 from orchestrator.core.errors import MFSError
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, SamplingParams
 from tests.fakes import FakeExecutor, fake_config, fake_vocab, nested_family
@@ -19,10 +19,8 @@ class Clock:
 
 
 def make_core(**overrides) -> EngineCore:
-    family, config = nested_family(), fake_config(**overrides)
-    core = EngineCore(config, family, ComplexityEstimator(fake_vocab()), Clock())
-    core.executor = FakeExecutor(family, config.pool.num_pages, config.pool.page_bytes)
-    return core
+    return EngineCore.build(fake_config(**overrides), nested_family(), clock=Clock(),
+                            estimator=ComplexityEstimator(fake_vocab()), make_executor=FakeExecutor)
 
 
 def request(rid: str, max_tokens: int = 5) -> Request:
@@ -31,21 +29,13 @@ def request(rid: str, max_tokens: int = 5) -> Request:
                    pinned_member=MemberName("m"))
 
 
-def run_until_idle(core: EngineCore, max_steps: int = 100) -> None:
-    for _ in range(max_steps):
-        if not core.has_work():
-            return
-        core.step()
-    raise AssertionError("never idle")
-
-
 def test_outputs_reach_their_own_sink_and_a_detached_request_is_dropped():
     core = make_core()
     got: dict[str, list] = {"a": [], "b": []}
     core.add_request(request("a"), got["a"].append)
     core.add_request(request("b"), got["b"].append)
     core.detach(RequestId("b"))            # its caller went away without aborting yet
-    run_until_idle(core)
+    drain(core, 100)
     assert sum(len(o.new_token_ids) for o in got["a"]) == 5 and got["a"][-1].finished
     assert [o.request_id for o in got["a"]] == ["a"] * len(got["a"])
     assert got["b"] == []
@@ -68,7 +58,7 @@ def test_a_failed_step_fails_each_request_once_and_frees_its_pages():
     assert got[-2] == ("logged", "device lost")
     assert isinstance(got[-1], MFSError) and "engine step failed: RuntimeError: device lost" in str(got[-1])
     before = len(got)
-    run_until_idle(core)                           # the abort is processed: pages back, nothing more delivered
+    drain(core, 100)                           # the abort is processed: pages back, nothing more delivered
     assert len(got) == before and core.pool.counts()["used"] == 0
 
 
@@ -78,5 +68,5 @@ def test_abort_with_stop_finishes_the_request():
     core.add_request(request("a", max_tokens=50), got.append)
     core.step()
     core.abort(RequestId("a"), finish_reason=FinishReason.STOP)
-    run_until_idle(core)
+    drain(core, 100)
     assert got[-1].finished and got[-1].finish_reason is FinishReason.STOP

@@ -1,13 +1,13 @@
 """Per-request streams fed once per step: outputs that queued up while the reader was busy come back as one
 (tokens concatenated in order, state from the latest), an error is never merged away, nothing after a final
-output is merged into it, and one flush hands a whole step to the loop."""
+output is merged into it, one flush hands a whole step to the loop, and a closed loop's requests are named."""
 from __future__ import annotations
 
 import asyncio
 
 from orchestrator.core.errors import MFSError
 from orchestrator.core.types import FinishReason, MemberSpan, RequestId, RequestOutput, RouteDecision
-from orchestrator.serve.output_stream import OutputStream, StepBatcher
+from orchestrator.serve.output_stream import OutputStream, StepOutputs, StreamTarget, hand_to_loops
 
 ROUTE = RouteDecision(RequestId("r"), "tiny-s", "complexity", {}, {}, {}, 0.2)
 
@@ -51,14 +51,16 @@ def test_one_flush_wakes_the_loop_once_for_a_whole_step():
         calls = []
         original = loop.call_soon_threadsafe
         loop.call_soon_threadsafe = lambda *args: (calls.append(args), original(*args))[1]
-        batcher = StepBatcher(on_loop_gone=lambda request_id: None)
-        streams = [OutputStream() for _ in range(8)]
-        sinks = [batcher.sink(RequestId(f"r{i}"), s) for i, s in enumerate(streams)]
+        gone: list = []
+        outputs = StepOutputs(lambda items: gone.extend(hand_to_loops(items)))
+        targets = [StreamTarget.here(RequestId(f"r{i}")) for i in range(8)]
+        sinks = [outputs.sink(target) for target in targets]
         for sink in sinks:
             sink(out([7]))
-        batcher.flush()
-        batcher.flush()                           # nothing pending: no wake-up
-        got = [await s.get() for s in streams]
+        outputs.flush()
+        outputs.flush()                           # nothing pending: no wake-up
+        got = [await target.stream.get() for target in targets]
+        assert gone == []
         return len(calls), got
     num_calls, got = asyncio.run(scenario())
     assert num_calls == 1 and all(o.new_token_ids == [7] for o in got)
@@ -92,3 +94,18 @@ def test_until_finished_aborts_only_a_consumer_that_left_early():
         got, abandoned = await consume(done, take=99)
         assert got == [[1, 2]] and abandoned == []
     asyncio.run(scenario())
+
+
+def test_a_closed_loops_requests_are_returned_and_the_others_still_delivered():
+    async def make_target(request_id):
+        return StreamTarget.here(RequestId(request_id))
+    closed = asyncio.new_event_loop()
+    gone_target = closed.run_until_complete(make_target("gone"))
+    closed.close()
+
+    async def scenario():
+        live = StreamTarget.here(RequestId("live"))
+        gone = hand_to_loops([(gone_target, out([1])), (live, out([2])), (gone_target, out([3]))])
+        return gone, await live.stream.get()
+    gone, got = asyncio.run(scenario())
+    assert gone == ["gone", "gone"] and got.new_token_ids == [2]

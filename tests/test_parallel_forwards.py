@@ -93,14 +93,14 @@ def test_bad_setting_is_refused(family):
 
 
 def test_default_is_two_only_for_a_one_thread_cpu_engine_in_its_own_process(monkeypatch):
-    from orchestrator.serve import serving
+    from orchestrator.serve import local_engine
 
-    monkeypatch.setattr(serving.os, "sched_getaffinity", lambda pid: {0, 1})
-    assert serving.parallel_forwards(None, "cpu", 1, own_process=True) == 2
-    assert serving.parallel_forwards(None, "cpu", 1, own_process=False) == 1     # beside the event loop
-    assert serving.parallel_forwards(None, "cuda", 1, own_process=True) == 1
-    assert serving.parallel_forwards(None, "cpu", 3, own_process=True) == 1      # intra-op threads already
-    assert serving.parallel_forwards(1, "cpu", 1, own_process=True) == 1         # configured wins
-    assert serving.parallel_forwards(2, "cpu", 1, own_process=False) == 2
-    monkeypatch.setattr(serving.os, "sched_getaffinity", lambda pid: {0})
-    assert serving.parallel_forwards(None, "cpu", 1, own_process=True) == 1      # no second core
+    monkeypatch.setattr(local_engine.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert local_engine.parallel_forwards(None, "cpu", 1, own_process=True) == 2
+    assert local_engine.parallel_forwards(None, "cpu", 1, own_process=False) == 1     # beside the event loop
+    assert local_engine.parallel_forwards(None, "cuda", 1, own_process=True) == 1
+    assert local_engine.parallel_forwards(None, "cpu", 3, own_process=True) == 1      # intra-op threads already
+    assert local_engine.parallel_forwards(1, "cpu", 1, own_process=True) == 1         # configured wins
+    assert local_engine.parallel_forwards(2, "cpu", 1, own_process=False) == 2
+    monkeypatch.setattr(local_engine.os, "sched_getaffinity", lambda pid: {0})
+    assert local_engine.parallel_forwards(None, "cpu", 1, own_process=True) == 1      # no second core

@@ -70,7 +70,7 @@ def test_independent_preset_has_real_shapes_and_weight_bytes(tmp_path):
     assert load_family(out).shared_depth("rand-1b", "rand-3b") == 0     # each member its own seed
     text = (out / "family.yaml").read_text()
     assert "weight_bytes" in text and "random weights" in text.lower()
-    from eval.systems import member_weight_bytes
+    from eval.weights import member_weight_bytes
     sizes = member_weight_bytes(load_family(out))
     per_layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096      # q, o; k, v; MLP; norms
     assert sizes["rand-8b"] == 2 * (32 * per_layer + 4096 * 4096 + 4096)   # bf16; tied 4,096-id embedding

@@ -23,7 +23,7 @@ def _request(prompt_tokens: int = 500, *, profile: Profile = Profile.LATENCY, pi
 def _route(router: Router, request: Request, complexity: float, *, matched: dict | None = None,
            loads: dict | None = None, session: str | None = None):
     return router.route(request, complexity=complexity, matched_prefix_tokens=matched or {},
-                        loads=loads or IDLE_LOADS, session_member=session, now_s=1.0)
+                        loads=loads or IDLE_LOADS, session_member=session)
 
 
 @pytest.fixture
@@ -240,7 +240,7 @@ def test_unknown_profile_falls_back_to_config_profile():
 
 def test_missing_loads_and_matches_count_as_idle_and_uncached(router):
     decision = router.route(_request(), complexity=0.1, matched_prefix_tokens={}, loads={},
-                            session_member=None, now_s=0.0)
+                            session_member=None)
     assert decision.member == "tiny-s"
 
 

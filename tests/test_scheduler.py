@@ -4,58 +4,49 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.core.complexity import ComplexityEstimator
+from orchestrator.core.engine_core import EngineCore, drain
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
-from orchestrator.core.kv_cache import KVCacheManager
-from orchestrator.core.kv_layout import records_residuals
-from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
-from orchestrator.core.engine_core import copy_tier_pages
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, SamplingParams
 from tests.fakes import FakeExecutor, fake_config, fake_vocab, independent_family, nested_family
 
 
 class Harness:
-    def __init__(self, family=None, tiers=None, low_confidence=(), **overrides):
-        self.family = family or nested_family()
-        self.config = fake_config(**overrides)
-        cfg = self.config
-        partitions = split_pages(cfg.pool.num_pages, cfg.comparison.static_split) if cfg.comparison.static_split else None
-        self.pool = PagePool(cfg.pool.num_pages, partitions, limits=cfg.pool.member_limits,
-                             members=self.family.member_names)
-        self.tiers = tiers
-        self.kv = KVCacheManager(self.family, self.pool, cfg.pool.page_bytes, 4, tiers,
-                                 record_residuals=records_residuals(cfg))
-        self.scheduler = Scheduler(self.family, cfg, self.pool, self.kv, ComplexityEstimator(fake_vocab()), tiers)
-        self.executor = FakeExecutor(self.family, cfg.pool.num_pages, cfg.pool.page_bytes, low_confidence)
+    """The core as every runner builds it (EngineCore.build) on the fake family and executor, stepped by hand:
+    each step moves the clock 10 ms and checks the pool's invariants."""
+
+    def __init__(self, family=None, tiers=None, low_confidence=(), scheduler_factory=None, **overrides):
         self.now = 0.0
         self.outputs: dict[str, list] = {}
+        self.core = EngineCore.build(
+            fake_config(**overrides), family or nested_family(), clock=lambda: self.now,
+            estimator=ComplexityEstimator(fake_vocab()), tiers=tiers, scheduler_factory=scheduler_factory,
+            make_executor=lambda family, num_pages, page_bytes: FakeExecutor(family, num_pages, page_bytes,
+                                                                              low_confidence))
+        core = self.core
+        self.family, self.config, self.pool, self.kv, self.tiers = core.family, core.config, core.pool, core.kv, core.tiers
+        self.scheduler, self.executor = core.scheduler, core.executor
 
     def submit(self, rid, prompt, max_tokens=8, ignore_eos=True, **kw):
-        request = Request(request_id=RequestId(rid), prompt_token_ids=list(prompt),
-                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), arrival_s=self.now, **kw)
-        return self.scheduler.add_request(request, self.now)
+        return self.add(Request(request_id=RequestId(rid), prompt_token_ids=list(prompt),
+                                sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                                arrival_s=self.now, **kw))
+
+    def add(self, request):
+        """Queues the request now; its outputs are kept in self.outputs. Returns its RouteDecision."""
+        rid = request.request_id
+        return self.core.add_request(request, lambda out: self.outputs.setdefault(rid, []).append(out))
 
     def step(self):
         self.now += 0.01
-        plan, outs = self.scheduler.schedule(self.now)
-        self.executor.release(plan.released_requests)
-        failed = copy_tier_pages(plan, self.tiers, self.executor)[1] if self.tiers is not None else []
-        if failed:
-            plan = self.scheduler.drop_failed_loads(plan, failed, self.now)
-        sampled = self.executor.execute(plan)
-        outs += self.scheduler.update(plan, sampled, self.now)
-        for out in outs:
-            self.outputs.setdefault(out.request_id, []).append(out)
+        plan = self.core.step().plan
         self.pool.check_invariants()
         return plan
 
-    def run(self, max_steps=500):
-        for _ in range(max_steps):
-            if not self.scheduler.has_work():
-                return
-            self.step()
-        raise AssertionError("did not finish")
+    def run(self, max_steps=500, on_step=None):
+        """Steps until idle (drain); on_step(plan) after each step."""
+        drain(self.core, max_steps, self.step if on_step is None else lambda: on_step(self.step()))
 
     def tokens(self, rid):
         return [t for out in self.outputs[rid] for t in out.new_token_ids]
@@ -304,10 +295,11 @@ def test_without_intermediate_outputs_a_request_gets_its_first_and_final_output_
         h.submit("r", PROMPT, max_tokens=12, intermediate_outputs=streamed)
         h.submit("p", PROMPT[:9], max_tokens=5, pinned_member=MemberName("m"), intermediate_outputs=streamed)
         steps = {}
-        while h.scheduler.has_work():
-            h.step()
+
+        def record(_plan, h=h, steps=steps):
             for rid, outs in h.outputs.items():
                 steps.setdefault(rid, {}).setdefault(len(outs), h.now)
+        h.run(on_step=record)
         runs[streamed] = h, steps
     (stream, stream_steps), (quiet, quiet_steps) = runs[True], runs[False]
     for rid in ("r", "p"):
@@ -351,9 +343,11 @@ def test_scheduler_emits_into_the_log_and_counters_it_is_given():
     # serving layer's log (what /v1/stats and the dashboard read beside its own offload events) missed
     # every route/admit/finish event.
     from orchestrator.core.events import EventKind, EventLog, Stats
-    h = Harness()
     log, stats = EventLog(), Stats()
-    h.scheduler = Scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()), None, log, stats)
+
+    def scheduler_with_own_log(family, config, pool, kv, estimator, tiers, _events, _stats):
+        return Scheduler(family, config, pool, kv, estimator, tiers, log, stats)
+    h = Harness(scheduler_factory=scheduler_with_own_log)
     h.submit("a", PROMPT, max_tokens=3)
     h.run()
     assert h.scheduler.events is log and h.scheduler.stats is stats
@@ -367,8 +361,8 @@ def test_chunk_tables_are_the_live_tables_cut_to_the_chunk_and_never_change_afte
     h = Harness()
     h.submit("a", PROMPT, max_tokens=12, pinned_member=MemberName("m"))
     seen = []
-    for _ in range(14):
-        plan = h.step()
+
+    def check(plan):
         for batch in plan.batches:
             for chunk in batch.chunks:
                 kv = h.scheduler.running.get(RequestId("a")).kv if "a" in h.scheduler.running else None
@@ -376,8 +370,7 @@ def test_chunk_tables_are_the_live_tables_cut_to_the_chunk_and_never_change_afte
                 if kv is not None:
                     assert chunk.block_tables == [t[:blocks] for t in kv.block_tables]
                 seen.append((chunk, [list(t) for t in chunk.block_tables]))
-        if not h.scheduler.has_work():
-            break
+    h.run(14, on_step=check)
     assert h.final("a").finish_reason is FinishReason.LENGTH
     assert all(chunk.block_tables == copy for chunk, copy in seen)       # nothing changed them afterwards
     widths = [len(chunk.block_tables[0]) for chunk, _ in seen]

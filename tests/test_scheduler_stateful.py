@@ -59,11 +59,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert counts["free"] + counts["used"] + counts["cached"] == pool.num_pages
 
     def teardown(self):
-        for _ in range(3000):
-            if not self.h.scheduler.has_work():
-                break
-            self.h.step()
-        assert not self.h.scheduler.has_work(), "requests never finished"
+        self.h.run(3000)                         # raises when requests never finish
         assert self.h.pool.counts()["used"] == 0
         for outs in self.h.outputs.values():
             assert outs[-1].finished
@@ -145,11 +141,7 @@ class ReservationMachine(RuleBasedStateMachine):
             assert scheduler.reserved_pages("s") <= pool.num_available_pages("s") + pinned
 
     def teardown(self):
-        for _ in range(3000):
-            if not self.h.scheduler.has_work():
-                break
-            self.h.step()
-        assert not self.h.scheduler.has_work(), "requests never finished"
+        self.h.run(3000)                         # raises when requests never finish
         assert self.h.pool.counts()["used"] == 0
 
 

@@ -535,7 +535,8 @@ def test_a_fleet_serves_simultaneous_sessions_side_by_side():
 
 
 def test_paper_setup_sizes_pages_from_gpu_memory_minus_weights(tmp_path):
-    from eval.simulate.families import page_bytes_for, weight_bytes
+    from eval.simulate.families import page_bytes_for
+    from eval.weights import weight_bytes
     from eval.simulate.setup import paper_setup
 
     configs = {"qwen3-0.6b": hf_config(4, 512), "qwen3-1.7b": hf_config(6, 1024), "qwen3-8b": hf_config(8, 2048)}
@@ -718,7 +719,8 @@ def test_serial_saves_is_refused_for_the_tiny_family_whose_model_already_charges
 def test_a_paper_familys_operator_split_follows_its_members_weights_not_the_tokenizer_checkpoint():
     """paper-scale members borrow the shipped tokenizer's checkpoint_dir; the baseline's proportional split (and the
     search's pilot) must read their real weight bytes, not that directory's (equal thirds before the fix)."""
-    from eval.simulate.families import paper_family, weight_bytes
+    from eval.simulate.families import paper_family
+    from eval.weights import weight_bytes
     from eval.systems import proportional_split
 
     configs = [("a", hf_config(4, 512)), ("b", hf_config(8, 1024)), ("c", hf_config(16, 2048))]

@@ -140,20 +140,17 @@ class _Seq:
 
 
 
-def test_members_side_by_side_wait_for_their_drafts_on_the_draft_members_devices_or_their_own():
+def test_a_member_on_devices_of_its_own_waits_for_its_drafts_in_its_step():
     family = independent_family()
-    prefill = SeqChunk(request_id=RequestId("x"), token_ids=[5] * 8, start_pos=0, block_tables=[[0]], sample=True,
-                       sampling=SamplingParams())
-    plan = StepPlan(batches=[MemberBatch("s", [prefill]), MemberBatch("l", [verify_chunk("a", 500, 3, 2)])])
-    shared = SimExecutor(family, 64, 1024, FakeCost(), library(members=("s", "l")), vocab_size=50,
-                         members_in_parallel=True)
-    private = SimExecutor(family, 64, 1024, FakeCost(), library(members=("s", "l")), vocab_size=50,
-                          members_in_parallel=True, private_drafts=True)
-    # FakeCost: s's prefill batch 0.5, every batch without a prefill 0.1: two draft forwards, l's verify
-    assert shared.step_s(plan) == pytest.approx(0.01 + 0.5 + 0.2)   # s's devices: its batch and the drafts
-    assert private.step_s(plan) == pytest.approx(0.01 + 0.5)        # l's devices: its own drafts, then the verify
-    plan.batches[1].chunks[0].draft.num_tokens = 6
-    assert private.step_s(plan) == pytest.approx(0.01 + 0.7)        # now l's six drafts and verify are the longest
+    plan = StepPlan(batches=[MemberBatch("l", [verify_chunk("a", 500, 3, 2)])])
+    executor = SimExecutor(family, 64, 1024, FakeCost(), library(members=("s", "l")), vocab_size=50,
+                           members_in_parallel=True)
+    # FakeCost: every batch without a prefill 0.1: two draft forwards, then l's verify
+    assert executor.step_s(plan) == pytest.approx(0.01 + 0.2 + 0.1)
+    plan.batches[0].chunks[0].draft.num_tokens = 6
+    assert executor.step_s(plan) == pytest.approx(0.01 + 0.6 + 0.1)
+    plan.batches[0].chunks[0].draft = None                             # no drafts: the member's batch alone
+    assert executor.step_s(plan) == pytest.approx(0.01 + 0.1)
 
 
 def test_private_draft_copies_come_out_of_each_larger_servers_memory():

@@ -102,8 +102,8 @@ class DraftingExecutor(FakeExecutor):
 class SpecHarness(Harness):
     def __init__(self, accept=lambda request_id: 99, **overrides):
         super().__init__(**{"speculation.enabled": True, "comparison.warmup": False, **overrides})
-        self.executor = DraftingExecutor(self.family, self.config.pool.num_pages, self.config.pool.page_bytes,
-                                         accept=accept)
+        self.core.executor = self.executor = DraftingExecutor(self.family, self.config.pool.num_pages,
+                                                              self.config.pool.page_bytes, accept=accept)
 
 
 def _plain_tokens(rid: str, prompt, max_tokens: int) -> list[int]:

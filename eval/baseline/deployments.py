@@ -1,4 +1,4 @@
-"""Separate deployments of the family's members: each member its own server, taking turns on one device.
+"""Separate deployments of the family's members: each member its own server, taking turns on a shared device.
 
 The baselines (eval/systems.py) run the core's own Scheduler with these policy objects in place of MFS's
 (Deployments is all three), so every generic scheduler policy is the same as MFS's by construction:
@@ -9,7 +9,8 @@ The baselines (eval/systems.py) run the core's own Scheduler with these policy o
 - running cap: each deployment has its own batch cap (scheduler.max_running_requests).
 - step members: the deployments take turns on the device: one step runs one deployment's batch, with its own
   step token budget, round robin over the deployments with work (separate processes time-slice one
-  accelerator; none sees the others' batches).
+  accelerator; none sees the others' batches). Each on devices of its own (the simulator's per-member
+  placement), each steps on its own timeline: the node asks for a plan per free device.
 - sessions: kept on the member that served their first turn while its slice holds them (the core's
   router.sticky_sessions, set by eval/systems.py: a front balancer's session affinity), or per turn (the
   baseline_per_turn variant and baseline_legacy route every turn on its complexity alone).
@@ -24,6 +25,7 @@ DEPLOYMENTS.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from functools import partial
 
 from orchestrator.core.complexity import ComplexityEstimator
@@ -43,7 +45,7 @@ from orchestrator.core.types import MemberName, Request, RouteDecision
 
 
 class Deployments:
-    """Placement, running cap and step members of separate per-member servers on one device."""
+    """Placement, running cap and step members of separate per-member servers (on one device or one each)."""
 
     def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
                  elastic: bool = False) -> None:
@@ -109,11 +111,13 @@ class Deployments:
     def has_room(self, seq: Sequence, running: RunningSet) -> bool:
         return running.num_on(seq.member) < self.member_cap
 
-    def select(self, running: RunningSet) -> list[Sequence]:
-        """One deployment per step (the next with running requests after the last one served), in admission
-        order; the others' requests keep their pages and wait for their turn."""
+    def select(self, running: RunningSet, members: Collection[str] | None = None) -> list[Sequence]:
+        """One deployment per step (the next with running requests after the last one served, among `members`
+        when the plan is for those alone), in admission order; the others' requests keep their pages and wait
+        for their turn. Deployments on devices of their own each get plans of their own (members: that one),
+        so they never wait for each other."""
         names = list(self.family.member_names)
-        busy = {s.member for s in running}
+        busy = {s.member for s in running if members is None or s.member in members}
         if not busy:
             return []
         for offset in range(1, len(names) + 1):

@@ -29,7 +29,7 @@ from eval.bench.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFil
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.router import largest_member_bound
-from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator, family_tokenizer
 
 # Defaults: the case MFS targets - multi-turn chat under a KV budget that is tight for separate
 # deployments. 768 pages x 16 KiB = 12 MiB of fp32 KV: one 1024-token conversation on tiny-l alone
@@ -86,10 +86,6 @@ class BenchSettings:
 
 
 # ----------------------------------------------------------------------------- setup
-def family_tokenizer(family: FamilySpec) -> FamilyTokenizer:
-    return FamilyTokenizer(family.members[0].checkpoint_dir)
-
-
 def make_trace(settings: BenchSettings, tokenizer: FamilyTokenizer, family: FamilySpec) -> Trace:
     context = min(m.context_tokens for m in family.members)
     spec = WorkloadSpec(name=settings.workload, num_sessions=settings.sessions, rate_sessions_per_s=settings.rate,
@@ -99,12 +95,6 @@ def make_trace(settings: BenchSettings, tokenizer: FamilyTokenizer, family: Fami
                         mean_think_time_s=settings.think_s, history=settings.history or "closed",
                         lengths=settings.lengths or "natural")
     return build_trace(spec, tokenizer)
-
-
-def complexity_estimator(tokenizer: FamilyTokenizer):
-    from orchestrator.core.complexity import estimator_for_vocab   # the very estimator the scheduler routes with
-
-    return estimator_for_vocab(tokenizer.vocab_texts())
 
 
 def static_split_for(trace: Trace, family: FamilySpec, tokenizer: FamilyTokenizer, settings: BenchSettings) -> StaticSplit:

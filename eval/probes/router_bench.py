@@ -76,7 +76,7 @@ def run(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = DEFAULT_CALLS,
         complexity = estimator.score(prompt)
         t1 = clock()
         router.route(request, complexity=complexity, matched_prefix_tokens=matched, loads=loads,
-                     session_member=names[1], now_s=float(call))
+                     session_member=names[1])
         t2 = clock()
         if call >= WARMUP_CALLS:
             score_ns.append(t1 - t0)
@@ -126,7 +126,7 @@ def run_full_path(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = 2000,
     samples = []
     for call in range(WARMUP_CALLS + calls):
         t0 = time.perf_counter_ns()
-        decision = scheduler.route(request, estimator.score(prompt), float(call))
+        decision = scheduler.route(request, estimator.score(prompt))
         if call >= WARMUP_CALLS:
             samples.append(time.perf_counter_ns() - t0)
     samples.sort()

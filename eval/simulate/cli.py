@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
-from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
-                            format_table, settings_from_args, static_split_for, trace_from_file)
+from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add_bench_arguments, curve_rates, format_table,
+                            settings_from_args, static_split_for, trace_from_file)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.quality import member_token_share
@@ -42,8 +42,11 @@ from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_tra
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
 from orchestrator.core.family import FamilyError, load_family
-from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator
 
+# --capacity-policy -> the comparison.decode_reservation every system runs (None: each system's own, the peak
+# reservation with its decaying expected-length ratio for MFS and the fair baselines)
+CAPACITY_POLICIES = {"guaranteed_no_evict": "guaranteed_no_evict", "max_utilization": None}
 # Paper-scale traces: ShareGPT conversations as they are (long histories, real reply lengths).
 PAPER = dict(max_prompt_tokens=4096, max_output_tokens=512, max_turns=4, think_s=5.0, kv_pages=0)
 
@@ -70,6 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paper-scale families: charge copies of evicted pages to the host tier before the step "
                              "(as the local engine does) instead of beside its compute on the GPU's copy stream "
                              "(the default, as TensorRT-LLM offloads)")
+    parser.add_argument("--colocated-deployments", choices=("shared", "turns"), default=None,
+                        help="how separate deployments share one device: shared (the default for GPU families: each "
+                             "deployment's process steps on its own, the device's time shared among the steps in "
+                             "flight, as CUDA streams or MPS share it) or turns (one deployment's step at a time, "
+                             "round robin: the tiny family's default, as the real bench's baseline runs)")
+    parser.add_argument("--capacity-policy", choices=CAPACITY_POLICIES, default=None,
+                        help="every system's admission: guaranteed_no_evict admits a request only when the KV for its "
+                             "whole prompt + max_tokens fits beside every running request's remaining max_tokens "
+                             "(never preempts); max_utilization packs on the expected reply length and preempts when "
+                             "a decode runs short (TensorRT-LLM's two policies; default: guaranteed_no_evict, its "
+                             "default, for the aiconfigurator trtllm backend, else max_utilization)")
     parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
                         help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
     parser.add_argument("--escalation-model", default=None, metavar="MODEL",
@@ -113,7 +127,8 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
     pooled, separate = pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table,
                                      args.block_tokens, host_tier_gib_per_gpu=_host_tier_gib(args),
                                      saves_overlap=not args.serial_saves)
-    return _with_acceptance(args, pooled), _with_acceptance(args, separate)
+    return (_with_acceptance(args, _with_policies(pooled, args, settings)),
+            _with_acceptance(args, _with_policies(separate, args, settings)))
 
 
 def _host_tier_gib(args: argparse.Namespace) -> float:
@@ -124,7 +139,7 @@ def _host_tier_gib(args: argparse.Namespace) -> float:
 
 
 def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
-    return _with_acceptance(args, _build_setup(args, settings))
+    return _with_acceptance(args, _with_policies(_build_setup(args, settings), args, settings))
 
 
 def _with_acceptance(args: argparse.Namespace, setup: SimSetup) -> SimSetup:
@@ -133,6 +148,25 @@ def _with_acceptance(args: argparse.Namespace, setup: SimSetup) -> SimSetup:
         setup.acceptance = acceptance_table(setup.family_name, setup.member_names, getattr(args, "acceptance", None))
     except ValueError as exc:
         raise PlacementError(str(exc)) from None
+    return setup
+
+
+    return _with_policies(_build_setup(args, settings), args, settings)
+
+
+def _with_policies(setup: SimSetup, args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
+    """The capacity policy every system runs, and how separate deployments share one device."""
+    sharing = getattr(args, "colocated_deployments", None) or ("shared" if setup.family is not None else "turns")
+    setup.colocated_deployments = sharing
+    policy = args.capacity_policy or ("guaranteed_no_evict" if setup.family is not None and args.backend == "trtllm"
+                                      else "max_utilization")
+    reservation = CAPACITY_POLICIES[policy]
+    if reservation is not None:
+        if "comparison.decode_reservation" in settings.extra_overrides:
+            raise PlacementError(f"--capacity-policy {policy} sets comparison.decode_reservation for every system; "
+                                 "drop the --set, or pass --capacity-policy max_utilization with it")
+        setup.overrides["comparison.decode_reservation"] = reservation
+    setup.capacity_policy = policy
     return setup
 
 
@@ -195,6 +229,10 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     extra = _extra(setup, settings)
     split = None
     if setup.split is not None:
+        if "baseline_elastic" in settings.systems:
+            raise PlacementError("baseline_elastic draws every deployment's KV from one pool of co-located engines; "
+                                 "under per-member placement each member's KV lives on its own GPUs, so it is the "
+                                 "baseline: run that")
         split = setup.split           # per-member: the GPUs split the memory for every system alike
         extra["comparison.static_split"] = dict(split)
     elif needs_split(settings.systems):     # the bench's own split search, on this deployment's pages
@@ -230,10 +268,12 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
                            members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths,
-                           acceptance=setup.acceptance, private_drafts=config.comparison.private_drafts)
+                           acceptance=setup.acceptance)
 
     def make_nodes(clock, events, on_output):
-        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory)
+        share = scheduler_factory is not None and setup.colocated_deployments == "shared"
+        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory,
+                        share_device=share)
                 for i in range(setup.placement.num_nodes)]
 
     run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
@@ -424,6 +464,8 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         "notes": notes,
         "simulated": {"cost_model": setup.cost.describe(), "gpu": setup.gpu,
                       "placement": setup.placement.label if separate is None else args.placement,
+                      "capacity_policy": setup.capacity_policy,
+                      "colocated_deployments": setup.colocated_deployments,
                       "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,
                       "memory": setup.memory, "num_pages_per_node": setup.num_pages, "page_bytes": setup.page_bytes,
                       **({} if separate is None else {"separate_deployments": {

@@ -2,7 +2,8 @@
 long the step would have taken.
 
 Durations: the cost model's fixed per-step overhead, plus the member batches (one after the other when the
-members share a device, side by side when each has its own), plus the tier copies made before the step: loads
+members share a device, side by side when each has its own: the node then plans and executes each device's
+members apart, on their own timelines, node.py), plus the tier copies made before the step: loads
 (host -> arena) always on the step's path, saves (arena -> host) too unless the cost model says they run beside
 the compute (saves_overlap: a GPU engine's copy stream), where only what outlasts the compute adds; plus, when
 the cost model prices them and the node gave a clock, what a step costs extra right after the engine sat idle
@@ -30,8 +31,7 @@ from eval.simulate.confidence import Confidences
 from eval.simulate.cost_model import (BatchShape, CostModel, HistoryTracker, forward_batch_shapes, plan_shapes,
                                       prefill_tokens_of)
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import (ForwardShape, MemberName, PageId, RequestId, SampledToken, SeqChunk, StepPlan,
-                                     tuple_new)
+from orchestrator.core.types import ForwardShape, MemberName, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (pad, bos, eos)
 
@@ -41,8 +41,8 @@ class SimExecutor:
                  confidences: Confidences, vocab_size: int, members_in_parallel: bool = False,
                  request_keys: dict[str, str] | None = None,
                  replies: Mapping[str, Sequence[int]] | None = None,
-                 natural_lengths: Mapping[str, int] | None = None, acceptance: AcceptanceTable | None = None,
-                 private_drafts: bool = False) -> None:
+                 natural_lengths: Mapping[str, int] | None = None,
+                 acceptance: AcceptanceTable | None = None) -> None:
         self.family = family
         self.num_pages = num_pages
         self.page_bytes = page_bytes
@@ -57,20 +57,18 @@ class SimExecutor:
         self.natural_lengths = {k: n for k, n in (natural_lengths or {}).items() if k not in self.replies}
         self._eos = {m.name: (m.eos_token_ids[0] if m.eos_token_ids else None) for m in family.members}
         self.acceptance = acceptance or acceptance_table(family.name, family.member_names)
-        # speculation with members on their own devices: a private draft runs on its target's device
-        self.private_drafts = private_drafts
         self._zero_page = bytes(page_bytes)
         self._key_crc: dict[str, int] = {}      # request key -> CRC-32 of its bytes (the token stream's prefix)
         self._save_bytes = 0                    # arena -> host tier since the last step (read_page)
         self._load_bytes = 0                    # host tier -> arena (write_page)
         self.last_step_s = 0.0
         self.num_steps = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0                       # summed over devices (device-seconds)
         # the history terms (after idle, after a prefill): priced only by a cost model that has them, and only
         # once a clock is attached
         self._history_s: Callable[[float, int, int, int], float] | None = getattr(cost, "history_s", None)
         self._clock: Callable[[], float] | None = None
-        self._history = HistoryTracker()
+        self._histories: dict[str | None, HistoryTracker] = {}     # device -> its steps' history
 
     def attach_clock(self, clock: Callable[[], float]) -> None:
         """The node's virtual clock: lets the executor see the idle gaps between its steps (history terms)."""
@@ -106,20 +104,10 @@ class SimExecutor:
             return 0.0
         if not self.members_in_parallel:
             return sum(costs)
-        # members side by side, each on its own devices; a verify waits for its drafts, which run on the draft
-        # member's devices (MFS) or on the target's own (a private draft copy)
-        device: dict[str, float] = {}
-        chain = 0.0
-        for shape, cost in zip(shapes, costs):
-            if shape.draft:
-                chain += cost
-                if self.private_drafts:
-                    continue
-            device[shape.member] = device.get(shape.member, 0.0) + cost
-        if chain:
-            for member in {s.member for s in shapes if s.verifies and not s.draft}:
-                device[member] += chain
-        return max(device.values())
+        # members on devices of their own step on timelines of their own (node.py): a verifying member's step waits
+        # for its drafts, priced in its step (the draft member's own timeline is not charged for them)
+        drafts = sum(cost for shape, cost in zip(shapes, costs) if shape.draft)
+        return drafts + max((cost for shape, cost in zip(shapes, costs) if not shape.draft), default=0.0)
 
     def _step_s(self, shapes: list[BatchShape]) -> float:
         compute = self._compute_s(shapes)
@@ -127,15 +115,21 @@ class SimExecutor:
         body = max(compute, saves) if self.cost.saves_overlap else compute + saves
         return self.cost.step_overhead_s() + body + loads
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    def execute(self, plan: StepPlan, device: str | None = None) -> list[SampledToken]:
+        """Runs the plan on `device` (None: the node's one device): the history terms read that device's own
+        steps and idle gaps. The tier copies counted are those made since the last execute, i.e. this plan's
+        (the node copies right before it executes)."""
         self.release(plan.released_requests)
         shapes = plan_shapes(plan, self.family)
         self.last_step_s = self._step_s(shapes)
         if self._history_s is not None and self._clock is not None:
             now = self._clock()
-            idle_s, since_wake, since_prefill, tokens = self._history.start(now, prefill_tokens_of(shapes))
+            history = self._histories.get(device)
+            if history is None:
+                history = self._histories[device] = HistoryTracker()
+            idle_s, since_wake, since_prefill, tokens = history.start(now, prefill_tokens_of(shapes))
             self.last_step_s += self._history_s(idle_s, since_wake, since_prefill, tokens)
-            self._history.end(now + self.last_step_s)
+            history.end(now + self.last_step_s)
         self._save_bytes = self._load_bytes = 0
         self.num_steps += 1
         self.busy_s += self.last_step_s
@@ -156,7 +150,7 @@ class SimExecutor:
                 token = token_id(key, position)
                 if natural and natural.get(key) == position:
                     token = self._eos[member] if self._eos[member] is not None else token
-                out.append(tuple_new(SampledToken, (request_id, token, _log(p), p, (), 0)))
+                out.append(SampledToken(request_id=request_id, token_id=token, logprob=_log(p), top1_prob=p))
         return out
 
     def _verify(self, member: MemberName, chunk: SeqChunk, key: str, position: int) -> list[SampledToken]:
@@ -178,7 +172,8 @@ class SimExecutor:
             token = self.token_id(key, at)
             if natural and natural.get(key) == at and eos is not None:
                 token = eos
-            tokens.append(tuple_new(SampledToken, (chunk.request_id, token, _log(p), p, (), k if i == 0 else 0)))
+            tokens.append(SampledToken(request_id=chunk.request_id, token_id=token, logprob=_log(p), top1_prob=p,
+                                       num_drafted=k if i == 0 else 0))
             if stops and token == eos:
                 break
         return tokens

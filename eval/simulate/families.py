@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from eval.weights import weight_bytes
 from orchestrator.core.family import FamilySpec, MemberSpec, load_family
 from orchestrator.core.types import MemberName
 
@@ -22,7 +23,6 @@ PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
     "llama3.1": (("llama3.1-8b", "meta-llama/Meta-Llama-3.1-8B"), ("llama3.1-70b", "meta-llama/Meta-Llama-3.1-70B")),
 }
 KV_DTYPE_BYTES = 2                  # bf16 KV cache (TensorRT-LLM's default for bf16 models)
-WEIGHT_DTYPE_BYTES = 2              # bf16 weights
 DEFAULT_BLOCK_TOKENS = 32           # TensorRT-LLM KvCacheConfig.tokens_per_block default
 FREE_GPU_MEMORY_FRACTION = 0.9      # TensorRT-LLM KvCacheConfig.free_gpu_memory_fraction default
 WEIGHT_FIT_FRACTION = 0.8           # a member whose weights exceed this share of its GPUs gets more GPUs (TP)
@@ -34,18 +34,6 @@ TOKENIZER_NOTE = ("token counts come from the shipped tiny family's tokenizer (a
                   "ShareGPT); no tokenizer of the simulated family is on disk. Its vocabulary is ~37x smaller "
                   "than Qwen3's (151,936) or Llama 3.1's (128,256), so the same text is likely MORE tokens here "
                   "(roughly 1.2-1.5x): prompts, replies and KV footprints are biased long, step costs slightly high.")
-
-
-def weight_bytes(hf: dict[str, Any]) -> int:
-    """bf16 weight bytes of a dense decoder from its HF config (embeddings, attention, MLP, norms)."""
-    hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
-    heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or hidden // heads
-    embed = hf["vocab_size"] * hidden * (1 if hf.get("tie_word_embeddings") else 2)
-    attention = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2
-    mlp = 3 * hidden * hf["intermediate_size"]
-    return (embed + layers * (attention + mlp + 2 * hidden) + hidden) * WEIGHT_DTYPE_BYTES
 
 
 def kv_bytes_per_token_per_layer(hf: dict[str, Any]) -> int:

@@ -69,14 +69,10 @@ def _time(executor, plan, repeats: int = REPEATS) -> float:
 
 
 def _executor(family, config):
-    from engines.local.executor import LocalExecutor
-    from orchestrator.serve.serving import engine_threads
+    """The executor serving runs (orchestrator.serve.local_engine), over ARENA_PAGES pages."""
+    from orchestrator.serve.local_engine import local_executor
 
-    return LocalExecutor(family, num_pages=ARENA_PAGES, page_bytes=config.pool.page_bytes, dtype=config.engine.dtype,
-                         device="cpu", num_threads=engine_threads(config.engine.num_threads),
-                         malloc_mmap_threshold_mb=config.developer.malloc_mmap_threshold_mb,
-                         native_attention=config.developer.native_attention,
-                         native_layer_ops=config.developer.native_layer_ops)
+    return local_executor(config, family, ARENA_PAGES)
 
 
 def ride_overlaps(family, config, executor=None) -> dict[str, float]:
@@ -148,7 +144,7 @@ async def _serving_gaps(config, num_requests: int = 4, tokens: int = 48) -> floa
     await engine.start()
     timings: list = []
     try:
-        engine._executor.execute = timed(engine._executor.execute, timings)
+        engine.core.executor.execute = timed(engine.core.executor.execute, timings)
         members = engine.family.member_names
 
         async def one(i: int) -> None:

@@ -1,10 +1,18 @@
-"""One serving node in virtual time: the core exactly as LocalServing assembles it (pool, KV cache manager,
-tiers, scheduler, router, escalation), with the SimExecutor in the engine's place.
+"""One serving node in virtual time: the core exactly as every runner assembles it (EngineCore.build: pool, KV
+cache manager, tiers, scheduler, router, escalation), with the SimExecutor in the engine's place.
 
-LocalServing's engine thread runs schedule -> tier copies -> execute -> update back to back; here the same
-calls run as two events: at the step's start schedule, the tier copies (LocalServing's own _copy_tiers) and
-execute (which says how long the step takes); at its end update, whose outputs go to the driver. Requests that
-arrive meanwhile are added to the scheduler at their arrival time, as the real loop adds them between steps.
+The real loop runs a step's two halves back to back (EngineCore.step); here they run as two events: at the
+step's start begin_step (schedule, tier copies, execute, which says how long the step takes), at its end
+finish_step (update), whose outputs go to the driver. Requests that arrive meanwhile are added at their arrival
+time, as the real loop adds them between steps.
+
+Devices: when the members share one device (colocated) that is the node's one timeline. When each member has
+its own (the executor's members_in_parallel: per-member placement), each member is a timeline of its own: a
+free device whose member has work asks the scheduler for a plan for that member alone, executes it at that
+member's cost and updates it at its own end, while the other devices' plans run. The scheduler never touches a
+request of a member outside the plan (Scheduler.schedule's members), so a request in a step in flight is not
+planned again before that step's update; one scheduler (MFS) and one scheduler per deployment alike step each
+device on its own.
 """
 from __future__ import annotations
 
@@ -14,80 +22,144 @@ from typing import Any
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.executor import SimExecutor
 from orchestrator.core.config import MFSConfig
+from orchestrator.core.engine_core import EngineCore, Step
+from orchestrator.core.errors import MFSError
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import Request, RequestOutput, StepPlan
+from orchestrator.core.types import Request, RequestOutput
 
 # Nothing runnable although work is queued (e.g. the only waiting request needs pages a finishing one still
 # holds): the real loop waits 10 ms for a wake-up; so does the simulated one.
 IDLE_RETRY_S = 0.01
 
 
+class Device:
+    """One device's timeline: the members it runs (None: every member) and whether a step is planned or running."""
+
+    __slots__ = ("members", "name", "busy")
+
+    def __init__(self, members: tuple[str, ...] | None) -> None:
+        self.members = members
+        self.name = None if members is None else "+".join(members)
+        self.busy = False           # a step is running or a start is queued (a free device with work starts one)
+
+
+class SharedDevice:
+    """Timelines that share one device, as separate server processes do (CUDA streams or MPS): processor sharing,
+    each of the k steps in flight progressing at 1/k of the device's speed. The steps' costs are charged in full
+    and nothing is lost to switching between them: the most a time-shared device gives the deployments."""
+
+    __slots__ = ("clock", "events", "_running", "_last_s", "_generation")
+
+    def __init__(self, clock: VirtualClock, events: EventQueue) -> None:
+        self.clock = clock
+        self.events = events
+        self._running: dict[Device, tuple[float, Callable[[], None]]] = {}   # remaining work (s alone), on done
+        self._last_s = 0.0
+        self._generation = 0            # finish events pushed before the last change are stale
+
+    def start(self, device: Device, work_s: float, on_done: Callable[[], None]) -> None:
+        self._advance()
+        self._running[device] = (work_s, on_done)
+        self._reschedule()
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if self._running:
+            done = (now - self._last_s) / len(self._running)
+            self._running = {d: (max(0.0, w - done), cb) for d, (w, cb) in self._running.items()}
+        self._last_s = now
+
+    def _reschedule(self) -> None:
+        self._generation += 1
+        now, share, generation = self.clock(), len(self._running), self._generation
+        for device, (work_s, _cb) in self._running.items():
+            self.events.push(now + work_s * share, lambda d=device: self._finish(d, generation))
+
+    def _finish(self, device: Device, generation: int) -> None:
+        if generation != self._generation or device not in self._running:
+            return
+        self._advance()
+        _work, on_done = self._running.pop(device)
+        self._reschedule()
+        on_done()
+
+
 class SimNode:
     def __init__(self, name: str, config: MFSConfig, family: FamilySpec | None, clock: VirtualClock,
                  events: EventQueue, make_executor: Callable[[FamilySpec, int, int], SimExecutor],
-                 on_output: Callable[[RequestOutput, float], None], scheduler_factory=None) -> None:
-        from orchestrator.serve.serving import LocalServing
+                 on_output: Callable[[RequestOutput, float], None], scheduler_factory=None,
+                 share_device: bool = False) -> None:
+        """share_device: on one device, each member is a timeline of its own sharing it (SharedDevice): separate
+        deployments' processes; else the members on one device step together (one scheduler, one loop)."""
+        from orchestrator.serve.tokenizer import family_estimator
 
         self.name = name
         self.clock = clock
         self.events = events
         self.on_output = on_output
-        # LocalServing builds the core (and loads the family as the bench does when none is given); it is never
-        # started: no thread, no asyncio. Its executor is set once the pool size is known.
-        self.serving = LocalServing(config, family=family, clock=clock, scheduler_factory=scheduler_factory)
-        self.family = self.serving.family
-        self.scheduler = self.serving.scheduler
-        self.executor = make_executor(self.family, self.serving.pool.num_pages, config.pool.page_bytes)
+        # The family is loaded as the bench loads it when none is given; routing scores prompts with the
+        # tokenizer's estimator, as serving does. No thread, no asyncio: this node steps the core itself.
+        self.core = EngineCore.build(config, family, clock=clock, estimator=family_estimator,
+                                     make_executor=make_executor, scheduler_factory=scheduler_factory)
+        self.family = self.core.family
+        self.scheduler = self.core.scheduler
+        executor = self.core.executor
+        assert isinstance(executor, SimExecutor)
+        self.executor = executor
         self.executor.attach_clock(clock)       # it sees the idle gaps between its steps
         self.scheduler.speculation.use_step_cost(self.executor.estimate_step_s)   # the draft length's prices
-        self.serving._executor = self.executor
-        self.busy = False
+        # one timeline per device: the whole family on one device (members None: every member), else one per member
+        # (on its own device, or sharing the one device)
+        per_member = self.executor.members_in_parallel or share_device
+        self.devices = ([Device(None)] if not per_member else [Device((name,)) for name in self.family.member_names])
+        self.shared = SharedDevice(clock, events) if share_device and not self.executor.members_in_parallel else None
         self.num_in_flight = 0          # requests submitted and not finished (the front router's load)
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: Request) -> None:
         """Adds the request now (raises the scheduler's InvalidRequestError / QueueFullError at once)."""
-        self.scheduler.add_request(request, self.clock())
+        self.core.add_request(request, self._deliver)
         self.num_in_flight += 1
-        self._wake()
+        self._wake_idle()
 
-    def _wake(self) -> None:
-        if not self.busy:
-            self.busy = True
-            self.events.push(self.clock(), self._start_step)
+    def _wake_idle(self, but: Device | None = None) -> None:
+        """Every idle device whose members have work starts a step now."""
+        for device in self.devices:
+            if device is not but and not device.busy and self.scheduler.has_work(device.members):
+                device.busy = True
+                self.events.push(self.clock(), lambda device=device: self._start_step(device))
 
     # ------------------------------------------------------------------ steps
-    def _start_step(self) -> None:
+    def _start_step(self, device: Device) -> None:
         now = self.clock()
-        plan, outputs = self.scheduler.schedule(now)
-        self._deliver(outputs, now)
-        plan = self.serving._copy_tiers(plan)
-        if not plan.batches:
-            if plan.released_requests:
-                self.executor.release(plan.released_requests)
-            if self.scheduler.has_work():
-                self.events.push(now + IDLE_RETRY_S, self._start_step)
+        step = self.core.begin_step(device.members, device.name)
+        if not step.ran:
+            if self.scheduler.has_work(device.members):
+                self.events.push(now + IDLE_RETRY_S, lambda: self._start_step(device))
             else:
-                self.busy = False
+                device.busy = False
             return
-        sampled = self.executor.execute(plan)
-        self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(plan, sampled))
-
-    def _finish_step(self, plan: StepPlan, sampled: list) -> None:
-        now = self.clock()
-        outputs = self.scheduler.update(plan, sampled, now)
-        self.serving.num_steps += 1
-        self._deliver(outputs, now)
-        if self.scheduler.has_work():
-            self._start_step()
+        if self.shared is not None:
+            self.shared.start(device, self.executor.last_step_s, lambda: self._finish_step(device, step))
         else:
-            self.busy = False
+            self.events.push(now + self.executor.last_step_s, lambda: self._finish_step(device, step))
 
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
-        for out in outputs:
-            if out.finished:
-                self.num_in_flight -= 1
-            self.on_output(out, now)
+    def _finish_step(self, device: Device, step: Step) -> None:
+        self.core.finish_step(step)
+        if self.scheduler.has_work(device.members):
+            self._start_step(device)
+        else:
+            device.busy = False
+        if len(self.devices) > 1:
+            self._wake_idle(but=device)     # an escalation to another member, or pages its step returned
+
+    def _deliver(self, out: RequestOutput | MFSError) -> None:
+        """Every request's sink: the driver gets each output at the node's time (a step never fails here: an
+        error raises out of the event loop instead)."""
+        assert isinstance(out, RequestOutput)
+        if out.finished:
+            self.num_in_flight -= 1
+        self.on_output(out, self.clock())
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

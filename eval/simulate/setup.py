@@ -15,9 +15,10 @@ from typing import Any
 from eval.simulate.acceptance import AcceptanceTable
 from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
 from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, HOST_TIER_GIB_PER_GPU, PRESETS,
-                                    DeviceMemory, page_bytes_for, paper_family, tensor_parallel, weight_bytes)
+                                    DeviceMemory, page_bytes_for, paper_family, tensor_parallel)
 from eval.simulate.fleet import Placement, PlacementError
 from eval.simulate.step_table import StepTable, StepTableError, load_table, save_table
+from eval.weights import member_weight_bytes, weight_bytes
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.page_pool import split_pages
@@ -47,7 +48,7 @@ SOLO_DECODE_CONTEXT = 64        # the bench's decode probe: a 4-token prompt, up
 @dataclass(slots=True)
 class SimSetup:
     family_name: str
-    family: FamilySpec | None             # None: LocalServing loads it per system (the shipped tiny, as the bench)
+    family: FamilySpec | None             # None: EngineCore.build loads it per system (the shipped tiny, as the bench)
     member_names: list[str]
     cost: CostModel
     placement: Placement
@@ -60,6 +61,8 @@ class SimSetup:
     memory: dict[str, Any] = field(default_factory=dict)
     gpu: str | None = None
     notes: list[str] = field(default_factory=list)
+    capacity_policy: str = "max_utilization"      # every system's admission (cli.CAPACITY_POLICIES)
+    colocated_deployments: str = "turns"          # separate deployments on one device: shared | turns (node.py)
     acceptance: AcceptanceTable | None = None   # speculation: what a simulated verify accepts (acceptance.py)
     free_fraction: float = FREE_GPU_MEMORY_FRACTION
 
@@ -173,7 +176,7 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
     spec = paper_family(family, configs)
     page_bytes = page_bytes_for([c for _, c in configs], block_tokens)
     gpu_mem = int(table.gpu_memory_bytes)
-    weights = {m.name: m.serving["weight_bytes"] for m in spec.members}     # paper_family's, from the HF configs
+    weights = member_weight_bytes(spec)     # paper_family's, from the HF configs
     split = None
     if placement.kind == "colocated":
         gpus = table.member(preset[0][0]).tp

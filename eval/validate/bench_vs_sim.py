@@ -58,7 +58,7 @@ def _instrument(log: list, edges: dict | None = None):
     `edges`, per request id [its arrival (the client's call), when it entered the scheduler, when the engine
     handed its last output over] (time.monotonic())."""
     def attach(engine):
-        execute = engine._executor.execute
+        execute = engine.core.executor.execute
         add_request = engine.core.add_request
 
         def timed(plan):
@@ -67,7 +67,7 @@ def _instrument(log: list, edges: dict | None = None):
             shapes = plan_shapes(plan, engine.family)
             log.append((started, time.perf_counter() - started, shapes))
             return out
-        engine._executor.execute = timed
+        engine.core.executor.execute = timed
 
         def stamped_add(request, sink):
             entry = [request.arrival_s, time.monotonic(), None]
@@ -78,11 +78,11 @@ def _instrument(log: list, edges: dict | None = None):
                 sink(item)
             if edges is not None:
                 edges[request.request_id] = entry
-            add_request(request, stamped_sink)
+            return add_request(request, stamped_sink)
         engine.core.add_request = stamped_add
 
         def detach():
-            engine._executor.execute = execute
+            engine.core.executor.execute = execute
             engine.core.add_request = add_request
         return detach
     return attach

@@ -74,11 +74,11 @@ def profile_system(name: str, config: Any, trace) -> dict[str, Any]:
     timings: list[StepTiming] = []
 
     def instrument(engine):
-        execute = engine._executor.execute
-        engine._executor.execute = timed(execute, timings)
+        execute = engine.core.executor.execute
+        engine.core.executor.execute = timed(execute, timings)
 
         def detach() -> None:            # the bench's after-replay probe is not part of the replay
-            engine._executor.execute = execute
+            engine.core.executor.execute = execute
         return detach
 
     _, metrics = asyncio.run(run_system(name, config, trace, instrument=instrument))

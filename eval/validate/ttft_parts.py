@@ -58,7 +58,7 @@ def run(settings: Any, system: str) -> dict[str, list[float]]:
     edges: dict[str, tuple[float, float]] = {}
 
     def instrument(engine):
-        execute, add_request = engine._executor.execute, engine.core.add_request
+        execute, add_request = engine.core.executor.execute, engine.core.add_request
 
         def timed(plan):
             started = time.monotonic()
@@ -69,11 +69,11 @@ def run(settings: Any, system: str) -> dict[str, list[float]]:
 
         def stamped(request, sink):
             edges[request.request_id] = (request.arrival_s, time.monotonic())
-            add_request(request, sink)
-        engine._executor.execute, engine.core.add_request = timed, stamped
+            return add_request(request, sink)
+        engine.core.executor.execute, engine.core.add_request = timed, stamped
 
         def detach():
-            engine._executor.execute, engine.core.add_request = execute, add_request
+            engine.core.executor.execute, engine.core.add_request = execute, add_request
         return detach
     records, _ = asyncio.run(run_system(system, config_for(system, settings, split), trace, instrument=instrument))
     return ttft_parts(records, steps, edges, system)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from orchestrator.core.events import EventKind
@@ -42,10 +42,12 @@ class Admission:
         self.speculation = speculation
         self._admit_counter = itertools.count()
 
-    def admit(self, plan: StepPlan, now_s: float) -> None:
+    def admit(self, plan: StepPlan, now_s: float, members: Collection[str] | None = None) -> None:
         """FCFS within a priority with per-member head-of-line blocking (one member's full pool never blocks
         another), except that a request waiting scheduler.aging_steps or longer has its pages held: later
-        requests in its pool are admitted only if they fit beside them (no starvation)."""
+        requests in its pool are admitted only if they fit beside them (no starvation). members: the members
+        this plan is for (None: all); the others' requests wait untouched (their devices may be mid-step),
+        their aged ones still holding pages."""
         aging = self.config.scheduler.aging_steps
         held: dict[str | None, int] = {}           # partition -> pages held for aged requests
         blocked: set[str] = set()                  # members whose head did not fit this step
@@ -56,6 +58,11 @@ class Admission:
             while queue:
                 seq = queue.popleft()
                 part = self.reservation.partition_of(seq.member)
+                if members is not None and seq.member not in members:
+                    if aging is not None and step - seq.enqueued_step >= aging:
+                        held[part] = held.get(part, 0) + self.reservation.demand_pages(seq)
+                    kept.append(seq)
+                    continue
                 if (not self.running_cap.has_room(seq, self.running) or seq.member in blocked
                         or not self._admit_or_free_drafts(seq, plan, now_s, held.get(part, 0))):
                     if seq.is_warmup:

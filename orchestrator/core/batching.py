@@ -1,7 +1,7 @@
 """Batch formation: which running requests step, their decode tokens and prefill chunks under the token budget."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from orchestrator.core.config import SchedulerConfig
@@ -12,15 +12,17 @@ from orchestrator.core.types import MemberBatch, MemberName, SeqChunk, StepPlan
 
 
 class StepMembers(Protocol):
-    def select(self, running: RunningSet) -> Iterable[Sequence]: ...
+    def select(self, running: RunningSet, members: Collection[str] | None = None) -> Iterable[Sequence]:
+        """The running requests that step; members: the members this plan is for (None: all), the others'
+        requests may be in a step on their own devices and must not be planned."""
 
 
 class EveryMember:
     """Every member with running requests runs in every step (one scheduler for the family): the period between
-    two tokens is the same for all requests."""
+    two tokens is the same for all requests of one device."""
 
-    def select(self, running: RunningSet) -> Iterable[Sequence]:
-        return running
+    def select(self, running: RunningSet, members: Collection[str] | None = None) -> Iterable[Sequence]:
+        return running if members is None else [s for s in running if s.member in members]
 
 
 class BatchFormer:
@@ -31,9 +33,9 @@ class BatchFormer:
         self.stats = stats
         self.step_members = step_members or EveryMember()
 
-    def build(self, plan: StepPlan, running: RunningSet) -> None:
+    def build(self, plan: StepPlan, running: RunningSet, members: Collection[str] | None = None) -> None:
         cfg = self.config
-        stepping = self.step_members.select(running)
+        stepping = self.step_members.select(running, members)
         budget_tokens = cfg.max_batch_tokens
         chunk_limit = cfg.prefill_chunk_tokens
         if cfg.decode_step_token_budget is not None and any(s.is_decoding() for s in stepping):

@@ -147,7 +147,7 @@ class ComparisonSwitches:
     warmup: bool = True                  # prefill likely escalations on the next member while it is idle
     reuse_shared_layers: bool = True     # nested family: an escalation starts the target at the source's exit depth
     cold_handover: bool = False          # an escalation's target gets no cache from the source
-    decode_reservation: str = "peak"     # peak | block (reservation.py)
+    decode_reservation: str = "peak"     # peak | block | guaranteed_no_evict (reservation.py)
     decode_reserve_blocks: int = 1       # block: blocks kept free per admitted request for its decode
     victim_order: str = "priority_progress"   # priority_progress | youngest (preemption.py)
     swap_preempted: bool = True          # save a victim's blocks to the host tier when it has room
@@ -200,8 +200,8 @@ class MFSConfig:
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
         sched = self.scheduler
         compare = self.comparison
-        _check(compare.decode_reservation in ("peak", "block"), "comparison.decode_reservation",
-               f"must be peak or block, got {compare.decode_reservation!r}")
+        _check(compare.decode_reservation in ("peak", "block", "guaranteed_no_evict"), "comparison.decode_reservation",
+               f"must be peak, block or guaranteed_no_evict, got {compare.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
                "needs 0 < new_token_ratio_min <= new_token_ratio_init <= 1")
         _check(sched.new_token_ratio_decay >= 0, "scheduler.new_token_ratio_decay", "must be >= 0")

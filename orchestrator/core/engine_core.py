@@ -1,18 +1,20 @@
 """EngineCore: the family on one StepExecutor (page pool, KV cache manager, tiers, scheduler) and its step loop.
 
 Engine-agnostic and caller-agnostic: it knows the StepExecutor protocol, never a model, and hands each
-RequestOutput to the sink its request registered. Whoever runs it owns the thread and where outputs go:
-LocalServing (the HTTP edge: asyncio streams) and the Triton python-backend model (one member per Triton
-model: Triton response senders) both run this loop, so the local engine behaves the same behind either.
+RequestOutput to the sink its request registered. `EngineCore.build` is the one way every runner assembles it:
+the engine process and LocalServing (the HTTP edge), the Triton python-backend model (one member per Triton
+model), the simulator's nodes (virtual time) and the tests, so the core behaves the same behind each.
 
-One step is schedule -> tier copies -> execute -> update. Scheduler state is guarded by `lock`, held only
-for the pure planning and bookkeeping calls, never while the model runs: add_request, abort and snapshot
-from other threads wait at most one planning call.
+One step is two halves: begin_step (schedule -> deliver -> tier copies -> execute) and finish_step (update ->
+deliver). A real loop (`run`) calls them back to back; the simulator runs them as two events in virtual time.
+`drain` steps a core until it has no work. Scheduler state is guarded by `lock`, held only for the pure planning
+and bookkeeping calls, never while the model runs: add_request, abort and snapshot from other threads wait at
+most one planning call.
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,19 +24,24 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import StepExecutor
 from orchestrator.core.errors import MFSError
 from orchestrator.core.events import EventKind, EventLog, Stats
-from orchestrator.core.family import FamilySpec, dtype_bytes
+from orchestrator.core.family import FamilySpec, dtype_bytes, load_family
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
-from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, StepPlan
+from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
+                                     SampledToken, StepPlan)
 
 # A request's destination: every RequestOutput in order, or one MFSError when the engine step failed.
 # Called on the engine thread; it must not block or raise (hand the item to another thread's queue).
 Sink = Callable[[RequestOutput | MFSError], None]
 # Builds the scheduler from the pieces EngineCore made (Scheduler's own signature): eval's baselines pass one.
 SchedulerFactory = Callable[..., Scheduler]
+# Builds the executor once the arena's size is known: (family, num_pages, page_bytes) -> StepExecutor.
+ExecutorFactory = Callable[[FamilySpec, int, int], StepExecutor]
+# The complexity estimator routing scores prompts with, or how to make it from the family (the edge's tokenizer).
+EstimatorSource = ComplexityEstimator | Callable[[FamilySpec], ComplexityEstimator]
 IDLE_WAIT_S = 0.05          # an idle loop re-checks this often even without a wake-up
 NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for pages): do not spin
 
@@ -82,19 +89,49 @@ def build_tiers(config: MFSConfig) -> TieredStore | None:
     return TieredStore(host, disk) if host is not None or disk is not None else None
 
 
+def serving_family(config: MFSConfig) -> FamilySpec:
+    """The family config.family names, as the local engine serves it: with cross-member sharing off, each member's
+    lineages are its own (no page is shared between members, whatever their weights)."""
+    return load_family(config.family, per_member_lineage=not config.comparison.cross_member_sharing)
+
+
+@dataclass(slots=True)
+class Step:
+    """One step between its two halves: what begin_step planned and ran, for finish_step (and the caller)."""
+
+    plan: StepPlan
+    sampled: list[SampledToken] | None = None   # None: nothing ran (the plan had no batches)
+    num_outputs: int = 0                        # outputs scheduling produced (cancellations, timeouts)
+    began_s: float = 0.0                        # the step clock at each phase (StepTimers)
+    scheduled_s: float = 0.0
+    executing_s: float = 0.0
+    executed_s: float = 0.0
+
+    @property
+    def ran(self) -> bool:
+        return self.sampled is not None
+
+    @property
+    def progressed(self) -> bool:
+        """Something ran or was delivered; a loop that made no progress waits for a wake-up instead of spinning."""
+        return self.sampled is not None or self.num_outputs > 0
+
+
 class EngineCore:
     """Pool, KV manager, tiers and scheduler for one family on one executor; steps them and routes outputs."""
 
     def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
                  clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
-                 cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None):
+                 cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None,
+                 tiers: TieredStore | None = None):
+        """tiers: None takes the ones the config asks for (build_tiers). Prefer EngineCore.build."""
         self.config = config
         self.family = family
         self.clock = clock
         num_pages = config.num_arena_pages()
         partitions = split_pages(num_pages, config.comparison.static_split) if config.comparison.static_split else None
         self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
-        self.tiers = build_tiers(config)
+        self.tiers = tiers if tiers is not None else build_tiers(config)
         self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
                                  self.tiers, record_residuals=records_residuals(config))
         self.events = EventLog()
@@ -102,7 +139,7 @@ class EngineCore:
         # MFS's scheduler, or one eval's baselines compose from the core's scheduler and their own policies
         self.scheduler = (scheduler_factory or Scheduler)(family, config, self.pool, self.kv, estimator, self.tiers,
                                                           self.events, self.stats_counters)
-        self.executor: StepExecutor | None = None     # set before run(): building a model takes a while
+        self.executor: StepExecutor | None = None      # attached by build's make_executor, or later by the runner
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.num_steps = 0
@@ -115,17 +152,41 @@ class EngineCore:
         self.cpu_clock = cpu_clock                     # the engine thread's CPU clock (execute_cpu_s)
         self.timers = StepTimers()
 
+    @classmethod
+    def build(cls, config: MFSConfig, family: FamilySpec | None = None, *, clock: Callable[[], float],
+              estimator: EstimatorSource, make_executor: ExecutorFactory | None = None,
+              scheduler_factory: SchedulerFactory | None = None,
+              tiers: TieredStore | None = None, step_clock: Callable[[], float] | None = None,
+              cpu_clock: Callable[[], float] | None = None) -> EngineCore:
+        """The core for `config`, as every runner assembles it.
+
+        family: None loads config.family as the local engine serves it (serving_family). estimator: the one routing
+        scores with, or a function of the family that makes it (the edge's tokenizer: orchestrator.serve).
+        make_executor(family, num_pages, page_bytes): called once the arena's size is known; None: the runner
+        attaches one to `executor` before stepping (LocalServing loads the model when it starts). scheduler_factory: the scheduler to run (None: MFS's); eval's
+        baselines pass theirs. tiers: None takes the ones the config asks for. step_clock, cpu_clock: fill `timers`.
+        """
+        family = family if family is not None else serving_family(config)
+        if not isinstance(estimator, ComplexityEstimator):
+            estimator = estimator(family)
+        core = cls(config, family, estimator, clock, step_clock=step_clock, cpu_clock=cpu_clock,
+                   scheduler_factory=scheduler_factory, tiers=tiers)
+        if make_executor is not None:
+            core.executor = make_executor(family, core.pool.num_pages, config.pool.page_bytes)
+        return core
+
     # ------------------------------------------------------------------ any thread
-    def add_request(self, request: Request, sink: Sink) -> None:
+    def add_request(self, request: Request, sink: Sink) -> RouteDecision:
         """Queues the request; its outputs go to sink. Raises InvalidRequest/QueueFull at once (nothing queued)."""
         self._sinks[request.request_id] = sink
         try:
             with self.lock:
-                self.scheduler.add_request(request, self.clock())
+                decision = self.scheduler.add_request(request, self.clock())
         except BaseException:
             self._sinks.pop(request.request_id, None)
             raise
         self.wake.set()
+        return decision
 
     def detach(self, request_id: RequestId) -> None:
         """The caller stops listening (its outputs are dropped from now on); abort() ends the request."""
@@ -164,44 +225,64 @@ class EngineCore:
             self.step_or_fail(on_step_error)
 
     def step_or_fail(self, on_step_error: Callable[[Exception], None] | None = None) -> None:
-        """One step; if it raises, the requests it had fail (each sink gets an MFSError), never the loop."""
+        """One step of a real-time loop; if it raises, the requests it had fail (each sink gets an MFSError),
+        never the loop. A step that could run nothing (e.g. waiting for pages) waits for a wake-up: no spin."""
         try:
-            self.step()
+            step = self.step()
         except Exception as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             if on_step_error is not None:
                 on_step_error(exc)
             self.fail_all(f"engine step failed: {self.last_error}")
+            return
+        if not step.progressed:
+            self.wake.wait(NOT_RUNNABLE_WAIT_S)
+            self.wake.clear()
 
-    def step(self) -> None:
+    def step(self) -> Step:
+        """One whole step: both halves back to back."""
+        step = self.begin_step()
+        if step.ran:
+            self.finish_step(step)
+        return step
+
+    def begin_step(self, members: Collection[str] | None = None, device: str | None = None) -> Step:
+        """The step's first half: schedule, deliver what scheduling produced, tier copies, execute. When the plan
+        has no batch nothing runs (step.ran is False) and the requests it released are released here.
+        members: plan only these members' requests (a device of their own: the simulator's per-member timelines);
+        device: its name, for an executor that prices each device on its own (the simulated one)."""
         tick = self.step_clock or _no_clock
         began = tick()
         with self.lock:
-            plan, outputs = self.scheduler.schedule(self.clock())
+            plan, outputs = self.scheduler.schedule(self.clock(), members)
         scheduled = tick()
         self.deliver(outputs)
         plan = self.copy_tiers(plan)
+        step = Step(plan, num_outputs=len(outputs), began_s=began, scheduled_s=scheduled)
         if not plan.batches:
             if plan.released_requests:   # execute() releases them itself when it runs
                 self.executor.release(plan.released_requests)
-            if not outputs:
-                self.wake.wait(NOT_RUNNABLE_WAIT_S)
-                self.wake.clear()
-            return
+            return step
         cpu = self.cpu_clock
-        executing, cpu_began = tick(), cpu() if cpu is not None else 0.0
-        sampled = self.executor.execute(plan)
-        executed = tick()
+        step.executing_s, cpu_began = tick(), cpu() if cpu is not None else 0.0
+        step.sampled = self.executor.execute(plan) if device is None else self.executor.execute(plan, device)
+        step.executed_s = tick()
         if cpu is not None:
             self.timers.execute_cpu_s += cpu() - cpu_began
         self.num_steps += 1
+        return step
+
+    def finish_step(self, step: Step) -> None:
+        """The step's second half: the sampled tokens into their requests (update), and their outputs delivered."""
+        assert step.sampled is not None, "finish_step of a step that ran nothing"
+        tick = self.step_clock or _no_clock
         with self.lock:
-            outputs = self.scheduler.update(plan, sampled, self.clock())
+            outputs = self.scheduler.update(step.plan, step.sampled, self.clock())
         updated = tick()
         self.deliver(outputs)
         if self.step_clock is not None:
-            self.timers.record(began, scheduled, executing, executed, updated, tick())
-            self.timers.computed_tokens += sum(len(c.token_ids) for b in plan.batches for c in b.chunks)
+            self.timers.record(step.began_s, step.scheduled_s, step.executing_s, step.executed_s, updated, tick())
+            self.timers.computed_tokens += sum(len(c.token_ids) for b in step.plan.batches for c in b.chunks)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -237,6 +318,19 @@ class EngineCore:
             with self.lock:
                 plan = self.scheduler.drop_failed_loads(plan, failed, now)
         return plan
+
+
+def drain(core: EngineCore, max_steps: int, step: Callable[[], object] | None = None) -> int:
+    """Steps `core` until it has no work; returns the steps taken. Raises RuntimeError when work remains after
+    max_steps. step: what one step is (default core.step; a test harness moves its clock around it)."""
+    one_step = step or core.step
+    for taken in range(max_steps):
+        if not core.has_work():
+            return taken
+        one_step()
+    if core.has_work():
+        raise RuntimeError(f"work remains after {max_steps} steps")
+    return max_steps
 
 
 def _no_clock() -> float:

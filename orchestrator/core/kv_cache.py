@@ -14,7 +14,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.tiers import TieredStore
-from orchestrator.core.types import PageId, PageKey, Tier, tuple_new
+from orchestrator.core.types import PageId, PageKey, Tier
 
 
 # One page slot of a request's tables: (kind "kv" | "out" | "in", layer or None, block, key or None = fresh).
@@ -161,7 +161,7 @@ class KVCacheManager:
         slowest = Tier.ARENA
         lookup = self.pool.lookup
         for lineage in lineages:
-            key = tuple_new(PageKey, (lineage, block_hash))
+            key = PageKey(lineage=lineage, block_hash=block_hash)
             if lookup(key) is not None:
                 continue            # in the arena: the fastest tier (what _locate says first)
             tier = self.tiers.locate(key) if self.tiers is not None else None
@@ -229,7 +229,7 @@ class KVCacheManager:
         slots: list[_Slot] = []
         for block in range(match.num_full_blocks):
             block_hash = hashes[block]
-            slots.extend([("kv", layer, block, tuple_new(PageKey, (lineage, block_hash)))
+            slots.extend([("kv", layer, block, PageKey(lineage=lineage, block_hash=block_hash))
                           for layer, lineage in enumerate(spec.layer_lineages)])
             if records:
                 key = PageKey(spec.residual_lineage(), hashes[block])
@@ -314,7 +314,8 @@ class KVCacheManager:
         for block in range(seq.num_registered_blocks, full):
             block_hash = hashes[block]
             self.pool.register_pages([table[block] for table in seq.block_tables],
-                                     [tuple_new(PageKey, (lineage, block_hash)) for lineage in spec.layer_lineages])
+                                     [PageKey(lineage=lineage, block_hash=block_hash)
+                                      for lineage in spec.layer_lineages])
             if seq.residual_out is not None:
                 self.pool.register(seq.residual_out[block], PageKey(spec.residual_lineage(), hashes[block]))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)

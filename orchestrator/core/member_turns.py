@@ -17,7 +17,7 @@ steps when it reaches 1) turns the frequencies into steps. Pure: no clock, no I/
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.request_queue import RunningSet
@@ -71,16 +71,18 @@ class MemberTurns:
             guarded |= late
         return freq
 
-    def select(self, running: RunningSet) -> Iterable[Sequence]:
+    def select(self, running: RunningSet, members: Collection[str] | None = None) -> Iterable[Sequence]:
+        """members: the members this plan may touch (None: all); the others' requests are not considered."""
+        candidates = list(running) if members is None else [s for s in running if s.member in members]
         decoding: dict[str, int] = {}
         prefilling: set[str] = set()
-        for seq in running:
+        for seq in candidates:
             if seq.is_decoding():
                 decoding[seq.member] = decoding.get(seq.member, 0) + 1
             else:
                 prefilling.add(seq.member)
         if len(decoding) + len(prefilling - decoding.keys()) <= 1:
-            return running                      # one member has work: it steps
+            return candidates                   # one member has work: it steps
         freq = self.frequencies(decoding) if decoding else {}
         self.last_frequencies = freq
         stepping = set(prefilling)
@@ -89,4 +91,4 @@ class MemberTurns:
             if self.credit[member] >= 1.0 - 1e-9 or member in prefilling:
                 self.credit[member] = max(0.0, self.credit[member] - 1.0)
                 stepping.add(member)
-        return [seq for seq in running if seq.member in stepping]
+        return [seq for seq in candidates if seq.member in stepping]

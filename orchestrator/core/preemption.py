@@ -1,7 +1,7 @@
 """Preemption: a slot for every decode's next token, the victim order (chosen by name), swap or recompute."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import ClassVar
 
 from orchestrator.core.events import EventKind
@@ -46,17 +46,20 @@ class Preemption:
         self.reservation, self.release_pins, self.forget = reservation, release_pins, forget
         self.victim_key = VICTIM_ORDERS[self.config.comparison.victim_order]
 
-    def ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
+    def ensure_decode_slots(self, plan: StepPlan, now_s: float, members: Collection[str] | None = None) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages
         are short, escalation pins are given up before a request would preempt itself, and victims are taken in
-        comparison.victim_order from the same pool (slice, under a static split). Returns whether anything was
-        preempted."""
+        comparison.victim_order from the same pool (slice, under a static split). members: the members this
+        plan is for (None: all); only their requests grow or are preempted (the others' may be in a step on
+        their own devices). Returns whether anything was preempted."""
         preempted = False
         running = self.running
         grow = self.kv.grow
         in_partition = self.reservation.in_partition
         for seq in running.snapshot():
             if seq.request_id not in running or not seq.is_decoding():
+                continue
+            if members is not None and seq.member not in members:
                 continue
             kv = seq.kv
             assert kv is not None       # a running request holds pages
@@ -65,7 +68,8 @@ class Preemption:
             while not grow(kv, len(seq.token_ids)):
                 if self.release_pins(seq.member):
                     continue   # waiting escalations' pinned pages go before any running request's
-                victim = min((s for s in running if in_partition(s, seq.member)), key=self.victim_key)
+                victim = min((s for s in running if in_partition(s, seq.member)
+                              and (members is None or s.member in members)), key=self.victim_key)
                 self.preempt(victim, now_s, plan)
                 preempted = True
                 if victim is seq:

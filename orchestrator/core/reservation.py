@@ -1,7 +1,7 @@
 """Reservation: the pages admitted requests will still need, and how long a new request would wait for pages.
 
 What admission leaves free beside the running requests, and the router's expected delay; chosen by name (peak |
-block).
+block | guaranteed_no_evict).
 
 A running request grows to prompt + max_tokens tokens. Under `ignore_eos` (or `min_tokens` up to `max_tokens`)
 that length is exact, so its remaining decode pages are reserved exactly; otherwise a share `ratio` of the
@@ -21,7 +21,7 @@ from orchestrator.core.kv_cache import PrefixMatch
 from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.sequence import DraftState, Sequence
 from orchestrator.core.speculation import draft_member_for
-from orchestrator.core.types import PageId, Request, SamplingParams, tuple_new
+from orchestrator.core.types import PageId, Request, SamplingParams
 
 
 class NewTokenRatio:
@@ -125,8 +125,9 @@ def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pag
                    pages_for: Callable[[int], int], slack_tokens: int, tokens_per_block: int) -> DecodeProfile:
     """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation);
     tokens_per_block: the block size behind pages_for."""
-    return tuple_new(DecodeProfile, (steps_left, tokens_now, final_tokens, held_pages, private_pages, pages_for,
-                                     slack_tokens, tokens_per_block))
+    return DecodeProfile(steps_left=steps_left, tokens_now=tokens_now, final_tokens=final_tokens,
+                         held_pages=held_pages, private_pages=private_pages, pages_for=pages_for,
+                         slack_tokens=slack_tokens, tokens_per_block=tokens_per_block)
 
 
 def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
@@ -305,7 +306,8 @@ class Reservation(ABC):
             if s.draft is not None:
                 held += s.draft.kv.num_pages()
                 future += self._draft_future_pages(s.draft, final)
-            demands.append(tuple_new(RunningDemand, (held, future, max(0, final - len(s.token_ids)) + 1)))
+            demands.append(RunningDemand(held_pages=held, future_pages=future,
+                                         remaining_steps=max(0, final - len(s.token_ids)) + 1))
         return demands
 
 
@@ -418,7 +420,24 @@ class BlockReservation(Reservation):
         return self._reserve_pages[seq.member]
 
 
-RESERVATIONS: dict[str, type[Reservation]] = {cls.name: cls for cls in (PeakReservation, BlockReservation)}
+class GuaranteedNoEvict(PeakReservation):
+    """TensorRT-LLM's guaranteed_no_evict capacity policy: a request is admitted only when the pages for its whole
+    prompt + max_tokens fit beside every running request's remaining max_tokens in full, so a decode never runs
+    short and nothing is ever preempted; the price is admitting fewer requests while replies end early. The peak
+    reservation with the reserved share of an open length's remaining tokens held at 1 (it never decays)."""
+
+    name: ClassVar[str] = "guaranteed_no_evict"
+
+    def __init__(self, parts: SchedulerParts) -> None:
+        super().__init__(parts)
+        ratio = self.ratio
+        ratio.init = ratio.minimum = ratio.value = 1.0
+
+
+# comparison.decode_reservation -> the reservation; guaranteed_no_evict is also the simulator's capacity policy of
+# that name (peak: max_utilization, with its decaying ratio and preemption when a decode runs short)
+RESERVATIONS: dict[str, type[Reservation]] = {cls.name: cls for cls in (PeakReservation, BlockReservation,
+                                                                        GuaranteedNoEvict)}
 
 
 def _pages_rule(tokens_per_block: int, pages_per_block: int, context_tokens: int) -> Callable[[int], int]:

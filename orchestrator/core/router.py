@@ -160,8 +160,8 @@ class Router:
         return weights if weights is not None else profiles[self.config.profile]
 
     def route(self, request: Request, *, complexity: float, matched_prefix_tokens: dict[str, int],
-              loads: dict[str, MemberLoad], session_member: str | None, now_s: float) -> RouteDecision:
-        """One decision. now_s is accepted for time-aware policies (session expiry); unused today."""
+              loads: dict[str, MemberLoad], session_member: str | None) -> RouteDecision:
+        """One decision."""
         config, fit = self.config, self.fit
         weights = self.weights(request)
         names = self._names

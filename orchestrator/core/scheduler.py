@@ -9,6 +9,7 @@ MFS's defaults, or eval's independent deployments). Pure: no torch, no I/O, the 
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from orchestrator.core.admission import Admission, RunningCap
@@ -86,15 +87,21 @@ class Scheduler:
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
                              for m in family.members}
-        self._step_cost_s: float | None = None          # EMA of the time between busy schedule() calls
-        self._last_busy_schedule_s: float | None = None
+        # member -> EMA of the time between busy schedule() calls that planned it (members on devices of their
+        # own step at their own pace), and the time of its last busy one
+        self._step_cost_s: dict[str, float] = {}
+        self._last_busy_schedule_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
         return self.waiting.num_waiting()
 
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.lifecycle.aborts)
+    def has_work(self, members: Collection[str] | None = None) -> bool:
+        """Whether a plan for `members` (None: all) has anything to do."""
+        if members is None:
+            return bool(self.running or self.waiting or self.lifecycle.aborts)
+        return (any(s.member in members for s in self.running) or any(s.member in members for s in self.waiting)
+                or self.lifecycle.has_aborts_for(members))
 
     def add_request(self, request: Request, now_s: float) -> RouteDecision:
         """Validates against the family and the pool, routes, queues. Raises InvalidRequestError/QueueFullError."""
@@ -111,7 +118,7 @@ class Scheduler:
         complexity = (request.complexity_hint if request.complexity_hint is not None
                       else self.estimator.score(request.prompt_token_ids))
         hashes_by_block: dict[int, list[bytes]] = {}
-        decision = self.route(request, complexity, now_s, hashes_by_block)
+        decision = self.route(request, complexity, hashes_by_block)
         seq = Sequence(request=request, member=decision.member, token_ids=list(request.prompt_token_ids),
                        num_prompt_tokens=len(request.prompt_token_ids), route=decision, complexity=complexity)
         seq.hashes = hashes_by_block.get(self.kv.tokens_per_block(seq.member), [])
@@ -132,7 +139,7 @@ class Scheduler:
         counts as finished, anything else as cancelled. Aborting twice is harmless."""
         self.lifecycle.aborts.append((request_id, reason, finish_reason))
 
-    def route(self, request: Request, complexity: float, now_s: float,
+    def route(self, request: Request, complexity: float,
               by_block_size: dict[int, list[bytes]] | None = None) -> RouteDecision:
         """Routes, then places; fills by_block_size with the prompt's block hashes so admission can reuse them."""
         matched: dict[str, int] = {}
@@ -145,7 +152,7 @@ class Scheduler:
                 matched[name] = self.kv.estimate_cached_tokens(name, by_block_size[size])
         session_member = self.lifecycle.sessions.get(request.session_id) if request.session_id else None
         decision = self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
-                                     loads=self.loads(request), session_member=session_member, now_s=now_s)
+                                     loads=self.loads(request), session_member=session_member)
         if self.homes is None:
             return self.placement.place(decision, request)
         decision = self.placement.place(self.homes.keep(decision, request, self.placement.holds), request)
@@ -166,7 +173,7 @@ class Scheduler:
         extra: dict[str, dict[str, float]] = {n: {} for n in running}
         if request is not None:
             for name in running:
-                extra[name] = self.reservation.delay_and_pressure(name, request, self._step_cost_s)
+                extra[name] = self.reservation.delay_and_pressure(name, request, self._step_cost_s.get(name))
         rates = self.escalation_rates
         return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1],
                               escalation_rate=rates.rate(n), **extra[n]) for n in running}
@@ -180,25 +187,39 @@ class Scheduler:
         return self.reservation.reserved_pages(member)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, now_s: float) -> tuple[StepPlan, list[RequestOutput]]:
-        """Plans one step. Also returns outputs produced without running anything (cancellations)."""
+    def schedule(self, now_s: float, members: Collection[str] | None = None) -> tuple[StepPlan, list[RequestOutput]]:
+        """Plans one step. Also returns outputs produced without running anything (cancellations).
+
+        members: plan only these members (None: all). Members on separate devices step independently: each
+        device asks for a plan for its own members when it is free, while others' plans may still be running.
+        Such a plan touches only its members' requests (decode slots, victims, admission, aborts, batches), so
+        a request in a step in flight is never planned, preempted or ended before that step's update."""
         plan = StepPlan(released_requests=self.lifecycle.take_released())
         self.waiting.tick()
-        if self._last_busy_schedule_s is not None:
-            # The time between two schedule() calls around a busy step: what one step costs a waiting request.
-            elapsed_s = now_s - self._last_busy_schedule_s
-            self._step_cost_s = elapsed_s if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * elapsed_s
-        outputs = self.lifecycle.process_aborts(now_s)
+        planned = self.family.member_names if members is None else members
+        last_busy, step_cost = self._last_busy_schedule_s, self._step_cost_s
+        for name in planned:
+            last = last_busy.get(name)
+            if last is not None:
+                # The time between two schedule() calls around a busy step: what one step costs a waiting request.
+                elapsed_s = now_s - last
+                cost = step_cost.get(name)
+                step_cost[name] = elapsed_s if cost is None else 0.8 * cost + 0.2 * elapsed_s
+        outputs = self.lifecycle.process_aborts(now_s, members)
         self.lifecycle.age_idle_sessions(now_s)
-        preempted = self.preemption.ensure_decode_slots(plan, now_s)
+        preempted = self.preemption.ensure_decode_slots(plan, now_s, members)
         if preempted:
             self.reservation.ratio.on_shortage()    # hysteresis: a step that preempted admits nobody
         else:
             self.reservation.ratio.on_step()
-            self.admission.admit(plan, now_s)
-        self.batches.build(plan, self.running)
+            self.admission.admit(plan, now_s, members)
+        self.batches.build(plan, self.running, members)
         self.speculation.plan(plan)
-        self._last_busy_schedule_s = now_s if plan.batches else None
+        for name in planned:
+            if plan.batches:
+                last_busy[name] = now_s
+            else:
+                last_busy.pop(name, None)
         evictions = self.pool.take_evictions()
         if evictions:
             self.stats.on_eviction(len(evictions))

@@ -9,7 +9,7 @@ from orchestrator.core.config import EscalationConfig
 from orchestrator.core.escalation import ON_ESCALATE_ROLLBACK, ConfidenceMonitor
 from orchestrator.core.kv_cache import KVCacheManager, SeqKV
 from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
-                                RequestState, RouteDecision, tuple_new)
+                                RequestState, RouteDecision)
 
 
 @dataclass(slots=True, eq=False)
@@ -100,9 +100,9 @@ class Sequence:
         self.top_logprobs.append(top_logprobs)
         spans, member = self.spans, self.member
         if spans and spans[-1].member == member:
-            spans[-1] = tuple_new(MemberSpan, (member, spans[-1].num_tokens + 1))
+            spans[-1] = MemberSpan(member=member, num_tokens=spans[-1].num_tokens + 1)
         else:
-            spans.append(tuple_new(MemberSpan, (member, 1)))
+            spans.append(MemberSpan(member=member, num_tokens=1))
 
     def stop_reason(self, token_id: int, eos_token_ids: Collection[int], context_tokens: int) -> FinishReason | None:
         """Why the request ends after token_id (just appended), or None: a stop token or EOS once min_tokens

@@ -14,12 +14,6 @@ PageId = NewType("PageId", int)
 MemberName = NewType("MemberName", str)
 
 
-# Hot paths build PageKey, SampledToken and MemberSpan as tuple_new(Cls, (every field, in order)): the same
-# object as Cls(...), without the Python-level __new__ that namedtuple generates (~2.3x faster to build; the
-# simulator builds one key per layer per block and one token and one span per generated token).
-tuple_new = tuple.__new__
-
-
 class PageKey(NamedTuple):
     """Identity of a page's contents: what one layer's KV (or a residual block) holds for a prefix.
 
@@ -184,9 +178,6 @@ class StepPlan:
     page_saves: list[tuple[PageId, PageKey]] = field(default_factory=list)
     page_loads: list[tuple[PageId, PageKey, Tier]] = field(default_factory=list)
     released_requests: list[RequestId] = field(default_factory=list)  # engine may drop per-request state
-
-    def is_empty(self) -> bool:
-        return not self.batches and not self.page_saves and not self.page_loads
 
 
 class ForwardShape(NamedTuple):

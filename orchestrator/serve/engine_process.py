@@ -30,11 +30,13 @@ from typing import Any
 
 from orchestrator.core import errors
 from orchestrator.core.config import MFSConfig
+from orchestrator.core.engine_core import EngineCore
 from orchestrator.core.errors import EngineUnavailableError, MFSError
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, MemberSpan, Request, RequestId, RequestOutput
-from orchestrator.serve.output_stream import OutputStream, put_all
-from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.serve.local_engine import engine_stats, local_executor_factory
+from orchestrator.serve.output_stream import Item, StepOutputs, StreamTarget, hand_to_loops
+from orchestrator.serve.tokenizer import FamilyTokenizer, family_estimator
 
 log = logging.getLogger("mfs.engine_process")
 _IDLE_POLL_S = 0.05          # the engine process's wait for a command when it has no work
@@ -80,6 +82,12 @@ def pack_output(out: RequestOutput) -> tuple:
             out.num_drafted_tokens, out.num_accepted_tokens)
 
 
+def out_message(items: list[tuple[RequestId, Item]]) -> tuple:
+    """One step's outputs (or errors) as the ("out", [...]) message: pack_output tuples, (request_id, ErrorInfo)."""
+    return ("out", [(request_id, ErrorInfo.of(item)) if isinstance(item, BaseException) else pack_output(item)
+                    for request_id, item in items])
+
+
 def unpack_output(packed: tuple) -> RequestOutput:
     (request_id, token_ids, logprobs, top_logprobs, member, finished, finish_reason, num_prompt, num_cached,
      spans, route, error, num_drafted, num_accepted) = packed
@@ -90,43 +98,35 @@ def unpack_output(packed: tuple) -> RequestOutput:
 
 # ----------------------------------------------------------------------------- engine side (child process)
 def engine_main(config: MFSConfig, conn) -> None:
-    """The child: builds LocalServing's core (scheduler, pool, executor) and runs its step loop, taking commands
-    between steps. Signals are the parent's business (it drains, then sends "stop"); a closed pipe ends it."""
+    """The child: builds the core (EngineCore.build, as LocalServing does, with the local executor) and runs its
+    step loop, taking commands between steps. Signals are the parent's business (it drains, then sends "stop");
+    a closed pipe ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        core = _EngineCore(config)
+        core = _EngineCore(config, conn)
     except Exception as exc:  # the parent reports it and exits
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
     try:
-        core.run(conn)
+        core.run()
     except (EOFError, OSError, KeyboardInterrupt):
         pass                  # the parent is gone
 
 
 class _EngineCore:
-    """LocalServing's EngineCore and executor, driven by the pipe: outputs collect in `pending` through each
-    request's sink and leave in one message per step (EngineCore.on_delivered)."""
+    """The EngineCore and its local executor, driven by the pipe: a step's outputs collect through each request's
+    sink and leave in one message per step (EngineCore.on_delivered)."""
 
-    def __init__(self, config: MFSConfig):
-        from orchestrator.serve.serving import LocalServing
-
-        self.serving = LocalServing(config)
-        self.core = self.serving.core
-        self.core.executor = self.serving._make_executor(own_process=True)
-        self.serving._ready = True
-        self.pending: list[tuple] = []           # pack_output tuples, or (request_id, ErrorInfo)
+    def __init__(self, config: MFSConfig, conn):
+        self.conn = conn
+        self.core = EngineCore.build(config, clock=time.monotonic, estimator=family_estimator,
+                                     make_executor=local_executor_factory(config, own_process=True),
+                                     step_clock=time.perf_counter, cpu_clock=time.thread_time)
+        self.outputs: StepOutputs[RequestId] = StepOutputs(lambda items: conn.send(out_message(items)))
+        self.core.on_delivered = self.outputs.flush
         self.pending_stats: tuple[int, dict] | None = None
-
-    def sink(self, request_id: RequestId):
-        pending = self.pending
-
-        def put(item) -> None:   # a packed output, or (request_id, ErrorInfo)
-            pending.append((request_id, ErrorInfo.of(item)) if isinstance(item, BaseException)
-                           else pack_output(item))
-        return put
 
     def handle(self, message: tuple) -> bool:
         """One command; False on stop."""
@@ -135,22 +135,21 @@ class _EngineCore:
         if kind == "add":
             request: Request = message[1]
             try:
-                core.add_request(request, self.sink(request.request_id))
+                core.add_request(request, self.outputs.sink(request.request_id))
             except Exception as exc:  # InvalidRequest / QueueFull: the stream's first item
-                self.pending.append((request.request_id, ErrorInfo.of(exc)))   # (id, error): see _read_loop
+                self.outputs.put(request.request_id, exc)   # (id, error): see _read_loop
         elif kind == "abort":
             core.abort(message[1], finish_reason=message[2])
         elif kind == "abort_all":
             core.abort_all(message[1])
         elif kind == "stats":
-            self.pending_stats = (message[1], self.serving.stats())
+            self.pending_stats = (message[1], engine_stats(core, ready=True, process="separate"))
         elif kind == "stop":
             return False
         return True
 
-    def run(self, conn) -> None:
-        core = self.core
-        core.on_delivered = lambda: self.flush(conn)
+    def run(self) -> None:
+        core, conn = self.core, self.conn
         while True:
             # commands first (cheap), then one step; with no work, block on the pipe instead of spinning
             timeout = 0.0 if core.has_work() else _IDLE_POLL_S
@@ -159,17 +158,12 @@ class _EngineCore:
                     return
                 timeout = 0.0
                 if self.pending_stats is not None:     # outputs before the reply: the ordering promise
-                    self.flush(conn)
+                    self.outputs.flush()
                     conn.send(("stats", *self.pending_stats))
                     self.pending_stats = None
-            self.flush(conn)                           # admission errors
+            self.outputs.flush()                       # admission errors
             if core.has_work():
                 core.step_or_fail(lambda exc: log.error("engine step failed", exc_info=exc))
-
-    def flush(self, conn) -> None:
-        if self.pending:
-            conn.send(("out", self.pending))     # pickled here, so the list can be reused (the sinks hold it)
-            self.pending.clear()
 
 
 # ----------------------------------------------------------------------------- HTTP side
@@ -189,8 +183,8 @@ class ProcessServing:
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
-        # request id -> (its event loop, its stream); written on the loop, read by the pipe reader thread
-        self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
+        # request id -> its stream and event loop; written on the loop, read by the pipe reader thread
+        self._streams: dict[RequestId, StreamTarget] = {}
         self._process = None
         self._conn = None
         self._reader: threading.Thread | None = None
@@ -259,11 +253,10 @@ class ProcessServing:
         if not self._accepting or self._dead is not None:
             raise EngineUnavailableError(self._dead or "engine is not accepting requests (starting or shutting down)")
         request_id = request.request_id
-        stream = OutputStream()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        target = self._streams[request_id] = StreamTarget.here(request_id)
         self._send(("add", request))
         try:
-            async with aclosing(stream.until_finished(lambda: self.abort(request_id))) as items:
+            async with aclosing(target.stream.until_finished(lambda: self.abort(request_id))) as items:
                 async for item in items:   # a client gone early aborts: its pages return at the engine's next step
                     yield item
         finally:
@@ -328,18 +321,11 @@ class ProcessServing:
             self.on_death(self._dead)
 
 
-    def _dispatch(self, items: list[tuple[RequestId, Any]]) -> None:
-        """A step's outputs to their streams: one call_soon_threadsafe per event loop (normally one)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in items:
-            target = self._streams.get(request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:      # that loop is closed: its streams are never read again
-                pass
+    def _dispatch(self, items: list[tuple[RequestId, Item]]) -> None:
+        """A step's outputs to their streams: one call_soon_threadsafe per event loop (normally one). A closed
+        loop's streams are never read again: nothing to do for them."""
+        hand_to_loops([(target, item) for request_id, item in items
+                       if (target := self._streams.get(request_id)) is not None])
 
 
 def _recv_with_timeout(conn, process, timeout_s: float) -> tuple:

@@ -1,20 +1,24 @@
 """Per-request output streams on the asyncio side of a serving engine, fed once per engine step.
 
-The engine (a thread, or a separate process through its reader thread) hands ALL of a step's outputs to the
-event loop in one `call_soon_threadsafe` (`StepBatcher.flush`), instead of one wake-up per request per token.
-A consumer that fell behind gets the outputs that queued up merged into one (`merge_outputs`): one text delta
-and one SSE frame for several tokens, which keeps the edge's per-token work bounded under load.
+The one output-coalescing layer of every serving path: the engine's sinks collect a step's outputs
+(`StepOutputs`) and hand them over once per step: to the event loop in one `call_soon_threadsafe` per loop
+(`hand_to_loops`: LocalServing's engine thread, the engine process's pipe reader), or as one pipe message (the
+engine and Triton child processes), instead of one wake-up per request per token. A consumer that fell behind gets
+the outputs that queued up merged into one (`OutputStream.get`, `merge_outputs`): one text delta and one SSE frame
+for several tokens, which keeps the edge's per-token work bounded under load.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import replace
+from typing import Generic, NamedTuple, TypeVar
 
 from orchestrator.core.types import RequestId, RequestOutput
 
 Item = RequestOutput | BaseException
+T = TypeVar("T")
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -81,39 +85,61 @@ class OutputStream:
                 on_abandoned()
 
 
-class StepBatcher:
-    """Collects a step's outputs from the engine's sinks (on the engine thread, or the pipe reader) and hands
-    them to each event loop in ONE call_soon_threadsafe at flush() (EngineCore.on_delivered)."""
+class StreamTarget(NamedTuple):
+    """Where one request's outputs go: its stream, read on its event loop."""
 
-    def __init__(self, on_loop_gone: Callable[[RequestId], None]):
-        self._pending: list[tuple[asyncio.AbstractEventLoop, RequestId, OutputStream, Item]] = []
-        self._on_loop_gone = on_loop_gone
+    request_id: RequestId
+    loop: asyncio.AbstractEventLoop
+    stream: OutputStream
 
-    def sink(self, request_id: RequestId, stream: OutputStream) -> Callable[[Item], None]:
-        """The caller's sink for one request (call it on the event loop that will read the stream)."""
-        loop = asyncio.get_running_loop()
+    @classmethod
+    def here(cls, request_id: RequestId) -> StreamTarget:
+        """A fresh stream for request_id, read on the running event loop (call it there)."""
+        return cls(request_id, asyncio.get_running_loop(), OutputStream())
+
+
+class StepOutputs(Generic[T]):
+    """A step's outputs, collected from the engine's sinks as they come and handed over in ONE go at flush()
+    (EngineCore.on_delivered, once per step), not one hand-over per request per token. Each item is kept with the
+    target its sink was made for: a StreamTarget in the HTTP process, a request id where the step's outputs cross a
+    pipe. hand_over(items) must use the list before it returns (it is cleared and reused)."""
+
+    def __init__(self, hand_over: Callable[[list[tuple[T, Item]]], None]):
+        self._pending: list[tuple[T, Item]] = []
+        self._hand_over = hand_over
+
+    def sink(self, target: T) -> Callable[[Item], None]:
+        """The engine's sink for one request (EngineCore.add_request)."""
         pending = self._pending
 
         def put(item: Item) -> None:
-            pending.append((loop, request_id, stream, item))
+            pending.append((target, item))
         return put
 
+    def put(self, target: T, item: Item) -> None:
+        self._pending.append((target, item))
+
     def flush(self) -> None:
-        if not self._pending:
-            return
-        batch, self._pending[:] = list(self._pending), []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, Item]]] = {}
-        for loop, _, stream, item in batch:
-            by_loop.setdefault(loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, items)
-            except RuntimeError:     # that caller's loop is gone: nobody reads these streams any more
-                for gone_loop, request_id, _, _ in batch:
-                    if gone_loop is loop:
-                        self._on_loop_gone(request_id)
+        if self._pending:
+            self._hand_over(self._pending)
+            self._pending.clear()
 
 
-def put_all(items: list[tuple[OutputStream, Item]]) -> None:
-    for stream, item in items:
-        stream.put(item)
+def hand_to_loops(items: Iterable[tuple[StreamTarget, Item]]) -> list[RequestId]:
+    """Puts each item into its stream with ONE call_soon_threadsafe per event loop (normally one). Returns the
+    requests whose loop is gone: nobody reads their streams any more."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[StreamTarget, Item]]] = {}
+    for target, item in items:
+        by_loop.setdefault(target.loop, []).append((target, item))
+    gone: list[RequestId] = []
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(put_all, batch)
+        except RuntimeError:     # that loop is closed
+            gone.extend(target.request_id for target, _ in batch)
+    return gone
+
+
+def put_all(items: list[tuple[StreamTarget, Item]]) -> None:
+    for target, item in items:
+        target.stream.put(item)

@@ -12,6 +12,9 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from orchestrator.core.complexity import ComplexityEstimator, estimator_for_vocab
+from orchestrator.core.family import FamilySpec
+
 
 class TokenizerError(ValueError):
     pass
@@ -75,6 +78,21 @@ class FamilyTokenizer:
     def vocab_texts(self) -> list[str]:
         """Every id's text, index = id (what the core's complexity estimator reads)."""
         return [self.token_text(token_id) for token_id in range(self.vocab_size)]
+
+
+def family_tokenizer(family: FamilySpec) -> FamilyTokenizer:
+    """The family's one tokenizer (its smallest member's files; every member has the same)."""
+    return FamilyTokenizer(family.members[0].checkpoint_dir)
+
+
+def complexity_estimator(tokenizer: FamilyTokenizer) -> ComplexityEstimator:
+    """The estimator the scheduler routes with, for this tokenizer's vocabulary."""
+    return estimator_for_vocab(tokenizer.vocab_texts())
+
+
+def family_estimator(family: FamilySpec) -> ComplexityEstimator:
+    """complexity_estimator of the family's tokenizer (what EngineCore.build takes as its estimator source)."""
+    return complexity_estimator(family_tokenizer(family))
 
 
 def _max_token_bytes(spec: dict) -> int | None:

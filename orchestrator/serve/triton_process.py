@@ -18,7 +18,8 @@ import threading
 
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.types import Request, RequestId
-from orchestrator.serve.engine_process import ErrorInfo, pack_output
+from orchestrator.serve.engine_process import out_message
+from orchestrator.serve.output_stream import Item, StepOutputs
 
 log = logging.getLogger("mfs.triton_process")
 _HEALTH_POLL_S = 0.1          # how often readiness is compared with what the HTTP process last heard
@@ -41,7 +42,7 @@ class _TritonChild:
         self.config = config
         self.conn = conn
         self.serving = None
-        self.pending: list[tuple] = []          # pack_output tuples, or (request_id, ErrorInfo)
+        self.outputs: StepOutputs[RequestId] = StepOutputs(lambda items: conn.send(out_message(items)))
         self.tasks: dict[RequestId, asyncio.Task] = {}
         self.stopped: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -97,7 +98,7 @@ class _TritonChild:
             for request_id in list(self.tasks):
                 self.serving.abort(request_id)
         elif kind == "stats":
-            self._flush()                    # outputs before the reply: the ordering promise
+            self.outputs.flush()             # outputs before the reply: the ordering promise
             self.conn.send(("stats", message[1], self.serving.stats()))
         elif kind == "stop":
             self.stopped.set()
@@ -106,24 +107,22 @@ class _TritonChild:
         request_id = request.request_id
         try:
             async for output in self.serving.generate(request):
-                self._put(pack_output(output))
+                self._put(request_id, output)
         except Exception as exc:  # QueueFull, Triton down, a failed stream: the stream's last item
-            self._put((request_id, ErrorInfo.of(exc)))
+            self._put(request_id, exc)
         finally:
             self.tasks.pop(request_id, None)
 
     # ------------------------------------------------------------------ loop -> pipe
-    def _put(self, item: tuple) -> None:
-        self.pending.append(item)
+    def _put(self, request_id: RequestId, item: Item) -> None:
+        self.outputs.put(request_id, item)
         if not self._flush_scheduled:          # one message for everything this turn of the loop produced
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self.pending:
-            self.conn.send(("out", self.pending))
-            self.pending = []
+        self.outputs.flush()
 
     def _report_health(self) -> None:
         ready = self.serving.is_ready()

@@ -18,7 +18,6 @@ from typing import Any
 
 from engines.triton.client import TritonClient
 from orchestrator.core.block_hash import chain_block_hashes, hash_seed
-from orchestrator.core.complexity import estimator_for_vocab
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import EngineUnavailableError, ModelNotFoundError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, can_escalate, handover_target
@@ -28,7 +27,7 @@ from orchestrator.core.router import MemberLoad, Router, SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, RequestOutput, RouteDecision
 from orchestrator.serve.request_fields import refuse_unsupported_sampling
-from orchestrator.serve.tokenizer import FamilyTokenizer
+from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator
 from orchestrator.serve.triton_ledger import EstimateCounters, PrefixEstimate
 
 log = logging.getLogger("mfs.triton")
@@ -209,8 +208,7 @@ class TritonServing:
                                running_tokens=sum(f.tokens for f in self._in_flight.values() if f.member == m),
                                queued_tokens=0) for m in self.member_names}
         decision = self._router.route(request, complexity=complexity, matched_prefix_tokens=matched, loads=loads,
-                                      session_member=self._sessions.get(request.session_id or ""),
-                                      now_s=self.clock())
+                                      session_member=self._sessions.get(request.session_id or ""))
         self.stats_counters.record_route(decision)
         return decision
 
@@ -226,7 +224,7 @@ class TritonServing:
 
     def _complexity(self, token_ids: list[int]) -> float:
         if self._estimator is None:   # built on first use: decoding a large vocabulary takes a moment
-            self._estimator = estimator_for_vocab(self.tokenizer.vocab_texts())
+            self._estimator = complexity_estimator(self.tokenizer)
         return self._estimator.score(token_ids)
 
     def _hashes(self, member: str, token_ids: list[int]) -> list[bytes]:

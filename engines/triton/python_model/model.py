@@ -140,16 +140,18 @@ class MemberWorker:
         from orchestrator.core.complexity import ComplexityEstimator
         from orchestrator.core.engine_core import EngineCore
 
-        self.core = EngineCore(self.config, self.family, ComplexityEstimator(()), time.monotonic)
         cfg = self.config
-        self.core.executor = LocalExecutor(self.family, num_pages=self.core.pool.num_pages,
-                                           page_bytes=cfg.pool.page_bytes, dtype=cfg.engine.dtype, device="cpu",
-                                           num_threads=cfg.engine.num_threads,
-                                           malloc_mmap_threshold_mb=cfg.developer.malloc_mmap_threshold_mb,
-                                           native_attention=cfg.developer.native_attention,
-                                           native_layer_ops=cfg.developer.native_layer_ops,
-                                           # auto = 1 here: Triton's own threads share the process
-                                           parallel_forwards=cfg.developer.parallel_forwards or 1)
+
+        def make_executor(family, num_pages: int, page_bytes: int) -> LocalExecutor:
+            return LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, dtype=cfg.engine.dtype,
+                                 device="cpu", num_threads=cfg.engine.num_threads,
+                                 malloc_mmap_threshold_mb=cfg.developer.malloc_mmap_threshold_mb,
+                                 native_attention=cfg.developer.native_attention,
+                                 native_layer_ops=cfg.developer.native_layer_ops,
+                                 # auto = 1 here: Triton's own threads share the process
+                                 parallel_forwards=cfg.developer.parallel_forwards or 1)
+        self.core = EngineCore.build(cfg, self.family, clock=time.monotonic, estimator=ComplexityEstimator(()),
+                                     make_executor=make_executor)
         self._running = True
         self._thread = threading.Thread(target=self.core.run, args=(lambda: self._running,),
                                         name=f"mfs-{self.member}", daemon=True)
