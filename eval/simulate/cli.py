@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
+from eval.baseline.split import SplitError, choose_baseline_split, split_lines, split_mode_label
 from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
                             format_table, settings_from_args, static_split_for, trace_from_file)
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
@@ -31,6 +31,7 @@ from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, 
 from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
+from eval.simulate.published_quality import BENCHMARK, table_quality
 from eval.simulate.node import SimNode
 from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
 from eval.simulate.step_table import StepTableError
@@ -179,13 +180,14 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
 
     run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
     with no_full_collections():     # else collections walk the live records and trace: 0.6 s of a 17 s replay
-        metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples))
+        metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples), setup.member_names)
     step_s = setup.solo_decode_step_s()
     metrics["solo_decode_step_s"] = step_s
     metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(run.records, step_s)
     metrics["counters"] = run.counters
     metrics["quality_reference_logprob"] = None
     metrics["member_token_share"] = member_token_share(run.records)
+    metrics["quality_from_table"] = table_quality(metrics["member_token_share"])   # paper-scale families only
     metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
                              "wall_s": round(run.wall_s, 2), "cpu_s": round(run.cpu_s, 2),
                              "output_tokens": sum(r.output_tokens for r in run.records),
@@ -197,11 +199,26 @@ def stats_interval_for(trace: Trace) -> float:
     return max(STATS_INTERVAL_S, (trace.arrival_times_s[-1] if trace.arrival_times_s else 0.0) / 2000)
 
 
+def split_pilot_runner(setup: SimSetup, config_on, confidences: Confidences, vocab_size: int):
+    """eval.baseline.split's PilotRunner on this setup: the baseline on a split (config_on(fractions)), simulated."""
+    def run_pilot(fractions: dict[str, float], trace: Trace):
+        config = config_on(fractions)
+        run, metrics = run_system("baseline_split_pilot", config, setup, trace, confidences, vocab_size,
+                                  stats_interval_for(trace), scheduler_factory=system_scheduler("baseline"))
+        return config, run.records, without_rows(metrics)
+
+    return run_pilot
+
+
+def cost_model_label(setup: SimSetup) -> str:
+    return f"the {setup.cost.name} cost model ({setup.cost.describe()['source']})"
+
+
 def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
                           confidences: Confidences, tokenizer) -> dict[str, Any]:
-    """The bench's own baseline split (eval/baseline/split.py), with the pilot simulated: the baseline on the
-    operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
-    solo decode steps. Replaces the split baselines' configs; returns what the JSON says about the split."""
+    """The bench's own baseline split (eval/baseline/split.py) on this run's setup: the operator's default and the
+    search's shortlist re-scored by the core on a simulated pilot. Replaces the split baselines' configs; returns
+    what the JSON says about the split."""
     family = setup.family or load_family(settings.family)
     extra = {**setup.overrides, **settings.extra_overrides}
 
@@ -209,21 +226,36 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
         return system_config("baseline", settings.family, setup.num_pages, fractions, extra,
                              host_tier_mb=setup.host_tier_mb, baseline_host_tier=settings.baseline_host_tier)
 
-    def run_pilot(fractions: dict[str, float], rate: float):
-        config = config_on(fractions)
-        at_rate = trace.at_rate(rate)
-        run, metrics = run_system("baseline_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
-                                  stats_interval_for(at_rate), scheduler_factory=system_scheduler("baseline"))
-        return config, run.records, without_rows(metrics)
-
+    run_pilot = split_pilot_runner(setup, config_on, confidences, tokenizer.vocab_size)
     chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
-                                          split, complexity_estimator(tokenizer), run_pilot)
+                                          split, complexity_estimator(tokenizer), run_pilot, cost_model_label(setup))
     for name in configs:
         if name in SPLIT_BASELINES:
             configs[name] = system_config(name, settings.family, setup.num_pages, chosen, extra,
                                           host_tier_mb=setup.host_tier_mb,
                                           baseline_host_tier=settings.baseline_host_tier)
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
+
+
+def measured_split_pilot(settings: BenchSettings, family) -> tuple[Any, str]:
+    """`mfs bench`'s split pilot, simulated on this machine's measured cost model (eval/simulate/tables/), so the
+    real bench spends no wall time on it: (PilotRunner, cost model label), or (None, why) when that model does not
+    price every member of the family."""
+    setup = tiny_setup(settings.family, None, parse_placement("colocated", "colocated"), settings.kv_pages)
+    described = setup.cost.describe()
+    priced = set(described.get("coefficients_s") or described.get("members") or ())
+    if not set(family.member_names) <= priced:
+        return None, f"the measured cost model prices {sorted(priced)}, not {family.name}'s members"
+    tiny = load_family("tiny")
+    confidences = ConfidenceLibrary.load(DEFAULT_LIBRARY, seed=settings.seed)
+    confidences.map_members(setup.member_names, tiny.member_names)
+    tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
+
+    def config_on(fractions: dict[str, float]):
+        return system_config("baseline", settings.family, settings.kv_pages, fractions, settings.extra_overrides,
+                             baseline_host_tier=settings.baseline_host_tier)
+
+    return split_pilot_runner(setup, config_on, confidences, tokenizer.vocab_size), cost_model_label(setup)
 
 
 def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: Confidences, vocab_size: int,
@@ -315,10 +347,13 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     notes = list(trace.notes) + list(setup.notes) + (list(split.notes) if hasattr(split, "notes") else [])
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
-    notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served")
+    notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served"
+                 + ("; quality_from_table weights each member's published score by it (eval/simulate/published_quality.py)"
+                    if head["systems"] and all(m.get("quality_from_table") for m in head["systems"].values()) else ""))
     if setup.host_tier_mb is not None:
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node for every system that keeps one (the "
-                     "fair baselines: as one LRU their deployments share); baseline_legacy: "
+                     "static-split baselines: one part per deployment, sized as its slice; baseline_elastic: one LRU "
+                     "its deployments share); baseline_legacy: "
                      + ("the same (--baseline-host-tier)" if settings.baseline_host_tier else "none (its servers' default)")
                      + ("; copies of evicted pages to it run beside the step's compute (the GPU's copy stream; "
                         "--serial-saves charges them before the step)" if setup.cost.saves_overlap
@@ -401,6 +436,12 @@ def main_one(args: argparse.Namespace) -> int:
     sim = result["simulated"]
     print(f"SIMULATED ({sim['cost_model']['source']}; placement {sim['placement']})")
     print(format_table(result))
+    for line in split_lines(result):
+        print(line)
+    quality = {name: m.get("quality_from_table") for name, m in result["systems"].items()}
+    if quality and all(quality.values()):
+        print(f"quality from the published table ({BENCHMARK}; weighted by each member's token share, not measured): "
+              + ", ".join(f"{name} {q['score']:.2f}" for name, q in quality.items()))
     for note in result["notes"]:
         print(f"note: {note}")
     print(f"wrote {args.out} (trace {sim['trace_build_s']} s, simulation {sim['simulate_s']} s, "
