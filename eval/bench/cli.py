@@ -22,7 +22,7 @@ from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, pa
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
-from eval.bench.result import curve_points, curve_result, rate_point, without_rows
+from eval.bench.result import curve_points, curve_result, rate_point
 from eval.systems import (ATTRIBUTION_SYSTEMS, DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
                           needs_split, system_config, system_scheduler)
 from eval.bench.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
@@ -237,7 +237,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     recorded = []          # every reply, for --record-confidences
     try:
         if split_baselines:
-            from eval.simulate.cli import measured_split_pilot   # the pilot is simulated: no wall time on it
+            from eval.simulate.replay import measured_split_pilot   # the pilot is simulated: no wall time on it
 
             run_pilot, cost_model = (measured_split_pilot(settings, family) if settings.baseline_split == "search"
                                      else (None, ""))

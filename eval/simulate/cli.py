@@ -21,22 +21,18 @@ from typing import Any
 from eval.baseline.split import SplitError, choose_baseline_split, split_lines, split_mode_label
 from eval.bench.cli import (BenchSettings, add_arguments as add_bench_arguments, complexity_estimator, curve_rates,
                             format_table, settings_from_args, static_split_for, trace_from_file)
-from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
-from eval.bench.quality import member_token_share
-from eval.bench.result import curve_points, curve_result, rate_point, without_rows
-from eval.simulate.confidence import DEFAULT_LIBRARY, request_key, ConfidenceFileError, ConfidenceLibrary, Confidences
+from eval.bench.result import curve_points, curve_result, rate_point
+from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary, Confidences
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
-from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
-from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
-from eval.simulate.published_quality import BENCHMARK, table_quality
-from eval.simulate.node import SimNode
-from eval.simulate.setup import SimSetup, is_paper_family, paper_setup, tiny_setup
-from eval.simulate.step_table import StepTableError
+from eval.simulate.published_quality import BENCHMARK
+from eval.simulate.replay import cost_model_label, run_system, split_pilot_runner, stats_interval_for
+from eval.simulate.setup import SimSetup, is_paper_family, measured_model_path, paper_setup, tiny_setup
+from eval.simulate.step_table import StepTableError, save_table
 from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
-from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, natural_lengths, save_trace,
+from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
                                   trace_digest)
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
@@ -114,7 +110,16 @@ def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
                              "(--set pool.host_tier_mb=MB to change it)")
     if args.cost_model == "aiconfigurator":
         raise PlacementError(f"--cost-model aiconfigurator covers {', '.join(PRESETS)}; {args.family} uses measured")
-    return tiny_setup(args.family, args.step_table, placement, settings.kv_pages)
+    path = measured_model_path(args.step_table)
+    notes = []
+    if not path.is_file():           # no model yet: profile the engine now
+        from eval.simulate.measure import measure_table
+
+        save_table(measure_table(args.family), path)
+        notes.append(f"step table measured now on this machine and saved to {path}")
+    setup = tiny_setup(args.family, str(path), placement, settings.kv_pages)
+    setup.notes += notes
+    return setup
 
 
 def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyTokenizer, tokenizer_hash: str) -> Trace:
@@ -160,60 +165,6 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     return configs, split
 
 
-def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Confidences,
-               vocab_size: int, stats_interval_s: float,
-               replies: dict[str, list[int]] | None = None,
-               keep_nodes: list | None = None, scheduler_factory=None) -> tuple[SimRun, dict[str, Any]]:
-    """replies: request key -> token ids of a real run of this system on this trace, replayed (validation).
-    keep_nodes: see driver.simulate (a forked worker's shortcut past freeing the nodes).
-    scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
-    scheduler_factory = scheduler_factory or system_scheduler(name)
-    lengths = natural_lengths(trace, request_key)
-
-    def make_executor(family, num_pages, page_bytes):
-        return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
-                           members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths)
-
-    def make_nodes(clock, events, on_output):
-        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory)
-                for i in range(setup.placement.num_nodes)]
-
-    run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
-    with no_full_collections():     # else collections walk the live records and trace: 0.6 s of a 17 s replay
-        metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples), setup.member_names)
-    step_s = setup.solo_decode_step_s()
-    metrics["solo_decode_step_s"] = step_s
-    metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(run.records, step_s)
-    metrics["counters"] = run.counters
-    metrics["quality_reference_logprob"] = None
-    metrics["member_token_share"] = member_token_share(run.records)
-    metrics["quality_from_table"] = table_quality(metrics["member_token_share"])   # paper-scale families only
-    metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
-                             "wall_s": round(run.wall_s, 2), "cpu_s": round(run.cpu_s, 2),
-                             "output_tokens": sum(r.output_tokens for r in run.records),
-                             "front_router": run.router_decisions}
-    return run, metrics
-
-
-def stats_interval_for(trace: Trace) -> float:
-    return max(STATS_INTERVAL_S, (trace.arrival_times_s[-1] if trace.arrival_times_s else 0.0) / 2000)
-
-
-def split_pilot_runner(setup: SimSetup, config_on, confidences: Confidences, vocab_size: int):
-    """eval.baseline.split's PilotRunner on this setup: the baseline on a split (config_on(fractions)), simulated."""
-    def run_pilot(fractions: dict[str, float], trace: Trace):
-        config = config_on(fractions)
-        run, metrics = run_system("baseline_split_pilot", config, setup, trace, confidences, vocab_size,
-                                  stats_interval_for(trace), scheduler_factory=system_scheduler("baseline"))
-        return config, run.records, without_rows(metrics)
-
-    return run_pilot
-
-
-def cost_model_label(setup: SimSetup) -> str:
-    return f"the {setup.cost.name} cost model ({setup.cost.describe()['source']})"
-
-
 def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
                           confidences: Confidences, tokenizer) -> dict[str, Any]:
     """The bench's own baseline split (eval/baseline/split.py) on this run's setup: the operator's default and the
@@ -235,27 +186,6 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
                                           host_tier_mb=setup.host_tier_mb,
                                           baseline_host_tier=settings.baseline_host_tier)
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
-
-
-def measured_split_pilot(settings: BenchSettings, family) -> tuple[Any, str]:
-    """`mfs bench`'s split pilot, simulated on this machine's measured cost model (eval/simulate/tables/), so the
-    real bench spends no wall time on it: (PilotRunner, cost model label), or (None, why) when that model does not
-    price every member of the family."""
-    setup = tiny_setup(settings.family, None, parse_placement("colocated", "colocated"), settings.kv_pages)
-    described = setup.cost.describe()
-    priced = set(described.get("coefficients_s") or described.get("members") or ())
-    if not set(family.member_names) <= priced:
-        return None, f"the measured cost model prices {sorted(priced)}, not {family.name}'s members"
-    tiny = load_family("tiny")
-    confidences = ConfidenceLibrary.load(DEFAULT_LIBRARY, seed=settings.seed)
-    confidences.map_members(setup.member_names, tiny.member_names)
-    tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
-
-    def config_on(fractions: dict[str, float]):
-        return system_config("baseline", settings.family, settings.kv_pages, fractions, settings.extra_overrides,
-                             baseline_host_tier=settings.baseline_host_tier)
-
-    return split_pilot_runner(setup, config_on, confidences, tokenizer.vocab_size), cost_model_label(setup)
 
 
 def run_point(setup: SimSetup, configs: dict, trace: Trace, confidences: Confidences, vocab_size: int,
