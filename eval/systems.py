@@ -1,6 +1,6 @@
 """The compared systems: MFS, the separate-deployment baselines and the ablations, and the static splits
 (traffic share with floors for `no_shared_pool`; proportional to weight bytes, the operator's default; the
-baseline's own split comes from eval/baseline/split_search.py). Pages per request: KVCacheManager.pages_for_tokens."""
+baseline's own split comes from eval/baseline/split.py). Pages per request: KVCacheManager.pages_for_tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -47,6 +47,15 @@ SPECULATION_SWITCH = {"mfs_no_spec": False, "baseline": False, "baseline_elastic
                       "baseline_legacy": False, "baseline_spec": True}
 # Baselines on a static split of the pool (baseline_elastic draws from one elastic pool instead).
 SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy", "baseline_spec")
+
+
+def static_deployments(fractions: dict[str, float]) -> dict[str, Any]:
+    """What separate servers on static slices are beside DEPLOYMENTS: each its slice of the pages and its own part
+    of the host tier, sized in the same proportion (the parts add up to MFS's host tier). baseline_elastic keeps
+    one host tier its deployments share, as it keeps one pool."""
+    return {"comparison.static_split": dict(fractions), "pool.host_tier_parts": dict(fractions), **DEPLOYMENTS}
+
+
 # The scheduler policies of a single-model server before MFS's global scheduler (no reservation of future decode
 # pages beyond a one-block watermark, preempt the newest, recompute, no aging, one chunked-prefill token budget
 # per step): baseline_legacy keeps them, mfs_single_server_policies is MFS with them and SINGLE_SERVER_ROUTING.
@@ -94,16 +103,16 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
 
     host_tier_mb: the node's host memory for the KV host tier (the simulator sizes it from the hardware), given to
     every system that keeps a host tier; None leaves the config's own. The fair baselines keep the same total as
-    MFS, as one LRU their deployments share (no worse for them than fixed per-server parts of the same total).
-    baseline_legacy has none, as servers run by default (TensorRT-LLM's kv_cache_host_memory_bytes is 0), unless
-    baseline_host_tier."""
+    MFS: on a static split one part per deployment sized as its slice (static_deployments), baseline_elastic one
+    LRU its deployments share. baseline_legacy has none, as servers run by default (TensorRT-LLM's
+    kv_cache_host_memory_bytes is 0), unless baseline_host_tier."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
     base: dict[str, Any] = {"pool.num_pages": num_pages}
     if name in (*SPLIT_BASELINES, "no_shared_pool") and split is None:
         raise ValueError(f"system {name!r} needs the static split")
     if name in SPLIT_BASELINES:
-        base.update({"comparison.static_split": dict(baseline_split or split), **DEPLOYMENTS})
+        base.update(static_deployments(baseline_split or split))
     if name in ("baseline_per_turn", "baseline_legacy"):
         base["router.sticky_sessions"] = False      # every turn routed on its complexity alone
     if name == "baseline_elastic":

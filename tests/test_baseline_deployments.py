@@ -101,6 +101,8 @@ def test_escalation_only_to_a_deployment_that_can_hold_the_request():
     assert [s.member for s in h.final("fits").spans][:2] == ["s", "m"]
     assert [s.member for s in h.final("too_big").spans] == ["s"] and len(h.tokens("too_big")) == 8
     assert deployments_of(h).num_escalations_skipped == 1
+    assert h.scheduler.stats.snapshot(time_s=0.0, family="f", members=["s", "m", "l"], pages={}, queue_depth=0,
+                                      running={}, waiting={})["counters"]["escalations_refused"] == 1   # in the JSON
 
 
 def test_independent_deployments_need_a_static_split():

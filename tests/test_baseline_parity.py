@@ -1,7 +1,8 @@
-"""The fair baselines differ from MFS only in what MFS is (eval/systems.py DEPLOYMENTS and the static split):
-every generic scheduler policy, the host tier's size and the engine are MFS's own. Speculation is a system's own
-switch: each fair baseline is held to the MFS that speculates as it does (baseline_spec to MFS with speculation on,
-the others to MFS without it), so every speculation setting but the private draft copies is MFS's too."""
+"""The fair baselines differ from MFS only in what MFS is (eval/systems.py DEPLOYMENTS, and on a static split
+each deployment's slice of the pages and its own part of the host tier): every generic scheduler policy, the host
+tier's total size and the engine are MFS's own. Speculation is a system's own switch: each fair baseline is held to
+the MFS that speculates as it does (baseline_spec to MFS with speculation on, the others to MFS without it), so
+every speculation setting but the private draft copies is MFS's too."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,13 +12,15 @@ from orchestrator.core.config import config_to_dict
 
 SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
 FAIR = ("baseline", "baseline_per_turn", "baseline_elastic", "baseline_spec")
-# One pool against a slice per deployment, no KV reuse across members, family-wide routing, warm handovers:
-# the settings in which a fair baseline may differ from MFS. Nothing else.
-WHAT_MFS_IS = frozenset({"comparison.static_split", *DEPLOYMENTS})
+# One pool against a slice per deployment, one host tier against a part per deployment (separate servers' own
+# host memory, sized as their slices), no KV reuse across members, family-wide routing, warm handovers: the
+# settings in which a fair baseline may differ from MFS. Nothing else.
+WHAT_MFS_IS = frozenset({"comparison.static_split", "pool.host_tier_parts", *DEPLOYMENTS})
+LEAVES = ("static_split", "profiles", "host_tier_parts")     # dict-valued settings compared whole
 
 
 def flat(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict) and not (prefix.endswith("static_split") or prefix.endswith("profiles")):
+    if isinstance(data, dict) and not prefix.endswith(LEAVES):
         out: dict[str, Any] = {}
         for key, value in data.items():
             out.update(flat(value, f"{prefix}.{key}" if prefix else key))
@@ -41,8 +44,14 @@ def test_a_fair_baseline_differs_from_mfs_only_in_what_mfs_is():
                 found = differing(name, extra, host_tier_mb=host_tier_mb)
                 assert found <= WHAT_MFS_IS, f"{name} differs from mfs in {sorted(found - WHAT_MFS_IS)}"
                 assert found >= set(DEPLOYMENTS), f"{name} is missing part of what separate deployments are"
-    assert "comparison.static_split" not in differing("baseline_elastic")       # one pool, as MFS
-    assert "comparison.static_split" in differing("baseline")
+    assert not {"comparison.static_split", "pool.host_tier_parts"} & differing("baseline_elastic")  # one pool, one tier
+    assert {"comparison.static_split", "pool.host_tier_parts"} <= differing("baseline")
+
+
+def test_each_static_deployment_gets_a_host_tier_part_sized_as_its_slice():
+    config = system_config("baseline", "tiny", 768, SPLIT, host_tier_mb=512.0)
+    assert config.pool.host_tier_parts == config.comparison.static_split == SPLIT
+    assert config.pool.host_tier_mb == system_config("mfs", "tiny", 768, SPLIT, host_tier_mb=512.0).pool.host_tier_mb
 
 
 def test_speculation_is_the_systems_own_switch():
@@ -73,10 +82,10 @@ def test_every_fair_baseline_runs_the_cores_scheduler_with_mfs_policies_but_the_
     from orchestrator.core.family import load_family
     from tests.fakes import fake_vocab
 
-    family = load_family("tiny")
     cores = {}
     for name in ("mfs", *FAIR):
         config = system_config(name, "tiny", 768, SPLIT)
+        family = load_family("tiny", per_member_lineage=not config.comparison.cross_member_sharing)   # as serving loads it
         cores[name] = EngineCore.build(config, family, clock=lambda: 0.0, estimator=ComplexityEstimator(fake_vocab()),
                                        scheduler_factory=system_scheduler(name)).scheduler
     mfs = cores["mfs"]

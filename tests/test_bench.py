@@ -214,6 +214,31 @@ def test_decode_floor_charges_each_token_one_solo_step_of_its_member():
     assert m["per_request"][0]["tokens_by_member"] == {"tiny-s": 6, "tiny-l": 4}
 
 
+def test_reroutes_are_counted_by_direction_and_refused_escalations_from_the_counters():
+    up = _record(0, 0.0, 0.1, 1.0, 50, 0, 5, ["tiny-l"])
+    up.rerouted_from = "tiny-m"
+    down = _record(1, 0.0, 0.1, 1.0, 50, 0, 5, ["tiny-s", "tiny-m"])      # re-routed down, then escalated
+    down.rerouted_from = "tiny-l"
+    plain = _record(2, 0.0, 0.1, 1.0, 50, 0, 5, ["tiny-m"])
+    m = summarize([up, down, plain], {"escalations_refused": 2}, duration_s=1.0, members=("tiny-s", "tiny-m", "tiny-l"))
+    assert (m["reroutes"], m["reroutes_up"], m["reroutes_down"], m["escalations_refused"]) == (2, 1, 1, 2)
+    unknown = summarize([up], {}, duration_s=1.0)                 # no member order: no direction
+    assert (unknown["reroutes"], unknown["reroutes_up"], unknown["reroutes_down"]) == (1, None, None)
+    assert unknown["escalations_refused"] == 0
+
+
+def test_the_split_pilot_is_the_runs_first_sessions_at_its_lightest_and_middle_rates():
+    from eval.baseline.split import pilot_rates, pilot_trace
+
+    assert pilot_rates((4.0, 0.5, 1.0, 2.0, 8.0)) == (0.5, 2.0)
+    assert pilot_rates((0.5, 2.0)) == (0.5, 2.0) and pilot_rates((3.0,)) == (3.0,)
+    sessions = [Session(f"s{i}", "chat", f"c{i}", [Turn([1, 2], 4, 0.0)]) for i in range(5)]
+    trace = Trace(spec=WorkloadSpec(num_sessions=5), sessions=sessions, arrival_times_s=[0.0, 1.0, 2.0, 3.0, 4.0])
+    short = pilot_trace(trace, 2)
+    assert [s.session_id for s in short.sessions] == ["s0", "s1"] and short.arrival_times_s == [0.0, 1.0]
+    assert short.spec.num_sessions == 2 and pilot_trace(trace, 9) is trace
+
+
 def test_counter_delta_and_timeline_and_empty_rates():
     after = {"a": {"x": 5, "y": 2}, "n": 7, "s": "keep"}
     assert counter_delta(after, {"a": {"x": 1}, "n": 2}) == {"a": {"x": 4, "y": 2}, "n": 5, "s": "keep"}
@@ -350,19 +375,26 @@ def test_tiny_end_to_end_bench(tmp_path):
     for key in ("knee_rate", "reduction_at_knee", "capacity_at_slo", "slo"):
         assert key in result
     assert set(result["capacity_at_slo"]) == {"mfs", "baseline"}
-    # the baseline: independent deployments on the searched split; the operator's default ran as the pilot
+    # the baseline: independent deployments on the split the core chose on a pilot simulated on the measured cost
+    # model (no wall time): the operator's default and the search's shortlist, each at the lightest and a loaded rate
     from eval.systems import proportional_split
     from orchestrator.core.family import load_family
 
     baseline_config = result["settings"]["configs"]["baseline"]
     assert baseline_config["comparison"]["static_split"] and not baseline_config["comparison"]["cross_member_sharing"]
-    search = result["baseline_split_search"]
-    assert search["best"] == result["settings"]["baseline_split"] == baseline_config["comparison"]["static_split"]
-    assert len(search["scores"]) == search["num_feasible"] >= 1 and "simulated" in search["objective"]
-    proportional = result["baseline_proportional"]
-    assert proportional["fractions"] == pytest.approx(proportional_split(load_family(str(family_dir()))))
-    assert proportional["rate"] == 2.0 and proportional["metrics"]["num_failed"] == 0
-    assert all(isinstance(m["reroutes"], int) for m in result["systems"].values())
+    assert baseline_config["pool"]["host_tier_parts"] == baseline_config["comparison"]["static_split"]
+    rescore = result["baseline_split_rescore"]
+    assert rescore["winner"]["fractions"] == result["settings"]["baseline_split"] == baseline_config["comparison"]["static_split"]
+    assert rescore["pilot"]["simulated"] and "measured" in rescore["pilot"]["cost_model"]
+    assert rescore["pilot"]["rates"] == [2.0, 8.0] and rescore["pilot"]["sessions"] == 2
+    assert rescore["default"]["fractions"] == pytest.approx(proportional_split(load_family(str(family_dir()))))
+    for entry in (rescore["default"], *rescore["candidates"]):
+        assert set(entry["by_rate"]) == {"2.0", "8.0"} and entry["by_rate"]["2.0"]["num_failed"] == 0
+    assert len(rescore["candidates"]) == len(result["baseline_split_search"]["shortlist"]) <= 4
+    assert result["baseline_proportional"]["fractions"] == rescore["default"]["fractions"]
+    for point in result["curve"]:                  # every point says how many re-routes went each way
+        for m in point["systems"].values():
+            assert m["reroutes"] == m["reroutes_up"] + m["reroutes_down"] and m["escalations_refused"] >= 0
     assert result["slo"]["ttft_p90_s"] == pytest.approx(5 * result["curve"][0]["systems"]["baseline"]["ttft_p50_s"])
     assert isinstance(result["reduction_mean_token_latency"], float)
     for m in result["systems"].values():       # every member's decode step was probed, the floor is built on it
@@ -423,7 +455,7 @@ def test_baseline_split_modes_without_a_pilot():
     traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
     trace = Trace(spec=WorkloadSpec(num_sessions=1), sessions=[], arrival_times_s=[])   # never replayed here
 
-    def no_pilot(fractions, rate):
+    def no_pilot(fractions, trace):
         raise AssertionError("these modes run no pilot")
 
     split, about = choose_baseline_split(BenchSettings(baseline_split="traffic"), family, trace, (1.0,), traffic,
@@ -431,20 +463,84 @@ def test_baseline_split_modes_without_a_pilot():
     assert split == SPLIT and about == {}
     split, about = choose_baseline_split(BenchSettings(baseline_split="proportional"), family, trace, (0.5, 1.0), traffic,
                                          None, no_pilot)
-    assert split == proportional_split(family)
-    assert about["baseline_proportional"]["metrics"] is None and about["baseline_proportional"]["rate"] == 0.5
+    assert split == proportional_split(family) == about["baseline_proportional"]["fractions"]
+    assert "baseline_split_rescore" not in about
     given = "tiny-l=0.5,tiny-s=0.2,tiny-m=0.3"          # any order on the command line; the family's in the result
     split, about = choose_baseline_split(BenchSettings(baseline_split=given), family, trace, (0.5,), traffic, None, no_pilot)
     assert list(split.items()) == [("tiny-s", 0.2), ("tiny-m", 0.3), ("tiny-l", 0.5)]
     assert about == {"baseline_fixed": {"fractions": split, "rule": "given with --baseline-split"}}
 
 
-def test_a_search_with_no_feasible_split_leaves_the_operators_default(monkeypatch):
-    """The search's model may hold no candidate feasible (natural lengths send the cap as max_tokens): the pilot's
-    proportional split stands, and the JSON says why."""
+def fake_pilot(latency_by_split, guards_by_split=None):
+    """A PilotRunner whose baseline takes latency_by_split[split's tiny-s fraction] at every rate (and the given
+    quality-guard counts), recording what it ran."""
+    from eval.systems import system_config
+
+    ran = []
+
+    def run(fractions, trace):
+        ran.append((dict(fractions), trace.spec.rate_sessions_per_s, len(trace.sessions)))
+        key = round(fractions["tiny-s"], 3)
+        metrics = {"mean_token_latency_s": latency_by_split[key], "num_failed": 0, "reroutes_down": 0,
+                   "escalations_refused": 0, "solo_decode_step_s": {"tiny-s": 1e-3, "tiny-m": 2e-3, "tiny-l": 3e-3},
+                   **(guards_by_split or {}).get(key, {})}
+        return system_config("baseline", "tiny", 256, fractions), [], metrics
+
+    return run, ran
+
+
+def test_the_core_rescoring_picks_the_fastest_split_that_gives_up_no_quality(monkeypatch):
+    """The default and the search's shortlist each replay the pilot (the run's first sessions) at the lightest and
+    one loaded rate; a faster split that re-routes down more than the default is not eligible."""
     import eval.baseline.split as split_module
     from eval.bench.cli import BenchSettings
-    from eval.systems import StaticSplit, proportional_split, system_config
+    from eval.systems import StaticSplit, proportional_split
+    from orchestrator.core.family import load_family
+    from tests.test_workloads import family_dir
+
+    family = load_family(str(family_dir()))
+    default = proportional_split(family)
+    traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
+    sessions = [Session(f"s{i}", "chat", f"c{i}", [Turn([1, 2, 3], 4, 0.0)]) for i in range(5)]
+    trace = Trace(spec=WorkloadSpec(num_sessions=5, rate_sessions_per_s=1.0), sessions=sessions,
+                  arrival_times_s=[float(i) for i in range(5)])
+    shortlist = [{"tiny-s": 0.05, "tiny-m": 0.45, "tiny-l": 0.5}, {"tiny-s": 0.1, "tiny-m": 0.3, "tiny-l": 0.6},
+                 {"tiny-s": 0.15, "tiny-m": 0.25, "tiny-l": 0.6}]
+    monkeypatch.setattr(split_module, "shortlisted",
+                        lambda settings, *args: (shortlist[:settings.split_candidates], {"shortlist": shortlist}))
+    latency = {round(default["tiny-s"], 3): 0.010, 0.05: 0.005, 0.1: 0.008, 0.15: 0.009}
+    run, ran = fake_pilot(latency, {0.05: {"reroutes_down": 3}})
+    settings = BenchSettings(baseline_split="search", split_pilot_sessions=3)
+    split, about = split_module.choose_baseline_split(settings, family, trace, (0.5, 1.0, 4.0), traffic, None, run,
+                                                      "a fake cost model")
+    assert split == shortlist[1]                     # 0.05 is faster but re-routes down: not eligible
+    rescore = about["baseline_split_rescore"]
+    assert rescore["chosen"] == "the search's #2" and rescore["winner"]["score_s"] == pytest.approx(0.008)
+    assert rescore["default"]["fractions"] == default and rescore["default"]["score_s"] == pytest.approx(0.010)
+    assert [c["eligible"] for c in rescore["candidates"]] == [False, True, True]
+    assert rescore["candidates"][0]["ineligible_because"] == {"reroutes_down": 6}
+    assert rescore["pilot"] == {"sessions": 3, "rates": [0.5, 1.0], "cost_model": "a fake cost model", "simulated": True}
+    assert {(rate, n) for _, rate, n in ran} == {(0.5, 3), (1.0, 3)}      # the first 3 sessions, two rates
+    assert len(ran) == 2 * 4
+    # nothing faster than the default: the default stands; no candidates: the default alone is scored
+    run, ran = fake_pilot({k: 0.010 for k in latency})
+    split, about = split_module.choose_baseline_split(settings, family, trace, (1.0,), traffic, None, run)
+    assert split == default and about["baseline_split_rescore"]["chosen"] == "default" and len(ran) == 4
+    run, ran = fake_pilot(latency)
+    split, about = split_module.choose_baseline_split(BenchSettings(split_candidates=0), family, trace, (1.0,),
+                                                      traffic, None, run)
+    assert split == default and about["baseline_split_rescore"]["candidates"] == [] and len(ran) == 1
+    # no simulator for this family: the default stands, and the JSON says why
+    split, about = split_module.choose_baseline_split(settings, family, trace, (1.0,), traffic, None, None)
+    assert split == default and "no simulator" in about["baseline_proportional"]["note"]
+
+
+def test_a_search_with_no_candidate_leaves_the_operators_default(monkeypatch):
+    """The search may rank no candidate (a request no slice of any split holds): only the default is scored and
+    it stands; the JSON says why."""
+    import eval.baseline.split as split_module
+    from eval.bench.cli import BenchSettings
+    from eval.systems import StaticSplit, proportional_split
     from orchestrator.core.family import load_family
     from tests.test_workloads import family_dir
 
@@ -452,18 +548,17 @@ def test_a_search_with_no_feasible_split_leaves_the_operators_default(monkeypatc
     traffic = StaticSplit(fractions=dict(SPLIT), traffic_share=dict(SPLIT), requests_by_member={})
     trace = Trace(spec=WorkloadSpec(num_sessions=1), sessions=[], arrival_times_s=[])
 
-    def pilot(fractions, rate):
-        return system_config("baseline", "tiny", 256, fractions), [], {"solo_decode_step_s": {}}
-
     def infeasible(*args, **kwargs):
-        raise ValueError("no split lets every request run on some deployment")
+        raise ValueError("no split lets every request run on its routed member or a larger one")
 
     monkeypatch.setattr(split_module, "search_split", infeasible)
     monkeypatch.setattr(split_module, "sim_sessions", lambda *args: [])
+    run, _ = fake_pilot({round(proportional_split(family)["tiny-s"], 3): 0.01})
     split, about = split_module.choose_baseline_split(BenchSettings(baseline_split="search"), family, trace, (1.0,),
-                                                      traffic, None, pilot)
+                                                      traffic, None, run)
     assert split == proportional_split(family)
     assert about["baseline_split_search"]["error"].startswith("no split")
+    assert about["baseline_split_rescore"]["chosen"] == "default"
 
 
 @pytest.mark.parametrize("text, says", [

@@ -59,7 +59,7 @@ def test_empty_snapshot_has_zeros_everywhere() -> None:
             "requests": {m: {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0} for m in MEMBERS},
             "prefix_query_tokens": {m: 0 for m in MEMBERS},
             "prefix_hit_tokens": {m: {"arena": 0, "host": 0, "disk": 0} for m in MEMBERS},
-            "escalations": {"s->m": 0, "s->l": 0, "m->l": 0},
+            "escalations": {"s->m": 0, "s->l": 0, "m->l": 0}, "escalations_refused": 0,
             "preemptions": 0, "preemptions_by_kind": {"swap": 0, "recompute": 0}, "downgrades": {},
             "evictions": 0, "offloads": {"host": 0, "disk": 0},
             "warmups": {"issued": 0, "hit": 0},

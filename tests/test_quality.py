@@ -61,3 +61,20 @@ def test_local_scorer_scores_the_reference_under_the_named_member():
     expected = score_tokens(_model(family.member("tiny-l"), "float32"), "tiny-l", [*prompt, *reference], start=4)
     assert large == pytest.approx(sum(expected) / 3) and small != large
     assert torch.isfinite(torch.tensor([small, large])).all()
+
+
+def test_the_published_table_scores_every_paper_scale_member_and_weights_by_token_share():
+    from eval.simulate.families import PRESETS
+    from eval.simulate.published_quality import PUBLISHED_MMLU, covers, table_quality
+
+    for members in PRESETS.values():                 # every simulated paper-scale member has a stated score
+        assert covers([name for name, _ in members])
+    for family in (("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "qwen3-32b"), ("llama3.1-8b", "llama3.1-70b")):
+        scores = [PUBLISHED_MMLU[m][0] for m in family]
+        assert scores == sorted(scores)              # larger members score higher in both sources
+    quality = table_quality({"qwen3-1.7b": 0.25, "qwen3-32b": 0.75})
+    assert quality["score"] == pytest.approx(0.25 * 62.63 + 0.75 * 83.61)
+    assert quality["member_scores"] == {"qwen3-1.7b": 62.63, "qwen3-32b": 83.61}
+    assert len(quality["sources"]) == 1 and "arXiv:2505.09388" in quality["sources"][0]
+    assert "not a measurement" in quality["label"]
+    assert table_quality({"tiny-s": 1.0}) is None and table_quality({}) is None   # no stated score: none given

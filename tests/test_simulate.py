@@ -575,7 +575,7 @@ def test_a_refused_turn_ends_a_closed_loop_session():
     assert run.records[1].error == "session ended: turn 0 failed"
 
 
-def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pilot():
+def test_the_simulated_baseline_gets_the_split_the_core_finds_fastest_on_a_pilot():
     from dataclasses import replace
 
     from eval.bench.cli import BenchSettings, static_split_for
@@ -599,8 +599,14 @@ def test_the_simulated_baseline_gets_the_benchs_split_search_with_a_simulated_pi
     about = search_baseline_split(setup, settings, trace, [1.0, 2.0], split, configs, library(), tokenizer)
     assert about["baseline_split_mode"] == "search"
     assert configs["baseline"].comparison.static_split == about["baseline_split"]     # the baseline runs the chosen split
-    pilot = about["baseline_proportional"]
-    assert pilot["rate"] == 1.0 and pilot["metrics"]["num_requests"] == 3       # the pilot ran, simulated, at the lightest rate
+    assert configs["baseline"].pool.host_tier_parts == about["baseline_split"]       # ... with host tier parts to match
+    rescore = about["baseline_split_rescore"]
+    assert rescore["winner"]["fractions"] == about["baseline_split"]
+    assert rescore["pilot"]["rates"] == [1.0, 2.0] and rescore["pilot"]["sessions"] == 2
+    for entry in (rescore["default"], *rescore["candidates"]):           # the pilot ran, simulated, at both rates
+        assert [f["num_requests"] for f in entry["by_rate"].values()] == [3, 3]
+    scores = [e["score_s"] for e in (rescore["default"], *rescore["candidates"]) if e["eligible"]]
+    assert rescore["winner"]["score_s"] == min(scores)
     assert about["baseline_split_search"]["num_candidates"] > 100
     assert traffic == split.fractions                                          # before the search: the traffic split
     # a split given on the command line: the baseline runs it, nothing is replayed before the curve
@@ -743,8 +749,15 @@ def test_a_paper_scale_trace_is_rebuilt_byte_for_byte_by_its_command_and_named_i
         assert main(["simulate", "--family", "qwen3-large", "--gpu", "h200_sxm", "--sessions", "6", "--rates", "2",
                      "--seed", "3", "--systems", "mfs", "--no-progress", "--save-trace", str(trace),
                      "--out", str(out)]) == 0
-        digests.append(json.loads(out.read_text())["workload"]["trace_sha256"])
+        result = json.loads(out.read_text())
+        digests.append(result["workload"]["trace_sha256"])
         assert digests[-1] == hashlib.sha256(trace.read_bytes()).hexdigest()
+        # the quality its token placement gets from the published table, labelled, beside the token shares
+        mfs = result["systems"]["mfs"]
+        table = mfs["quality_from_table"]
+        assert table["score"] == pytest.approx(sum(share * table["member_scores"][m]
+                                                   for m, share in mfs["member_token_share"].items()))
+        assert "published table" in table["label"] and table["sources"]
     assert digests[0] == digests[1]
     assert (tmp_path / "a_trace.json").read_bytes() == (tmp_path / "b_trace.json").read_bytes()
 

@@ -1,4 +1,4 @@
-"""The baseline's split search: the simulated independent deployments, step by step, and the search."""
+"""The split search's shortlist: its ranking model of independent deployments, step by step, and the ranking."""
 from __future__ import annotations
 
 import math
@@ -65,30 +65,33 @@ def test_a_short_slice_preempts_the_youngest_and_everything_still_finishes():
     assert result["num_requests"] == 3 and result["preemptions"] >= 1
 
 
-def test_search_scores_every_feasible_candidate_and_returns_the_best():
+def test_search_ranks_the_splits_without_reroutes_first_by_the_models_score():
     assert len(candidate_splits(["s", "l"], grid=10)) == 9
     assert len(candidate_splits(["a", "b", "c"], grid=20)) == 171
     sessions = [one(40, 8, "l", arrival=0.1 * i) for i in range(6)] + [one(8, 4, "s", arrival=0.05)]
-    search = search_split(simulator(num_pages=100), {1.0: sessions}, grid=10)
-    scores = [e["score_s"] for e in search["scored"]]
-    assert scores == sorted(scores) and search["best"] == search["scored"][0]["split"]
-    # l's requests need 24 pages on l: splits giving l less (s at 0.8, 0.9) would need re-routes
-    assert search["num_candidates"] == 9 and search["num_feasible"] == 7
-    assert search["feasibility_rule"].startswith("every request fits")
-    assert {e["split"]["s"] for e in search["scored"]} == {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7}
-    assert all(r["reroutes"] == 0 for e in search["scored"] for r in e["by_rate"].values())
-    assert search["best"]["l"] > 0.5                  # the l-heavy traffic gets most of the pages
+    search = search_split(simulator(num_pages=100), {1.0: sessions}, grid=10, extra=[{"s": 0.5, "l": 0.5}])
+    assert search["num_candidates"] == 9                 # the extra split is one of the grid's: counted once
+    # l's requests need 24 pages on l: splits giving l less (s at 0.8, 0.9) would need re-routes (up, to l)
+    assert search["num_without_reroutes"] == 7
+    first = search["ranked"][:7]
+    assert all(e["rule"] == "no re-route" for e in first)
+    assert [e["model_score_s"] for e in first] == sorted(e["model_score_s"] for e in first)
+    assert {e["split"]["s"] for e in first} == {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7}
+    assert first[0]["split"]["l"] > 0.5                  # the l-heavy traffic gets most of the pages
+    # s at 0.8 and 0.9 leave l's slice short of l's requests: l's can only go down, so they are never ranked
+    assert len(search["ranked"]) == 7
 
 
-def test_search_allows_upward_reroutes_only_when_no_split_holds_the_routed_traffic():
+def test_search_ranks_upward_reroutes_after_the_splits_that_need_none():
     sim = simulator(num_pages=40)
     # s's request (44 tokens) needs 11 pages on s or 22 on l; l's (64 tokens) 32 on l: no split of 40 pages
     # holds both where routed (s >= 0.3 and l >= 0.8)
     sessions = [one(40, 4, "s"), one(60, 4, "l", arrival=0.5)]
     assert not any(sim.feasible(c, sessions) for c in candidate_splits(["s", "l"], grid=10))
     search = search_split(sim, {1.0: sessions}, grid=10)
-    assert search["feasibility_rule"].startswith("no split holds")
+    assert search["num_without_reroutes"] == 0
     # l needs 0.8 for its own request; s's request then goes up to l (never l's down to s)
-    assert [e["split"] for e in sorted(search["scored"], key=lambda e: e["split"]["s"])] == \
-        [{"s": 0.1, "l": 0.9}, {"s": 0.2, "l": 0.8}]
-    assert all(e["by_rate"]["1.0"]["reroutes"] == 1 for e in search["scored"])
+    assert sorted(e["split"]["s"] for e in search["ranked"]) == [0.1, 0.2]
+    assert all(e["rule"] == "re-routes to a larger member" for e in search["ranked"])
+    with pytest.raises(ValueError, match="no split"):
+        search_split(sim, {1.0: [one(200, 4, "l")]}, grid=10)   # 51 blocks: no slice of 40 pages holds it

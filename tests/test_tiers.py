@@ -172,3 +172,61 @@ def test_per_lineage_counts_follow_every_put_eviction_discard_and_restart(tmp_pa
         assert store.counts_by_lineage() == recount(store), step
     reopened = TieredStore(HostTier(60), DiskTier(tmp_path, 50))    # restart, smaller: the scan evicts
     assert reopened.counts_by_lineage() == recount(reopened) and reopened.disk.num_entries > 0
+
+
+def test_host_tier_parts_are_separate_lrus() -> None:
+    host = HostTier.in_parts({"a": 20, "b": 30}, {"lin/a": "a", "lin/b": "b"})
+    assert (host.capacity_bytes, host.part_bytes()) == (50, {"a": 20, "b": 30})
+    host.put(key(1, "lin/b"), blob(1))
+    for n in range(2, 8):                          # a's saves overflow a's part many times over
+        host.put(key(n, "lin/a"), blob(n))
+    assert host.contains(key(1, "lin/b"))          # ... and never evict b's page
+    assert [k.block_hash[0] for k in host.keys() if k.lineage == "lin/a"] == [6, 7]   # a keeps its two newest
+    assert host.room_bytes(key(9, "lin/a")) == 0 and host.room_bytes(key(9, "lin/b")) == 20
+    assert host.bytes_used == 30 and host.num_entries == 3
+    assert host.put(key(8, "lin/a"), blob(8, 25)) == [] and not host.contains(key(8, "lin/a"))   # over a's part
+    assert host.put(key(9, "lin/x"), blob(9)) == [] and not host.contains(key(9, "lin/x"))   # a lineage of no part
+    assert host.lineage_counts == {"lin/a": 2, "lin/b": 1}
+
+
+def test_member_host_tier_sizes_parts_by_fraction_and_needs_per_member_lineages() -> None:
+    import pytest
+
+    from orchestrator.core.tiers import member_host_tier
+
+    host = member_host_tier(1000, {"s": 0.2, "l": 0.8}, {"s": ("s0", "s1"), "l": ("l0", "l1", "l2")})
+    assert host.part_bytes() == {"s": 200, "l": 800}
+    with pytest.raises(ValueError, match="per-member lineages"):
+        member_host_tier(1000, {"s": 0.5, "l": 0.5}, {"s": ("x0",), "l": ("x0", "l1")})
+    with pytest.raises(ValueError, match="host tier parts name"):
+        member_host_tier(1000, {"s": 1.0}, {"s": ("s0",), "l": ("l0",)})
+
+
+def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_can() -> None:
+    """The static-split baseline's core: one host tier part per deployment, sized as its slice, together MFS's
+    tier; baseline_elastic keeps one LRU its deployments share."""
+    from eval.systems import system_config, system_scheduler
+    from orchestrator.core.complexity import ComplexityEstimator
+    from orchestrator.core.engine_core import EngineCore
+    from orchestrator.core.family import load_family
+    from tests.fakes import fake_vocab
+
+    split = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
+    survivors = {}
+    for name in ("baseline", "baseline_elastic"):
+        config = system_config(name, "tiny", 768, split, host_tier_mb=1.0)
+        family = load_family("tiny", per_member_lineage=True)
+        core = EngineCore(config, family, ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
+                          scheduler_factory=system_scheduler(name))
+        host = core.tiers.host
+        assert host.capacity_bytes == 2**20
+        if name == "baseline":
+            parts = host.part_bytes()
+            assert sum(parts.values()) == 2**20 and all(abs(parts[m] - 2**20 * f) <= 1 for m, f in split.items())
+        small, large = family.member("tiny-s"), family.member("tiny-l")
+        page = bytes(config.pool.page_bytes)
+        core.tiers.put(PageKey(small.layer_lineages[0], b"s" * 16), page)
+        for n in range(2 * 2**20 // len(page)):        # tiny-l saves twice the whole tier
+            core.tiers.put(PageKey(large.layer_lineages[n % large.num_layers], n.to_bytes(16, "big")), page)
+        survivors[name] = core.tiers.locate(PageKey(small.layer_lineages[0], b"s" * 16))
+    assert survivors == {"baseline": Tier.HOST, "baseline_elastic": None}

@@ -1,26 +1,24 @@
-"""The baseline's static split, chosen as an operator with the trace in hand would: a search over splits,
-each scored by replaying the trace (with escalations) through a simulated set of independent deployments.
+"""The split search's shortlist: which splits the real core re-scores beside the operator's default
+(eval/baseline/split.py). A cheap model ranks every candidate; it only shortlists: the split the baseline runs is
+the one the core's pilot finds fastest.
 
-SIMULATED (cost model, used only to rank splits; every figure it produces is labelled simulated):
+The ranking model (crude on purpose: it must score ~170 splits in seconds; no figure from it decides anything):
 - each member is a deployment with its slice of the pages (`split_pages`), FCFS admission, its own batch
   cap and step token budget; the deployments take turns on the device (round robin over the busy ones),
-  as orchestrator/core/deployments.py runs them for real;
+  as eval/baseline/deployments.py runs them;
 - a step of member m with n tokens costs step_s[m] * (1 + (n - 1) / PREFILL_TOKENS_PER_DECODE_STEP), where
-  step_s[m] is the member's measured solo decode step (the pilot run's probe);
-- pages per request: KVCacheManager.pages_for_tokens (the one rule); a request needs its pages for
-  prompt + tokens so far + one reserve block, grows by block, and preempts the youngest of its deployment
-  (recompute) when its slice is short;
-- routing on complexity alone (Router.adequate_member), re-routed as eval.baseline.deployments.Deployments.placement does;
-- escalations: the pilot run's (the same request escalated after the same number of tokens, to the same
-  member) when the request starts where it started in the pilot; cold handover (the whole prefix
-  recomputed on the target); skipped when the target slice cannot hold the request;
-- a session's next turn reuses the previous turn's prefix when it runs on the same member (no eviction).
-Score: the simulated mean token latency (mean over requests of e2e / output tokens), averaged over the
-curve's rates. Candidates: every split in steps of 1/GRID with each member at least 1/GRID (and the
-proportional and traffic splits), kept when every request fits the member it is routed to; only when no
-candidate allows that (memory too tight) are re-routes to a larger member allowed. Never down to a smaller
-member: that trades quality for speed. (Without the rule the search retires the small deployments: with
-deployments taking turns, one big deployment batching everything simulates faster.)
+  step_s[m] is the member's solo decode step (the default's pilot); no context term, no eviction;
+- pages per request: KVLayout.pages_for_tokens (the one rule); a request needs its pages for prompt + tokens
+  so far + one reserve block, grows by block, and preempts the youngest of its deployment (recompute) when its
+  slice is short;
+- routing on complexity alone (Router.adequate_member), re-routed as eval.baseline.deployments.Deployments.placement
+  does; escalations as in the default's pilot (cold handover), skipped when the target slice cannot hold the
+  request; a session's next turn reuses the previous turn's prefix on the same member.
+Candidates: every split in steps of 1/GRID with each member at least 1/GRID (and the traffic split). Ranked:
+first the splits on which every request fits the member it is routed to (prompt + max_tokens, as the deployments
+admit) and every member the pilot escalated it to, by the model's mean token latency; then those that need
+re-routes to a larger member only. A split that sends a request down to a smaller member is never shortlisted
+(it trades quality for speed; without that rule the model retires the small deployments).
 """
 from __future__ import annotations
 
@@ -253,31 +251,38 @@ def candidate_splits(members: Sequence[str], grid: int = GRID) -> list[dict[str,
 
 def search_split(simulator: SplitSimulator, sessions_by_rate: Mapping[float, Sequence[SimSession]],
                  grid: int = GRID, extra: Sequence[Mapping[str, float]] = ()) -> dict[str, Any]:
-    """Scores every feasible candidate (and `extra` splits, e.g. the proportional one) on every rate;
-    returns the best and the whole search (simulated figures). Feasible: every request fits its routed
-    member; when no candidate allows that (memory too tight), re-routes to a larger member are allowed."""
+    """Ranks every candidate (and `extra` splits) that needs no re-route by the model's mean token latency
+    averaged over the rates, then those that need re-routes to a larger member only. Raises ValueError when no
+    candidate lets every request run on its routed member or a larger one."""
     any_sessions = next(iter(sessions_by_rate.values()))
     candidates = [dict(c) for c in (*candidate_splits(simulator.members, grid), *extra)]
-    rule = "every request fits the member it is routed to (no re-route)"
-    feasible = [c for c in candidates if simulator.feasible(c, any_sessions)]
-    if not feasible:
-        rule = "no split holds every request on its routed member: re-routes to a larger member allowed"
-        feasible = [c for c in candidates if simulator.feasible(c, any_sessions, upward=True)]
-    scored = []
-    for split in feasible:
-        per_rate = {rate: simulator.run(split, sessions) for rate, sessions in sessions_by_rate.items()}
-        latencies = [r["mean_token_latency_s"] for r in per_rate.values() if r["mean_token_latency_s"] is not None]
-        score = sum(latencies) / len(latencies) if latencies else float("inf")
-        scored.append({"split": split, "score_s": score, "by_rate": {str(k): v for k, v in per_rate.items()}})
-    if not scored:
-        raise ValueError("no split lets every request run on some deployment: give the bench more KV pages")
-    scored.sort(key=lambda e: e["score_s"])
-    return {"best": scored[0]["split"], "num_candidates": len(candidates), "num_feasible": len(scored),
-            "feasibility_rule": rule, "top": scored[:5], "worst": scored[-1], "grid": grid,
-            "objective": "simulated mean token latency, averaged over the curve's rates (lower is better)",
-            "cost_model": (f"step of member m with n tokens = solo_decode_step_s[m] x (1 + (n - 1) / "
-                           f"{PREFILL_TOKENS_PER_DECODE_STEP:g}); deployments take turns; see eval/baseline/split_search.py"),
-            "scored": scored}
+    unique = list({tuple(sorted(c.items())): c for c in candidates}.values())
+    ranked = []
+    for rule, upward in (("no re-route", False), ("re-routes to a larger member", True)):
+        scored = []
+        for split in unique:
+            if any(split == e["split"] for e in ranked) or not simulator.feasible(split, any_sessions, upward=upward):
+                continue
+            per_rate = [simulator.run(split, sessions)["mean_token_latency_s"] for sessions in sessions_by_rate.values()]
+            latencies = [x for x in per_rate if x is not None]
+            scored.append({"split": split, "rule": rule,
+                           "model_score_s": sum(latencies) / len(latencies) if latencies else float("inf")})
+        ranked += sorted(scored, key=lambda e: e["model_score_s"])
+    if not ranked:
+        raise ValueError("no split lets every request run on its routed member or a larger one")
+    return {"ranked": ranked, "num_candidates": len(unique), "grid": grid,
+            "num_without_reroutes": sum(e["rule"] == "no re-route" for e in ranked),
+            "model": (f"step of member m with n tokens = solo_decode_step_s[m] x (1 + (n - 1) / "
+                      f"{PREFILL_TOKENS_PER_DECODE_STEP:g}); deployments take turns; see eval/baseline/split_search.py")}
+
+
+def shortlist_report(search: Mapping[str, Any], shortlist: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The search as the JSON carries it: how many candidates, the ranking rule, the shortlist with the model's
+    scores (labelled: they only rank)."""
+    return {"num_candidates": search["num_candidates"], "num_ranked": len(search["ranked"]),
+            "num_without_reroutes": search["num_without_reroutes"], "grid": search["grid"],
+            "role": "shortlist only: the core's simulated pilot decides (baseline_split_rescore)",
+            "model": search["model"], "shortlist": [dict(e) for e in shortlist]}
 
 
 def sim_sessions(trace, pilot_records: Sequence[Any], routed_member) -> list[SimSession]:
@@ -299,9 +304,3 @@ def sim_sessions(trace, pilot_records: Sequence[Any], routed_member) -> list[Sim
                                  routed=routed_member(prompt_ids), spans=spans))
         out.append(SimSession(arrival_s=arrival, turns=turns))
     return out
-
-
-def search_report(search: Mapping[str, Any]) -> dict[str, Any]:
-    """The search as the bench JSON carries it: every candidate's score, the top five with per-rate detail."""
-    return {**{k: v for k, v in search.items() if k != "scored"},
-            "scores": [{"split": e["split"], "score_s": e["score_s"]} for e in search["scored"]]}

@@ -15,13 +15,14 @@ from typing import Any
 import yaml
 
 from eval.bench.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
-from eval.baseline.split import SplitError, choose_baseline_split, parse_split_mode, runs_pilot, split_mode_label
+from eval.baseline.split import (SPLIT_CANDIDATES, SPLIT_PILOT_SESSIONS, SplitError, choose_baseline_split,
+                                 parse_split_mode, split_lines, split_mode_label)
 from eval.bench.quality import add_quality as _add_quality
 from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
-from eval.bench.result import curve_points, curve_result, rate_point, without_rows
+from eval.bench.result import curve_points, curve_result, rate_point
 from eval.systems import (ATTRIBUTION_SYSTEMS, DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
                           needs_split, system_config, system_scheduler)
 from eval.bench.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
@@ -73,6 +74,8 @@ class BenchSettings:
     slo_ttft_s: float | None = None        # absolute SLO limits instead of the multiples
     slo_tpot_s: float | None = None
     baseline_split: str = "search"         # search | proportional | traffic | "member=fraction,..." (fixed)
+    split_candidates: int = SPLIT_CANDIDATES   # search: the shortlist the core re-scores beside the default
+    split_pilot_sessions: int = SPLIT_PILOT_SESSIONS   # search: the pilot replays the run's first sessions
     baseline_host_tier: bool = False       # baseline_legacy's deployments get MFS's host tier too (counter-check)
     record_confidences: str | None = None  # write every reply's per-token confidences here (mfs simulate reads them)
 
@@ -131,7 +134,7 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
         await engine.stop()
     step_s = {m: min(v for v in (before.get(m), after.get(m)) if v is not None)
               for m in members if m in before or m in after}
-    metrics = summarize(records, counters, duration, pages_timeline(samples))
+    metrics = summarize(records, counters, duration, pages_timeline(samples), members)
     metrics["solo_decode_step_s"] = step_s
     metrics["solo_decode_probes_s"] = {"before": before, "after": after}
     metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(records, step_s)
@@ -243,24 +246,20 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         headline = trace.spec.rate_sessions_per_s
     configs: dict[str, Any] = {}
     split_baselines = [n for n in settings.systems if n in SPLIT_BASELINES]
-    pilot = bool(split_baselines) and runs_pilot(settings.baseline_split)
-    progress = _progress(settings, trace, len(rates) + (1 / len(settings.systems) if pilot else 0))
+    progress = _progress(settings, trace, len(rates))
     points: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
     baseline_split, about_split = None, {}
     recorded = []          # every reply, for --record-confidences
     try:
         if split_baselines:
-            def run_pilot(fractions: dict[str, float], rate: float):
-                config = config_for("baseline", settings, split, fractions)
-                on_done = (lambda _r: progress.update(1)) if progress is not None else None
-                records, metrics = run_coroutine(run_system("baseline_proportional", config, trace.at_rate(rate), on_done,
-                                                            scheduler_factory=system_scheduler("baseline")))
-                return config, records, without_rows(metrics)
+            from eval.simulate.replay import measured_split_pilot   # the pilot is simulated: no wall time on it
 
+            run_pilot, cost_model = (measured_split_pilot(settings, family) if settings.baseline_split == "search"
+                                     else (None, ""))
             estimator = complexity_estimator(family_tokenizer(family))
             baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, estimator,
-                                                                run_pilot, progress)
+                                                                run_pilot, cost_model, progress)
         for rate in rates:
             records_by_system, point = run_point(settings, family, trace.at_rate(rate), split, configs, notes,
                                                  progress, baseline_split)
@@ -348,6 +347,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/BENCHMARKS.md, Method), proportional (to weight bytes), traffic (share of routed "
                              "tokens x layers with floors), or fixed fractions of the pool per "
                              "member, e.g. tiny-s=0.2,tiny-m=0.3,tiny-l=0.5 (no pilot, no search)")
+    parser.add_argument("--split-candidates", type=int, default=SPLIT_CANDIDATES, metavar="N",
+                        help="--baseline-split search: how many of the search's best splits the simulated pilot "
+                             "re-scores beside the operator's default")
+    parser.add_argument("--split-pilot-sessions", type=int, default=SPLIT_PILOT_SESSIONS, metavar="N",
+                        help="--baseline-split search: the pilot replays the run's first N sessions (simulated)")
     parser.add_argument("--baseline-host-tier", action="store_true",
                         help="give baseline_legacy's deployments the same host KV tier as MFS (the fair baselines "
                              "always have it; by default baseline_legacy has none, as TensorRT-LLM servers run)")
@@ -409,6 +413,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if trace_file and (args.rate is not None or args.sessions is not None):
         raise SystemExit("mfs bench: --trace replays the file's sessions and arrivals; drop --rate/--sessions "
                          "(--rates replays them at other rates)")
+    if args.split_candidates < 0 or args.split_pilot_sessions < 1:
+        raise SystemExit("mfs bench: --split-candidates must be 0 or more, --split-pilot-sessions 1 or more")
     if (args.slo_ttft_s is None) != (args.slo_tpot_s is None):
         raise SystemExit("mfs bench: give both --slo-ttft-s and --slo-tpot-s, or neither")
     try:
@@ -430,6 +436,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                    trace_file=trace_file, save_trace=getattr(args, "save_trace", None), rates=rates,
                    history=args.history, lengths=args.lengths, mix_phases=mix_phases,
                    baseline_split=args.baseline_split,
+                   split_candidates=args.split_candidates, split_pilot_sessions=args.split_pilot_sessions,
                    baseline_host_tier=args.baseline_host_tier, slo_ttft_x=args.slo_ttft_x,
                    slo_tpot_x=args.slo_tpot_x, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                    record_confidences=getattr(args, "record_confidences", None), **chosen)
@@ -471,6 +478,8 @@ def main_one(args: argparse.Namespace) -> int:
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(format_table(result))
+    for line in split_lines(result):
+        print(line)
     for note in result["notes"]:
         print(f"note: {note}")
     print(f"wrote {args.out} ({result['settings']['wall_s']} s)")

@@ -57,7 +57,8 @@ class RequestRecord:
 
     @property
     def rerouted(self) -> bool:
-        """Sent to a larger member than routing chose because the chosen member's slice cannot hold it."""
+        """Sent to another member than routing chose because the chosen member's slice cannot hold it (a larger
+        one when one can, else a smaller one: eval/baseline/deployments.py)."""
         return self.rerouted_from is not None
 
     @property
@@ -107,8 +108,9 @@ def pages_timeline(samples: Sequence[Mapping[str, Any]]) -> list[list[float]]:
 
 
 def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], duration_s: float,
-              timeline: list[list[float]] | None = None) -> dict[str, Any]:
-    """The per-system metrics block of the bench JSON. `counters` = stats counters delta over the replay."""
+              timeline: list[list[float]] | None = None, members: Sequence[str] = ()) -> dict[str, Any]:
+    """The per-system metrics block of the bench JSON. `counters` = stats counters delta over the replay;
+    members (small to large) gives the re-routes' directions."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
@@ -132,6 +134,8 @@ def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], dur
         "escalation_rate": (sum(r.escalated for r in ok) / len(ok)) if ok else None,
         "preemptions": int(counters.get("preemptions", 0) or 0),
         "reroutes": sum(r.rerouted for r in records),
+        **reroutes_by_direction(records, members),
+        "escalations_refused": int(counters.get("escalations_refused", 0) or 0),
         "num_requests": len(ok),
         "num_failed": len(records) - len(ok),
         "duration_s": duration_s,
@@ -148,6 +152,17 @@ def summarize(records: Sequence[RequestRecord], counters: Mapping[str, Any], dur
     }
     result.update(prefix_hit_rates(counters))
     return result
+
+
+def reroutes_by_direction(records: Sequence[RequestRecord], members: Sequence[str]) -> dict[str, int | None]:
+    """Re-routes to a larger member (reroutes_up) and to a smaller one (reroutes_down: quality given up for a
+    slice too small), by the family's order; None without it."""
+    order = {m: i for i, m in enumerate(members)}
+    moved = [(order.get(r.rerouted_from), order.get(r.members[0])) for r in records
+             if r.rerouted_from is not None and r.members]
+    if not order or any(a is None or b is None for a, b in moved):
+        return {"reroutes_up": None, "reroutes_down": None}
+    return {"reroutes_up": sum(b > a for a, b in moved), "reroutes_down": sum(b < a for a, b in moved)}
 
 
 def member_tokens(r: RequestRecord) -> dict[str, int]:

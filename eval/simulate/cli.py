@@ -18,26 +18,23 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from eval.baseline.split import SplitError, choose_baseline_split, split_mode_label
-from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add_bench_arguments, curve_rates, format_table,
-                            settings_from_args, static_split_for, trace_from_file)
-from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
+from eval.baseline.split import SplitError, choose_baseline_split, split_lines, split_mode_label
+from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add_bench_arguments, curve_rates,
+                            format_table, settings_from_args, static_split_for, trace_from_file)
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
-from eval.bench.quality import member_token_share
-from eval.bench.result import curve_points, curve_result, rate_point, without_rows
+from eval.bench.result import curve_points, curve_result, rate_point
 from eval.simulate.acceptance import acceptance_table
-from eval.simulate.confidence import DEFAULT_LIBRARY, request_key, ConfidenceFileError, ConfidenceLibrary, Confidences
+from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary, Confidences
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
-from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
-from eval.simulate.executor import SimExecutor
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
-from eval.simulate.node import SimNode
-from eval.simulate.setup import (SimSetup, is_paper_family, paper_setup, pooled_setups, private_draft_memory,
-                                   tiny_setup)
-from eval.simulate.step_table import StepTableError
+from eval.simulate.published_quality import BENCHMARK
+from eval.simulate.replay import cost_model_label, run_system, split_pilot_runner, stats_interval_for
+from eval.simulate.setup import (SimSetup, is_paper_family, measured_model_path, paper_setup, pooled_setups,
+                                 private_draft_memory, tiny_setup)
+from eval.simulate.step_table import StepTableError, save_table
 from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
-from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, natural_lengths, save_trace,
+from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
                                   trace_digest)
 from eval.simulate import compiled
 from orchestrator.core.config import ConfigError, config_to_dict, load_config
@@ -186,7 +183,16 @@ def _build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
                              "(--set pool.host_tier_mb=MB to change it)")
     if args.cost_model == "aiconfigurator":
         raise PlacementError(f"--cost-model aiconfigurator covers {', '.join(PRESETS)}; {args.family} uses measured")
-    return tiny_setup(args.family, args.step_table, placement, settings.kv_pages)
+    path = measured_model_path(args.step_table)
+    notes = []
+    if not path.is_file():           # no model yet: profile the engine now
+        from eval.simulate.measure import measure_table
+
+        save_table(measure_table(args.family), path)
+        notes.append(f"step table measured now on this machine and saved to {path}")
+    setup = tiny_setup(args.family, str(path), placement, settings.kv_pages)
+    setup.notes += notes
+    return setup
 
 
 def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyTokenizer, tokenizer_hash: str) -> Trace:
@@ -255,54 +261,12 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     return configs, split
 
 
-def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Confidences,
-               vocab_size: int, stats_interval_s: float,
-               replies: dict[str, list[int]] | None = None,
-               keep_nodes: list | None = None, scheduler_factory=None) -> tuple[SimRun, dict[str, Any]]:
-    """replies: request key -> token ids of a real run of this system on this trace, replayed (validation).
-    keep_nodes: see driver.simulate (a forked worker's shortcut past freeing the nodes).
-    scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
-    scheduler_factory = scheduler_factory or system_scheduler(name)
-    lengths = natural_lengths(trace, request_key)
-
-    def make_executor(family, num_pages, page_bytes):
-        return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
-                           members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths,
-                           acceptance=setup.acceptance)
-
-    def make_nodes(clock, events, on_output):
-        share = scheduler_factory is not None and setup.colocated_deployments == "shared"
-        return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory,
-                        share_device=share)
-                for i in range(setup.placement.num_nodes)]
-
-    run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
-    with no_full_collections():     # else collections walk the live records and trace: 0.6 s of a 17 s replay
-        metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples))
-    step_s = setup.solo_decode_step_s()
-    metrics["solo_decode_step_s"] = step_s
-    metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(run.records, step_s)
-    metrics["counters"] = run.counters
-    metrics["quality_reference_logprob"] = None
-    metrics["member_token_share"] = member_token_share(run.records)
-    metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
-                             "wall_s": round(run.wall_s, 2), "cpu_s": round(run.cpu_s, 2),
-                             "output_tokens": sum(r.output_tokens for r in run.records),
-                             "front_router": run.router_decisions}
-    return run, metrics
-
-
-def stats_interval_for(trace: Trace) -> float:
-    return max(STATS_INTERVAL_S, (trace.arrival_times_s[-1] if trace.arrival_times_s else 0.0) / 2000)
-
-
 def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
                           confidences: Confidences, tokenizer, system: str = "baseline") -> dict[str, Any]:
-    """The bench's own baseline split (eval/baseline/split.py), with the pilot simulated: the baseline on the
-    operator's default split (weight bytes) at the lightest rate, then the search fed with its escalations and
-    solo decode steps. Replaces the split baselines' configs; returns what the JSON says about the split.
-    system: whose split (baseline_spec searches its own: its draft copies and drafts change what each server
-    holds), applied to the split baselines that speculate as it does."""
+    """The bench's own baseline split (eval/baseline/split.py) on this run's setup: the operator's default and the
+    search's shortlist re-scored by the core on a simulated pilot. Replaces the split baselines' configs; returns
+    what the JSON says about the split. system: whose split (baseline_spec searches its own: its draft copies and
+    drafts change what each server holds), applied to the split baselines that speculate as it does."""
     family = setup.family or load_family(settings.family)
     extra = _extra(setup, settings)
 
@@ -312,16 +276,11 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
         private_draft_memory(setup, config)
         return config
 
-    def run_pilot(fractions: dict[str, float], rate: float):
-        config = config_on(fractions)
-        at_rate = trace.at_rate(rate)
-        run, metrics = run_system(f"{system}_proportional", config, setup, at_rate, confidences, tokenizer.vocab_size,
-                                  stats_interval_for(at_rate), scheduler_factory=system_scheduler(system))
-        return config, run.records, without_rows(metrics)
-
+    run_pilot = split_pilot_runner(setup, config_on, confidences, tokenizer.vocab_size, system)
     searched = config_on(split.fractions)
     chosen, about = choose_baseline_split(replace(settings, kv_pages=searched.pool.num_pages), family, trace,
-                                          tuple(rates), split, complexity_estimator(tokenizer), run_pilot)
+                                          tuple(rates), split, complexity_estimator(tokenizer), run_pilot,
+                                          cost_model_label(setup))
     speculates = searched.speculation.enabled
     for name in configs:
         if name in SPLIT_BASELINES and configs[name].speculation.enabled == speculates:
@@ -441,13 +400,16 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     notes = list(trace.notes) + list(setup.notes) + (list(split.notes) if hasattr(split, "notes") else [])
     notes.append(f"SIMULATED with the {setup.cost.name} cost model ({setup.cost.describe()['source']}): no figure here "
                  "is a measurement")
-    notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served")
+    notes.append("quality_reference_logprob: not simulated (no model runs); member_token_share says which members served"
+                 + ("; quality_from_table weights each member's published score by it (eval/simulate/published_quality.py)"
+                    if head["systems"] and all(m.get("quality_from_table") for m in head["systems"].values()) else ""))
     if setup.host_tier_mb is not None:
         per_gpu = setup.memory.get("host_tier_gib_per_gpu")
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node"
                      + (f" ({per_gpu:g} GiB per GPU)" if per_gpu is not None else "")
                      + " for every system that keeps one (the "
-                     "fair baselines: as one LRU their deployments share); baseline_legacy: "
+                     "static-split baselines: one part per deployment, sized as its slice; baseline_elastic: one LRU "
+                     "its deployments share); baseline_legacy: "
                      + ("the same (--baseline-host-tier)" if settings.baseline_host_tier else "none (its servers' default)")
                      + ("; copies of evicted pages to it run beside the step's compute (the GPU's copy stream; "
                         "--serial-saves charges them before the step)" if setup.cost.saves_overlap
@@ -539,6 +501,12 @@ def main_one(args: argparse.Namespace) -> int:
     sim = result["simulated"]
     print(f"SIMULATED ({sim['cost_model']['source']}; placement {sim['placement']})")
     print(format_table(result))
+    for line in split_lines(result):
+        print(line)
+    quality = {name: m.get("quality_from_table") for name, m in result["systems"].items()}
+    if quality and all(quality.values()):
+        print(f"quality from the published table ({BENCHMARK}; weighted by each member's token share, not measured): "
+              + ", ".join(f"{name} {q['score']:.2f}" for name, q in quality.items()))
     for note in result["notes"]:
         print(f"note: {note}")
     print(f"wrote {args.out} (trace {sim['trace_build_s']} s, simulation {sim['simulate_s']} s, "

@@ -124,20 +124,20 @@ def is_paper_family(name: str) -> bool:
     return name in PRESETS
 
 
+def measured_model_path(table_path: str | None) -> Path:
+    """The measured cost model to use: the given file; by default the model fitted to real bench runs (it carries
+    the serving loop's cost under the bench's load), else the offline grid (either may be missing)."""
+    return Path(table_path) if table_path else (FITTED_MODEL if FITTED_MODEL.is_file() else MEASURED_TABLE)
+
+
 def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pages: int) -> SimSetup:
     """The shipped family (or a family directory) on the measured step table of this machine."""
     if placement.kind != "colocated":
         raise PlacementError("the measured cost model describes this machine's one local engine: use --placement "
                              "colocated or fleet:N (nodes of this machine)")
-    # Default: the model fitted to real bench runs (it carries the serving loop's cost under the bench's load);
-    # else the offline grid; else profile the engine now.
-    path = Path(table_path) if table_path else (FITTED_MODEL if FITTED_MODEL.is_file() else MEASURED_TABLE)
-    notes = []
+    path = measured_model_path(table_path)
     if not path.is_file():
-        from eval.simulate.measure import measure_table
-
-        save_table(measure_table(family), path)
-        notes.append(f"step table measured now on this machine and saved to {path}")
+        raise StepTableError(f"no measured cost model at {path} (mfs simulate profiles the engine to make one)")
     cost = load_cost_model(path, "measured")
     spec = load_family(family)
     from orchestrator.core.config import load_config
@@ -145,7 +145,7 @@ def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pag
     page_bytes = load_config(overrides={"family": family}).pool.page_bytes
     return SimSetup(family_name=spec.name, family=None, member_names=spec.member_names,
                     cost=cost, placement=placement, num_pages=kv_pages,
-                    page_bytes=page_bytes, split=None, notes=notes)
+                    page_bytes=page_bytes, split=None)
 
 
 def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table_path: str | None,

@@ -29,7 +29,7 @@ from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
-from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.core.tiers import DiskTier, HostTier, TieredStore, member_host_tier
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
 
@@ -81,10 +81,15 @@ class StepTimers:
                 "computed_tokens": self.computed_tokens}
 
 
-def build_tiers(config: MFSConfig) -> TieredStore | None:
+def build_tiers(config: MFSConfig, family: FamilySpec) -> TieredStore | None:
     """The host/disk tiers the pool config asks for (None when both are off)."""
     pool = config.pool
-    host = HostTier(int(pool.host_tier_mb * 2**20)) if pool.host_tier_mb > 0 else None
+    host = None
+    if pool.host_tier_mb > 0:
+        capacity = int(pool.host_tier_mb * 2**20)
+        host = (member_host_tier(capacity, pool.host_tier_parts, {m.name: (*m.layer_lineages, m.residual_lineage())
+                                                                  for m in family.members})
+                if pool.host_tier_parts else HostTier(capacity))
     disk = DiskTier(Path(pool.disk_dir), int(pool.disk_tier_mb * 2**20)) if pool.disk_tier_mb > 0 else None
     return TieredStore(host, disk) if host is not None or disk is not None else None
 
@@ -131,7 +136,7 @@ class EngineCore:
         num_pages = config.num_arena_pages()
         partitions = split_pages(num_pages, config.comparison.static_split) if config.comparison.static_split else None
         self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
-        self.tiers = tiers if tiers is not None else build_tiers(config)
+        self.tiers = tiers if tiers is not None else build_tiers(config, family)
         self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
                                  self.tiers, record_residuals=records_residuals(config))
         self.events = EventLog()

@@ -111,6 +111,7 @@ class Stats:
         self._preemptions = 0
         self._preemptions_by_kind = {kind: 0 for kind in PREEMPTION_KINDS}
         self._downgrades: dict[str, int] = {}
+        self._escalations_refused = 0
         self._queue_wait_s: dict[str, deque[float]] = {}
         self._evictions = 0
         self._offloads = _zeros(OFFLOAD_TIERS)
@@ -141,6 +142,11 @@ class Stats:
         with self._lock:
             pair = f"{src}->{dst}"
             self._escalations[pair] = self._escalations.get(pair, 0) + 1
+
+    def on_escalation_refused(self) -> None:
+        """The placement refused an escalation (eval's deployments: the target's slice cannot hold it)."""
+        with self._lock:
+            self._escalations_refused += 1
 
     def on_preemption(self, kind: str = "recompute") -> None:
         if kind not in PREEMPTION_KINDS:
@@ -217,6 +223,7 @@ class Stats:
                                       for m in _union(members, self._prefix_hit_tokens)},
                 "escalations": {**{f"{a}->{b}": 0 for i, a in enumerate(members) for b in members[i + 1:]},
                                 **self._escalations},
+                "escalations_refused": self._escalations_refused,
                 "preemptions": self._preemptions,
                 "preemptions_by_kind": dict(self._preemptions_by_kind),
                 "downgrades": dict(self._downgrades),

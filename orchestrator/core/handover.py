@@ -69,6 +69,7 @@ class Handover:
         target's prefix match finds its own cache and (nested family) the shared lower layers and residuals;
         only the rest is prefilled there."""
         if not self.placement.accepts_escalation(seq):
+            self.stats.on_escalation_refused()
             return
         target = handover_target(self.family, seq.member, seq.request.pinned_member is not None, len(seq.token_ids))
         if target is None:

@@ -88,7 +88,7 @@ class Preemption:
         if (plan is not None and seq.kv is not None and host is not None and self.config.comparison.swap_preempted
                 and not seq.is_warmup):
             keyed = [(p, k) for p in seq.kv.all_pages() if (k := self.pool.key_of(p)) is not None]
-            if keyed and len(keyed) * self.config.pool.page_bytes <= host.capacity_bytes - host.bytes_used:
+            if keyed and len(keyed) * self.config.pool.page_bytes <= host.room_bytes(keyed[0][1]):
                 plan.page_saves.extend(keyed)
                 kind = "swap"
         seq.drop_pages(self.kv)
