@@ -17,7 +17,7 @@ from orchestrator.core.kv_layout import KVLayout
 SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
            "mfs_single_server_policies", "mfs_per_turn",
-           "mfs_member_turns")
+           "mfs_every_member")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
 ATTRIBUTION_SYSTEMS = ("no_shared_pool", "no_family_routing", "no_warm_handover", "no_layer_sharing", "no_tiers")
@@ -116,8 +116,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base.update({**SINGLE_SERVER_POLICIES, **SINGLE_SERVER_ROUTING})
     elif name == "no_affinity":
         base["comparison.use_affinity"] = False
-    elif name == "mfs_member_turns":           # members' decodes step at their own frequencies (member_turns.py)
-        base["scheduler.member_turns"] = 2.0
+    elif name == "mfs_every_member":           # every member steps in every step (no member turns)
+        base["scheduler.member_turns"] = 0.0
     elif name == "mfs_per_turn":               # every turn routed afresh (sessions not kept on their first member)
         base["router.sticky_sessions"] = False
     elif name == "no_family_routing":           # the baselines' routing: complexity only, blind to caches and load

@@ -56,7 +56,8 @@ class SchedulerConfig:
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
     # token-level member scheduling on a shared device (member_turns.py): each member's decodes step at their own
-    # frequency, a member's token period at most this many times that of stepping every member (None = off)
+    # frequency, a member's token period at most this many times that of stepping every member; 0: every member
+    # steps in every step; None: 2 for independent families, 0 for nested ones (their forwards share layers)
     member_turns: float | None = None
 
 
@@ -193,6 +194,8 @@ class MFSConfig:
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
         sched = self.scheduler
         compare = self.comparison
+        _check(sched.member_turns is None or sched.member_turns == 0 or sched.member_turns >= 1,
+               "scheduler.member_turns", f"must be 0 (off), at least 1, or null (got {sched.member_turns})")
         _check(compare.decode_reservation in ("peak", "block", "guaranteed_no_evict"), "comparison.decode_reservation",
                f"must be peak, block or guaranteed_no_evict, got {compare.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
