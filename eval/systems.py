@@ -14,13 +14,14 @@ from orchestrator.core.engine_core import SchedulerFactory
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
-SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "no_affinity",
+SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
-           "mfs_single_server_policies", "mfs_per_turn",
-           "mfs_every_member")
+           "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
-ATTRIBUTION_SYSTEMS = ("no_shared_pool", "no_family_routing", "no_warm_handover", "no_layer_sharing", "no_tiers")
+# mfs_no_spec: speculation (worth nothing where MFS runs without it: the tiny family's default).
+ATTRIBUTION_SYSTEMS = ("no_shared_pool", "no_family_routing", "no_warm_handover", "no_layer_sharing", "no_tiers",
+                       "mfs_no_spec")
 # What separate deployments of the members are, against one family server: the only configuration in which the
 # fair baselines differ from MFS (tests/test_baseline_parity.py holds them to it). Every generic scheduler policy
 # (reservation, retraction, aging, victim order, swap to the host tier, the stall-aware step budget), the host
@@ -35,9 +36,17 @@ DEPLOYMENTS = {
     "comparison.cold_handover": True,           # an escalation re-sends the conversation to another server
     "comparison.warmup": False,                 # no server prefills for another one
     "router.sticky_sessions": True,             # a front balancer keeps a session on its first turn's server
+    "comparison.private_drafts": True,          # speculating, each server drafts with its own draft copy
 }
+# Speculation is a system's own switch: MFS and its ablations run as configured (speculation.enabled), mfs_no_spec
+# without it; the separate deployments run without it, and baseline_spec is their speculating counterpart (each
+# larger member's server with its own copy of the smallest member as draft: its weights out of that server's
+# memory, eval/simulate/setup.py; its pages from that server's slice; a draft cache only it reads). It is set
+# after every other override: a --set cannot turn it on for the plain baselines.
+SPECULATION_SWITCH = {"mfs_no_spec": False, "baseline": False, "baseline_elastic": False, "baseline_per_turn": False,
+                      "baseline_legacy": False, "baseline_spec": True}
 # Baselines on a static split of the pool (baseline_elastic draws from one elastic pool instead).
-SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy")
+SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy", "baseline_spec")
 
 
 def static_deployments(fractions: dict[str, float]) -> dict[str, Any]:
@@ -147,6 +156,8 @@ def system_config(name: str, family: str, num_pages: int, split: dict[str, float
                   host_tier_mb: float | None = None, baseline_host_tier: bool = False) -> MFSConfig:
     overrides = {"family": family, **system_overrides(name, num_pages, split, baseline_split, host_tier_mb,
                                                       baseline_host_tier), **(extra or {})}
+    if name in SPECULATION_SWITCH:
+        overrides["speculation.enabled"] = SPECULATION_SWITCH[name]
     return load_config(overrides=overrides)
 
 

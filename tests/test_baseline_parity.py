@@ -1,6 +1,8 @@
 """The fair baselines differ from MFS only in what MFS is (eval/systems.py DEPLOYMENTS, and on a static split
 each deployment's slice of the pages and its own part of the host tier): every generic scheduler policy, the host
-tier's total size and the engine are MFS's own."""
+tier's total size and the engine are MFS's own. Speculation is a system's own switch: each fair baseline is held to
+the MFS that speculates as it does (baseline_spec to MFS with speculation on, the others to MFS without it), so
+every speculation setting but the private draft copies is MFS's too."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +11,7 @@ from eval.systems import DEPLOYMENTS, SYSTEMS, system_config, system_scheduler
 from orchestrator.core.config import config_to_dict
 
 SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
-FAIR = ("baseline", "baseline_per_turn", "baseline_elastic")
+FAIR = ("baseline", "baseline_per_turn", "baseline_elastic", "baseline_spec")
 # One pool against a slice per deployment, one host tier against a part per deployment (separate servers' own
 # host memory, sized as their slices), no KV reuse across members, family-wide routing, warm handovers: the
 # settings in which a fair baseline may differ from MFS. Nothing else.
@@ -26,18 +28,22 @@ def flat(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: data}
 
 
-def differing(name: str, **kwargs) -> set[str]:
-    mfs = flat(config_to_dict(system_config("mfs", "tiny", 768, SPLIT, **kwargs)))
-    other = flat(config_to_dict(system_config(name, "tiny", 768, SPLIT, **kwargs)))
+def differing(name: str, extra: dict | None = None, **kwargs) -> set[str]:
+    """Settings in which system `name` differs from the MFS that speculates as it does."""
+    other = flat(config_to_dict(system_config(name, "tiny", 768, SPLIT, extra, **kwargs)))
+    counterpart = {**(extra or {}), "speculation.enabled": other["speculation.enabled"]}
+    mfs = flat(config_to_dict(system_config("mfs", "tiny", 768, SPLIT, counterpart, **kwargs)))
     return {k for k in mfs.keys() | other.keys() if mfs.get(k) != other.get(k)}
 
 
 def test_a_fair_baseline_differs_from_mfs_only_in_what_mfs_is():
+    speculating = {"speculation.max_k": 5, "speculation.acceptance": {"tiny-s->tiny-l": 0.6}}
     for name in FAIR:
         for host_tier_mb in (None, 512.0):
-            extra = differing(name, host_tier_mb=host_tier_mb)
-            assert extra <= WHAT_MFS_IS, f"{name} differs from mfs in {sorted(extra - WHAT_MFS_IS)}"
-            assert extra >= set(DEPLOYMENTS), f"{name} is missing part of what separate deployments are"
+            for extra in (None, speculating, {**speculating, "speculation.enabled": True}):
+                found = differing(name, extra, host_tier_mb=host_tier_mb)
+                assert found <= WHAT_MFS_IS, f"{name} differs from mfs in {sorted(found - WHAT_MFS_IS)}"
+                assert found >= set(DEPLOYMENTS), f"{name} is missing part of what separate deployments are"
     assert not {"comparison.static_split", "pool.host_tier_parts"} & differing("baseline_elastic")  # one pool, one tier
     assert {"comparison.static_split", "pool.host_tier_parts"} <= differing("baseline")
 
@@ -46,6 +52,19 @@ def test_each_static_deployment_gets_a_host_tier_part_sized_as_its_slice():
     config = system_config("baseline", "tiny", 768, SPLIT, host_tier_mb=512.0)
     assert config.pool.host_tier_parts == config.comparison.static_split == SPLIT
     assert config.pool.host_tier_mb == system_config("mfs", "tiny", 768, SPLIT, host_tier_mb=512.0).pool.host_tier_mb
+
+
+def test_speculation_is_the_systems_own_switch():
+    """baseline_spec speculates and mfs_no_spec does not, whatever else is set; the plain baselines never do (their
+    speculating counterpart is baseline_spec); MFS as configured."""
+    for extra in (None, {"speculation.enabled": True}, {"speculation.enabled": False}):
+        enabled = {name: system_config(name, "tiny", 768, SPLIT, extra).speculation.enabled
+                   for name in ("mfs", "mfs_no_spec", "baseline", "baseline_elastic", "baseline_spec")}
+        assert enabled["baseline_spec"] and not enabled["mfs_no_spec"]
+        assert not enabled["baseline"] and not enabled["baseline_elastic"]
+        assert enabled["mfs"] is bool(extra and extra["speculation.enabled"])
+    assert system_config("baseline_spec", "tiny", 768, SPLIT).comparison.private_drafts
+    assert not system_config("mfs", "tiny", 768, SPLIT).comparison.private_drafts
 
 
 def test_the_legacy_baseline_is_not_held_to_parity_and_is_not_a_default():

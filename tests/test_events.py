@@ -64,7 +64,9 @@ def test_empty_snapshot_has_zeros_everywhere() -> None:
             "evictions": 0, "offloads": {"host": 0, "disk": 0},
             "warmups": {"issued": 0, "hit": 0},
             "generated_tokens": {m: 0 for m in MEMBERS}, "prompt_tokens": {m: 0 for m in MEMBERS},
-            "member_steps": {m: 0 for m in MEMBERS}},
+            "member_steps": {m: 0 for m in MEMBERS},
+            "drafted_tokens": {"s->m": 0, "s->l": 0}, "accepted_draft_tokens": {"s->m": 0, "s->l": 0},
+            "draft_length_steps": {}},
         "queue_wait_s": {m: {"count": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0} for m in MEMBERS},
         "recent_routes": []}
     json.dumps(snap)

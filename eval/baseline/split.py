@@ -100,6 +100,21 @@ def pilot_figures(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {k: metrics.get(k) for k in PILOT_FIGURES}
 
 
+def pages_rule(layout: KVLayout, family: FamilySpec, config) -> Callable[[str, int], int]:
+    """(member, tokens) -> the pages a request holds on that member's server: its own, plus its draft's where each
+    server drafts with its own copy of the smallest member (speculating, comparison.private_drafts: the draft's
+    tables come from the same slice, one page per draft layer per block)."""
+    if not (config.speculation.enabled and config.comparison.private_drafts):
+        return layout.pages_for_tokens
+    draft = family.members[0]
+    draft_block = layout.tokens_per_block(draft.name)
+
+    def pages_for_tokens(member: str, num_tokens: int) -> int:
+        own = layout.pages_for_tokens(member, num_tokens)
+        return own if member == draft.name else own + -(-num_tokens // draft_block) * draft.num_layers
+    return pages_for_tokens
+
+
 def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tuple[float, ...],
                           split: StaticSplit, estimator, run_pilot: PilotRunner | None, cost_model: str = "",
                           progress=None) -> tuple[dict[str, float], dict[str, Any]]:
@@ -193,7 +208,7 @@ def shortlisted(settings, family: FamilySpec, pilot: Trace, at: tuple[float, ...
 
     router = Router(family, config.router)
     layout = KVLayout.for_config(family, config)       # the scheduler's own pages rule for the baseline's config
-    simulator = SplitSimulator(family.member_names, layout.pages_for_tokens, config.num_arena_pages(),
+    simulator = SplitSimulator(family.member_names, pages_rule(layout, family, config), config.num_arena_pages(),
                                metrics["solo_decode_step_s"],
                                {m: layout.tokens_per_block(m) for m in family.member_names},
                                max_running=config.scheduler.max_running_requests,

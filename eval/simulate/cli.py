@@ -23,13 +23,15 @@ from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add
                             format_table, settings_from_args, static_split_for, trace_from_file)
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.result import curve_points, curve_result, rate_point
+from eval.simulate.acceptance import acceptance_table
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary, Confidences
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.published_quality import BENCHMARK
 from eval.simulate.replay import cost_model_label, run_system, split_pilot_runner, stats_interval_for
-from eval.simulate.setup import SimSetup, is_paper_family, measured_model_path, paper_setup, pooled_setups, tiny_setup
+from eval.simulate.setup import (SimSetup, is_paper_family, measured_model_path, paper_setup, pooled_setups,
+                                 private_draft_memory, tiny_setup)
 from eval.simulate.step_table import StepTableError, save_table
 from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
@@ -86,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default) or 'parametric:P1,...@MEAN' (a probability per member but the largest and the "
                              "mean trip position in tokens: eval/simulate/escalation_model.py; paper-scale default "
                              "parametric with 0.15 per member @24)")
+    parser.add_argument("--acceptance", type=float, default=None, metavar="A",
+                        help="speculation: the per-token acceptance of every draft->target pair, greedy and sampled "
+                             "(default: the published Qwen3 figure, about 0.76 greedy, for paper-scale families; the "
+                             "tiny family's measured table, else 0.7 assumed: eval/simulate/acceptance.py)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--max-turns", type=int, default=None)
@@ -118,7 +124,8 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
     pooled, separate = pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table,
                                      args.block_tokens, host_tier_gib_per_gpu=_host_tier_gib(args),
                                      saves_overlap=not args.serial_saves)
-    return _with_policies(pooled, args, settings), _with_policies(separate, args, settings)
+    return (_with_acceptance(args, _with_policies(pooled, args, settings)),
+            _with_acceptance(args, _with_policies(separate, args, settings)))
 
 
 def _host_tier_gib(args: argparse.Namespace) -> float:
@@ -129,7 +136,16 @@ def _host_tier_gib(args: argparse.Namespace) -> float:
 
 
 def build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
-    return _with_policies(_build_setup(args, settings), args, settings)
+    return _with_acceptance(args, _with_policies(_build_setup(args, settings), args, settings))
+
+
+def _with_acceptance(args: argparse.Namespace, setup: SimSetup) -> SimSetup:
+    """What the setup's simulated verifies accept (acceptance.py; --acceptance overrides every pair)."""
+    try:
+        setup.acceptance = acceptance_table(setup.family_name, setup.member_names, getattr(args, "acceptance", None))
+    except ValueError as exc:
+        raise PlacementError(str(exc)) from None
+    return setup
 
 
 def _with_policies(setup: SimSetup, args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
@@ -195,8 +211,25 @@ def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyT
     return trace
 
 
+def _extra(setup: SimSetup, settings: BenchSettings) -> dict[str, Any]:
+    """Every system's overrides: the setup's (a GPU's scheduler, speculation's priors from the acceptance table),
+    then --set."""
+    priors = {"speculation.acceptance": setup.acceptance.priors()} if setup.acceptance is not None else {}
+    return {**setup.overrides, **priors, **settings.extra_overrides}
+
+
+def _draft_copies(setup: SimSetup, configs: dict, names) -> list[str]:
+    """Private draft copies out of each speculating separate deployment's memory (setup.private_draft_memory)."""
+    notes = []
+    for name in names:
+        note = private_draft_memory(setup, configs[name])
+        if note is not None:
+            notes.append(f"{name}: {note}")
+    return notes
+
+
 def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, tokenizer) -> tuple[dict, Any]:
-    extra = {**setup.overrides, **settings.extra_overrides}
+    extra = _extra(setup, settings)
     split = None
     if setup.split is not None:
         if "baseline_elastic" in settings.systems:
@@ -221,29 +254,37 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
         for name, config in configs.items():
             if system_scheduler(name) is None:
                 config.scheduler.max_running_requests *= len(setup.member_names)
+    setup.notes.extend(_draft_copies(setup, configs, configs))
     return configs, split
 
 
 def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace, rates, split, configs: dict,
-                          confidences: Confidences, tokenizer) -> dict[str, Any]:
+                          confidences: Confidences, tokenizer, system: str = "baseline") -> dict[str, Any]:
     """The bench's own baseline split (eval/baseline/split.py) on this run's setup: the operator's default and the
     search's shortlist re-scored by the core on a simulated pilot. Replaces the split baselines' configs; returns
-    what the JSON says about the split."""
+    what the JSON says about the split. system: whose split (baseline_spec searches its own: its draft copies and
+    drafts change what each server holds), applied to the split baselines that speculate as it does."""
     family = setup.family or load_family(settings.family)
-    extra = {**setup.overrides, **settings.extra_overrides}
+    extra = _extra(setup, settings)
 
     def config_on(fractions: dict[str, float]):
-        return system_config("baseline", settings.family, setup.num_pages, fractions, extra,
-                             host_tier_mb=setup.host_tier_mb, baseline_host_tier=settings.baseline_host_tier)
+        config = system_config(system, settings.family, setup.num_pages, fractions, extra,
+                               host_tier_mb=setup.host_tier_mb, baseline_host_tier=settings.baseline_host_tier)
+        private_draft_memory(setup, config)
+        return config
 
-    run_pilot = split_pilot_runner(setup, config_on, confidences, tokenizer.vocab_size)
-    chosen, about = choose_baseline_split(replace(settings, kv_pages=setup.num_pages), family, trace, tuple(rates),
-                                          split, complexity_estimator(tokenizer), run_pilot, cost_model_label(setup))
+    run_pilot = split_pilot_runner(setup, config_on, confidences, tokenizer.vocab_size, system)
+    searched = config_on(split.fractions)
+    chosen, about = choose_baseline_split(replace(settings, kv_pages=searched.pool.num_pages), family, trace,
+                                          tuple(rates), split, complexity_estimator(tokenizer), run_pilot,
+                                          cost_model_label(setup))
+    speculates = searched.speculation.enabled
     for name in configs:
-        if name in SPLIT_BASELINES:
+        if name in SPLIT_BASELINES and configs[name].speculation.enabled == speculates:
             configs[name] = system_config(name, settings.family, setup.num_pages, chosen, extra,
                                           host_tier_mb=setup.host_tier_mb,
                                           baseline_host_tier=settings.baseline_host_tier)
+            private_draft_memory(setup, configs[name])
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
 
@@ -336,7 +377,15 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     about_split: dict[str, Any] = {"baseline_split_mode": None if not split_baselines else
                                    "placement" if placed else "traffic"}
     if split_baselines and not placed and settings.baseline_split != "traffic":
-        about_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer)
+        plain = [n for n in split_baselines if not configs[n].speculation.enabled]
+        if plain:
+            about_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer)
+        if "baseline_spec" in configs:
+            spec_split = search_baseline_split(setup, settings, trace, rates, split, configs, confidences, tokenizer,
+                                               system="baseline_spec")
+            if not plain:
+                about_split = {"baseline_split_mode": spec_split["baseline_split_mode"]}
+            about_split["baseline_spec_split"] = {k: v for k, v in spec_split.items() if k != "baseline_split_mode"}
     points = []
     for rate in rates:
         at_rate = trace.at_rate(rate)
@@ -384,6 +433,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                           "cost_model": separate.cost.describe(),
                           "systems": [n for n in settings.systems if setups[n] is separate]}}),
                       "confidences": confidences.describe(),
+                      "acceptance": setup.acceptance.describe() if setup.acceptance is not None else None,
                       "tokenizer": ("the shipped tiny family's tokenizer (the simulated family's own)" if
                                     setup.family is None else TOKENIZER_NOTE),
                       "trace_build_s": round(trace_s, 1), "simulate_s": round(sim_s, 1),

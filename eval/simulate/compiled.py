@@ -39,6 +39,7 @@ MODULES = (
     "orchestrator.core.block_hash", "orchestrator.core.complexity", "orchestrator.core.events",
     "orchestrator.core.types", "orchestrator.core.kv_layout", "orchestrator.core.router",
     "orchestrator.core.member_turns",
+    "orchestrator.core.speculation",
     "eval.baseline.deployments",
     "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",
     "eval.simulate.confidence", "eval.simulate.escalation_model", "eval.simulate.cost_model",

@@ -13,7 +13,11 @@ from typing import Any, Protocol
 
 from eval.simulate.step_table import StepTable
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import MemberBatch, StepPlan
+from orchestrator.core.types import ForwardShape, MemberBatch, StepPlan
+
+# A draft's catch-up of at most this many tokens is priced as a verify's rows (its request's KV read once, the rows
+# through the weights); a longer one (its first step after admission) as a prefill chunk.
+CATCH_UP_VERIFY_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,18 +29,23 @@ class BatchShape:
     prefills: tuple[tuple[int, int], ...]            # per prefill chunk: (new tokens, tokens before it)
     layer_fraction: float = 1.0                      # share of the member's layers computed (nested handover)
     own_forward: bool = True                         # False: rows join a larger nested member's forward (merged)
+    # speculation: per few-row chunk at a context (a verify's k + 1 rows, a draft's catch-up): (rows, tokens
+    # before them); each reads its request's KV once, as a decode does
+    verifies: tuple[tuple[int, int], ...] = ()
+    draft: bool = False                              # a draft forward: runs before the step's member batches
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode_contexts) + sum(n for n, _ in self.prefills)
+        return len(self.decode_contexts) + sum(n for n, _ in self.prefills) + sum(r for r, _ in self.verifies)
 
 
 def plan_shapes(plan: StepPlan, family: FamilySpec) -> list[BatchShape]:
-    """Shapes of a plan's member batches. As the local engine merges them (engines/local/executor.py), a batch
-    whose member nests in a larger member of the same plan (its layers are that member's lower layers) rides in
-    that member's forward; only the outermost batch of such a group pays a forward of its own."""
+    """Shapes of a plan's forwards: its draft forwards first (speculation: draft_shapes), then its member batches.
+    As the local engine merges them (engines/local/executor.py), a batch whose member nests in a larger member of
+    the same plan (its layers are that member's lower layers) rides in that member's forward; only the outermost
+    batch of such a group pays a forward of its own."""
     present = [b.member for b in plan.batches if b.chunks]
-    shapes = []
+    shapes = draft_shapes(plan)
     for batch in plan.batches:
         if not batch.chunks:
             continue
@@ -60,20 +69,64 @@ def rides_in(family: FamilySpec, member: str, other: str) -> bool:
 
 
 def batch_shape(batch: MemberBatch, num_layers: int, own_forward: bool = True) -> BatchShape:
-    """The shape of a core MemberBatch: a one-token chunk that samples is a decode, anything else a prefill."""
+    """The shape of a core MemberBatch: a one-token chunk that samples is a decode (with a draft: a verify of its
+    k + 1 rows), anything else a prefill."""
     decodes: list[int] = []
     prefills: list[tuple[int, int]] = []
-    layers_computed = 0
+    verifies: list[tuple[int, int]] = []
+    layers_computed = total = 0
     for chunk in batch.chunks:
         n = len(chunk.token_ids)
-        if n == 1 and chunk.sample and chunk.start_pos > 0:
+        if chunk.draft is not None:
+            n = 1 + chunk.draft.num_tokens
+            verifies.append((n, chunk.start_pos))
+        elif n == 1 and chunk.sample and chunk.start_pos > 0:
             decodes.append(chunk.start_pos)
         else:
             prefills.append((n, chunk.start_pos))
         layers_computed += (num_layers - chunk.start_layer) * n
-    total = sum(len(c.token_ids) for c in batch.chunks)
+        total += n
     fraction = layers_computed / (num_layers * total) if total else 1.0
-    return BatchShape(batch.member, tuple(decodes), tuple(prefills), fraction, own_forward)
+    return BatchShape(batch.member, tuple(decodes), tuple(prefills), fraction, own_forward, tuple(verifies))
+
+
+def draft_shapes(plan: StepPlan) -> list[BatchShape]:
+    """The draft forwards of a plan, per draft member: the first catches every draft up to its request's last
+    token and drafts one token (a catch-up of one token is a decode; of a few, a verify's rows; of many, a prefill
+    chunk), then k - 1 forwards of one drafted token each (a request drafting fewer leaves the later ones)."""
+    by_member: dict[str, list] = {}
+    for batch in plan.batches:
+        for chunk in batch.chunks:
+            if chunk.draft is not None:
+                by_member.setdefault(chunk.draft.member, []).append(chunk)
+    shapes = []
+    for member, chunks in by_member.items():
+        decodes: list[int] = []
+        verifies: list[tuple[int, int]] = []
+        prefills: list[tuple[int, int]] = []
+        for chunk in chunks:
+            spec = chunk.draft
+            rows = len(spec.token_ids)
+            if rows == 1:
+                decodes.append(spec.start_pos)
+            elif rows <= CATCH_UP_VERIFY_ROWS:
+                verifies.append((rows, spec.start_pos))
+            else:
+                prefills.append((rows, spec.start_pos))
+        shapes.append(BatchShape(member, tuple(decodes), tuple(prefills), verifies=tuple(verifies), draft=True))
+        for j in range(1, max(c.draft.num_tokens for c in chunks)):
+            contexts = tuple(c.start_pos + j for c in chunks if c.draft.num_tokens > j)
+            shapes.append(BatchShape(member, contexts, (), draft=True))
+    return shapes
+
+
+def forward_batch_shapes(forwards: list[ForwardShape], family: FamilySpec) -> list[BatchShape]:
+    """The core's ForwardShapes (what the draft-length policy asks the price of) as cost-model shapes: a member
+    batch that nests in a larger member of the same step rides in its forward, as in plan_shapes."""
+    present = [f.member for f in forwards if not f.is_draft]
+    return [BatchShape(f.member, f.decode_contexts, f.prefills, 1.0,
+                       f.is_draft or not any(rides_in(family, f.member, other) for other in present),
+                       f.verifies, f.is_draft) for f in forwards]
 
 
 class CostModel(Protocol):
@@ -179,6 +232,10 @@ class TableCostModel:
     max(P, D) + mix_overlap * min(P, D). Chunks resuming at a layer > 0 (nested handover) scale by the
     share of layers computed. A batch riding in a larger nested member's forward (own_forward False) costs
     ride_overlap times that: its rows go through layers the host runs anyway, as the local engine merges them.
+    Verifies (speculation) join the decodes: a verify of r rows reads its request's KV once, as a decode does,
+    and its r - 1 extra rows cost what they add to a forward's matrix work: D = decode_ms(decodes + verifies,
+    their mean context) + prefill_ms(all rows, 0) - prefill_ms(decodes + verifies, 0). (The table's prefill entries
+    are one sequence: n verifies priced as one chunk of their rows would read one request's KV, not n.)
     """
 
     def __init__(self, table: StepTable, name: str = "table", saves_overlap: bool = False) -> None:
@@ -189,7 +246,9 @@ class TableCostModel:
     def batch_s(self, shape: BatchShape) -> float:
         costs = self.table.member(shape.member)
         decode_ms = prefill_ms = 0.0
-        if shape.decode_contexts:
+        if shape.verifies:
+            decode_ms = _rows_ms(costs, shape.decode_contexts, shape.verifies)
+        elif shape.decode_contexts:
             n = len(shape.decode_contexts)
             decode_ms = costs.decode_ms(n, sum(shape.decode_contexts) / n)
         if shape.prefills:
@@ -213,6 +272,16 @@ class TableCostModel:
                 "saves_overlap": self.saves_overlap,
                 "members": {n: {"model": m.model, "tp": m.tp} for n, m in self.table.members.items()},
                 "notes": list(self.table.notes)}
+
+
+def _rows_ms(costs, decode_contexts: tuple[int, ...], verifies: tuple[tuple[int, int], ...]) -> float:
+    """A batch's decodes and verifies (TableCostModel): every request's KV read once at its context, plus the
+    matrix work of the verifies' extra rows."""
+    requests = len(decode_contexts) + len(verifies)
+    context = (sum(decode_contexts) + sum(c for _, c in verifies)) / requests
+    rows = len(decode_contexts) + sum(r for r, _ in verifies)
+    extra = costs.prefill_ms(rows, 0) - costs.prefill_ms(requests, 0)
+    return costs.decode_ms(requests, context) + max(0.0, extra)
 
 
 class TableWithServingTerms(TableCostModel):
@@ -255,10 +324,12 @@ def features(shape: BatchShape) -> tuple[float, ...]:
     """Per member batch: 1 when it runs its own forward (0 when merged into a larger member's), decode rows, their
     summed context (thousands of tokens), prefill tokens, prefill attention work (new tokens x tokens attended,
     millions), prefill chunks (each pays the prefill path's fixed cost: its causal mask, its page writes; a fit
-    saved with five coefficients prices it 0)."""
+    saved with five coefficients prices it 0). A verify's rows (speculation) go through the local engine's
+    multi-token path: they count as a prefill chunk of that many tokens at its context."""
+    chunks = shape.prefills + shape.verifies if shape.verifies else shape.prefills
     return (1.0 if shape.own_forward else 0.0, float(len(shape.decode_contexts)), sum(shape.decode_contexts) / 1e3,
-            float(sum(n for n, _ in shape.prefills)), sum(n * (p + n / 2) for n, p in shape.prefills) / 1e6,
-            float(len(shape.prefills)))
+            float(sum(n for n, _ in chunks)), sum(n * (p + n / 2) for n, p in chunks) / 1e6,
+            float(len(chunks)))
 
 
 class LinearCostModel:

@@ -11,19 +11,27 @@ or after a prefill (cost_model.HistoryTracker).
 Tokens: a seeded stream, token = hash(request key, position), the same in every system; or, when a real run's
 replies are given (the validation replays its own real runs), that run's reply token at that position, so a
 closed-loop session's next prompt is the real one and the router reads the same text. Confidences: the
-recorded library (confidence.py). Page contents are not simulated: read_page returns one shared block of
+recorded library (confidence.py). A chunk with a draft (speculation) gets the same stream's tokens, as many as its
+verify accepts: each draft is kept with its pair's per-token acceptance (acceptance.py), drawn from a hash of the
+request key and the position (the same draws in every system), until the first rejection, then the target's
+token; its cost is the draft member's forwards before the step plus the verify's rows in the target's batch
+(cost_model.draft_shapes), and the executor prices a step the core asks about the same way (estimate_step_s).
+Page contents are not simulated: read_page returns one shared block of
 page_bytes zeros, so the host tier's byte accounting is exact while holding no real memory per page.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 
+from eval.simulate.acceptance import AcceptanceTable, acceptance_table
 from eval.simulate.confidence import Confidences
-from eval.simulate.cost_model import BatchShape, CostModel, HistoryTracker, plan_shapes, prefill_tokens_of
+from eval.simulate.cost_model import (BatchShape, CostModel, HistoryTracker, forward_batch_shapes, plan_shapes,
+                                      prefill_tokens_of)
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import PageId, RequestId, SampledToken, StepPlan
+from orchestrator.core.types import ForwardShape, MemberName, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 FIRST_TOKEN_ID = 3          # ids below are specials in the shipped tokenizer (pad, bos, eos)
 
@@ -33,7 +41,8 @@ class SimExecutor:
                  confidences: Confidences, vocab_size: int, members_in_parallel: bool = False,
                  request_keys: dict[str, str] | None = None,
                  replies: Mapping[str, Sequence[int]] | None = None,
-                 natural_lengths: Mapping[str, int] | None = None) -> None:
+                 natural_lengths: Mapping[str, int] | None = None,
+                 acceptance: AcceptanceTable | None = None) -> None:
         self.family = family
         self.num_pages = num_pages
         self.page_bytes = page_bytes
@@ -47,6 +56,7 @@ class SimExecutor:
         # real reply ends where it ended
         self.natural_lengths = {k: n for k, n in (natural_lengths or {}).items() if k not in self.replies}
         self._eos = {m.name: (m.eos_token_ids[0] if m.eos_token_ids else None) for m in family.members}
+        self.acceptance = acceptance or acceptance_table(family.name, family.member_names)
         self._zero_page = bytes(page_bytes)
         self._key_crc: dict[str, int] = {}      # request key -> CRC-32 of its bytes (the token stream's prefix)
         self._save_bytes = 0                    # arena -> host tier since the last step (read_page)
@@ -83,9 +93,24 @@ class SimExecutor:
         """What the plan costs (also the tier copies made since the last step)."""
         return self._step_s(plan_shapes(plan, self.family))
 
-    def _step_s(self, shapes: list[BatchShape]) -> float:
+    def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float:
+        """What a step of these forwards would cost (engine_api.StepCostEstimator: speculation's draft length),
+        its forwards priced as a plan's are (no tier copies, no history: the same for every draft length)."""
+        return self.cost.step_overhead_s() + self._compute_s(forward_batch_shapes(list(forwards), self.family))
+
+    def _compute_s(self, shapes: list[BatchShape]) -> float:
         costs = [self.cost.batch_s(shape) for shape in shapes]
-        compute = (max(costs) if self.members_in_parallel else sum(costs)) if costs else 0.0
+        if not costs:
+            return 0.0
+        if not self.members_in_parallel:
+            return sum(costs)
+        # members on devices of their own step on timelines of their own (node.py): a verifying member's step waits
+        # for its drafts, priced in its step (the draft member's own timeline is not charged for them)
+        drafts = sum(cost for shape, cost in zip(shapes, costs) if shape.draft)
+        return drafts + max((cost for shape, cost in zip(shapes, costs) if not shape.draft), default=0.0)
+
+    def _step_s(self, shapes: list[BatchShape]) -> float:
+        compute = self._compute_s(shapes)
         saves, loads = self.cost.copy_s(self._save_bytes), self.cost.copy_s(self._load_bytes)
         body = max(compute, saves) if self.cost.saves_overlap else compute + saves
         return self.cost.step_overhead_s() + body + loads
@@ -118,12 +143,40 @@ class SimExecutor:
                 request_id = chunk.request_id
                 key = keys.get(request_id, request_id)
                 position = chunk.num_generated
+                if chunk.draft is not None:
+                    out.extend(self._verify(member, chunk, key, position))
+                    continue
                 p = value(key, member, position)
                 token = token_id(key, position)
                 if natural and natural.get(key) == position:
                     token = self._eos[member] if self._eos[member] is not None else token
                 out.append(SampledToken(request_id=request_id, token_id=token, logprob=_log(p), top1_prob=p))
         return out
+
+    def _verify(self, member: MemberName, chunk: SeqChunk, key: str, position: int) -> list[SampledToken]:
+        """A verify's tokens: the stream's tokens from `position`, one per accepted draft plus the target's own
+        (EOS ends them where the reply ends); the first says how many were drafted."""
+        draft = chunk.draft
+        assert draft is not None
+        k = draft.num_tokens
+        acceptance = self.acceptance.of(f"{draft.member}->{member}").for_temperature(chunk.sampling.temperature)
+        accepted = 0
+        while accepted < k and acceptance_draw(key, position + accepted) < acceptance:
+            accepted += 1
+        eos, natural = self._eos[member], self.natural_lengths
+        stops = not chunk.sampling.ignore_eos
+        tokens = []
+        for i in range(accepted + 1):
+            at = position + i
+            p = self.confidences.value(key, member, at)
+            token = self.token_id(key, at)
+            if natural and natural.get(key) == at and eos is not None:
+                token = eos
+            tokens.append(SampledToken(request_id=chunk.request_id, token_id=token, logprob=_log(p), top1_prob=p,
+                                       num_drafted=k if i == 0 else 0))
+            if stops and token == eos:
+                break
+        return tokens
 
     def read_page(self, page: PageId) -> bytes:
         self._save_bytes += self.page_bytes
@@ -136,6 +189,13 @@ class SimExecutor:
         for request_id in request_ids:
             key = self.request_keys.pop(request_id, None)
             self._key_crc.pop(key if key is not None else request_id, None)
+
+
+def acceptance_draw(key: str, position: int) -> float:
+    """A uniform draw in [0, 1) for the draft at generated position `position` of request `key`: the same in every
+    system and every run (a hash, like the token stream)."""
+    digest = hashlib.blake2b(b"%s|accept|%d" % (key.encode(), position), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0 ** 64
 
 
 def _log(p: float) -> float:

@@ -6,3 +6,4 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_LIBRARY = HERE / "data" / "tiny_confidences.json"     # per-token confidences recorded from the tiny family
+TABLES_DIR = HERE / "tables"                                  # step tables, fitted models, acceptance tables

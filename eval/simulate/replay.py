@@ -33,7 +33,8 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
 
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
-                           members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths)
+                           members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths,
+                           acceptance=setup.acceptance)
 
     def make_nodes(clock, events, on_output):
         share = scheduler_factory is not None and setup.colocated_deployments == "shared"
@@ -62,12 +63,14 @@ def stats_interval_for(trace: Trace) -> float:
     return max(STATS_INTERVAL_S, (trace.arrival_times_s[-1] if trace.arrival_times_s else 0.0) / 2000)
 
 
-def split_pilot_runner(setup: SimSetup, config_on, confidences: Confidences, vocab_size: int):
-    """eval.baseline.split's PilotRunner on this setup: the baseline on a split (config_on(fractions)), simulated."""
+def split_pilot_runner(setup: SimSetup, config_on, confidences: Confidences, vocab_size: int,
+                       system: str = "baseline"):
+    """eval.baseline.split's PilotRunner on this setup: the baseline (or `system`, another split baseline) on a
+    split (config_on(fractions)), simulated."""
     def run_pilot(fractions: dict[str, float], trace: Trace):
         config = config_on(fractions)
-        run, metrics = run_system("baseline_split_pilot", config, setup, trace, confidences, vocab_size,
-                                  stats_interval_for(trace), scheduler_factory=system_scheduler("baseline"))
+        run, metrics = run_system(f"{system}_split_pilot", config, setup, trace, confidences, vocab_size,
+                                  stats_interval_for(trace), scheduler_factory=system_scheduler(system))
         return config, run.records, without_rows(metrics)
 
     return run_pilot

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.simulate.acceptance import AcceptanceTable
 from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
 from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, HOST_TIER_GIB_PER_GPU, PRESETS,
                                     DeviceMemory, page_bytes_for, paper_family, tensor_parallel)
 from eval.simulate.fleet import Placement, PlacementError
 from eval.simulate.step_table import StepTable, StepTableError, load_table, save_table
 from eval.weights import member_weight_bytes, weight_bytes
+from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.core.page_pool import split_pages
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 MEASURED_TABLE = TABLES_DIR / "tiny_measured.json"       # execute() timed offline on a grid (eval.simulate.measure)
@@ -60,6 +63,8 @@ class SimSetup:
     notes: list[str] = field(default_factory=list)
     capacity_policy: str = "max_utilization"      # every system's admission (cli.CAPACITY_POLICIES)
     colocated_deployments: str = "turns"          # separate deployments on one device: shared | turns (node.py)
+    acceptance: AcceptanceTable | None = None   # speculation: what a simulated verify accepts (acceptance.py)
+    free_fraction: float = FREE_GPU_MEMORY_FRACTION
 
     @property
     def members_in_parallel(self) -> bool:
@@ -69,6 +74,33 @@ class SimSetup:
         """What the bench's decode probe would measure: one request decoding alone at short context."""
         return {m: self.cost.step_overhead_s() + self.cost.batch_s(BatchShape(m, (SOLO_DECODE_CONTEXT,), ()))
                 for m in self.member_names}
+
+
+def private_draft_memory(setup: SimSetup, config: MFSConfig) -> str | None:
+    """Takes the draft copies of a system whose servers each keep their own (comparison.private_drafts, speculating)
+    out of its KV memory: each larger member's server holds the smallest member's weights too, which take their
+    share of the GPU memory the arena is made of ((memory - weights) x free_fraction). Servers sharing GPUs
+    (colocated: the operator chooses each one's share) keep their split of what is left; a server on GPUs of its own
+    (per-member placement: the split is the GPUs') loses its copy from its own slice. Paper-scale families only (the
+    tiny family's pool is given in pages). Returns what it did."""
+    if setup.family is None or not (config.speculation.enabled and config.comparison.private_drafts):
+        return None
+    draft = setup.family.members[0]
+    pages = int(int(draft.serving["weight_bytes"]) * setup.free_fraction) // setup.page_bytes
+    targets = [m.name for m in setup.family.members[1:]]
+    split = config.comparison.static_split
+    if split is None or setup.split is None:
+        config.pool.num_pages -= pages * len(targets)
+    else:
+        per = split_pages(config.pool.num_pages, split)
+        for name in targets:
+            per[name] -= pages
+        if min(per.values()) <= 0:
+            raise PlacementError(f"a draft copy of {draft.name} ({pages} pages) leaves a server no KV memory: {per}")
+        config.pool.num_pages = sum(per.values())
+        config.comparison.static_split = {m: n / config.pool.num_pages for m, n in per.items()}
+    return (f"{draft.name}'s weights held once more by each of {', '.join(targets)}'s servers (their own draft "
+            f"copies): {pages} pages each out of their KV memory")
 
 
 def load_cost_model(path: str | Path, name: str) -> CostModel:
@@ -163,7 +195,7 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
     gpus_per_node = (table.member(preset[0][0]).tp if placement.kind == "colocated"
                      else sum(table.member(n).tp for n, _ in preset))
     host_tier_gib = host_tier_gib_per_gpu * gpus_per_node
-    return SimSetup(family_name=family, family=spec, member_names=spec.member_names,
+    return SimSetup(family_name=family, family=spec, member_names=spec.member_names, free_fraction=free_fraction,
                     cost=TableCostModel(table, "aiconfigurator", saves_overlap), placement=placement, num_pages=num_pages,
                     page_bytes=page_bytes, split=split, overrides=overrides, host_tier_mb=host_tier_gib * 1024, gpu=gpu,
                     memory={**memory, "block_tokens": block_tokens, "weights_gib": {n: round(w / 2**30, 2)

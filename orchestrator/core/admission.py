@@ -12,6 +12,7 @@ from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.reservation import Reservation
 from orchestrator.core.sequence import Sequence
+from orchestrator.core.speculation import Speculation
 from orchestrator.core.types import RequestState, StepPlan
 
 
@@ -31,12 +32,14 @@ class MaxRunning:
 
 class Admission:
     def __init__(self, parts: SchedulerParts, reservation: Reservation, handover: Handover,
-                 forget: Callable[[Sequence], None], running_cap: RunningCap | None = None) -> None:
+                 forget: Callable[[Sequence], None], running_cap: RunningCap | None = None,
+                 speculation: Speculation | None = None) -> None:
         self.family, self.config, self.kv, self.capacity_pages = (parts.family, parts.config, parts.kv,
                                                                   parts.capacity_pages)
         self.running, self.waiting, self.events, self.stats = parts.running, parts.waiting, parts.events, parts.stats
         self.reservation, self.handover, self.forget = reservation, handover, forget
         self.running_cap = running_cap or MaxRunning(self.config.scheduler.max_running_requests)
+        self.speculation = speculation
         self._admit_counter = itertools.count()
 
     def admit(self, plan: StepPlan, now_s: float, members: Collection[str] | None = None) -> None:
@@ -61,7 +64,7 @@ class Admission:
                     kept.append(seq)
                     continue
                 if (not self.running_cap.has_room(seq, self.running) or seq.member in blocked
-                        or not self.try_admit(seq, plan, now_s, held.get(part, 0))):
+                        or not self._admit_or_free_drafts(seq, plan, now_s, held.get(part, 0))):
                     if seq.is_warmup:
                         self.forget(seq)   # a warm-up that cannot run now is worthless later
                         continue
@@ -79,6 +82,14 @@ class Admission:
             # Nothing runs, so nothing will free pages: escalation pins must not keep the queue stuck.
             for name in self.family.member_names:
                 self.handover.release_pins(name)
+
+    def _admit_or_free_drafts(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int) -> bool:
+        """try_admit; a request refused pages gets another try once the running requests' drafts in its pool are
+        given back (a draft only speeds a request up: a waiting request's pages come first)."""
+        if self.try_admit(seq, plan, now_s, held_pages):
+            return True
+        return (not seq.is_warmup and self.speculation is not None
+                and self.speculation.release_drafts(seq.member) and self.try_admit(seq, plan, now_s, held_pages))
 
     def try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
         if seq.is_warmup and self.running.num_on(seq.member):
@@ -111,6 +122,8 @@ class Admission:
             return False
         seq.kv, loads = attached
         plan.page_loads.extend(loads)
+        if self.speculation is not None:
+            self.speculation.attach(seq, reserve_pages + self.reservation.draft_decode_pages(seq), plan.page_loads)
         seq.num_computed_tokens = match.num_full_tokens
         seq.shared_until_tokens = match.num_full_tokens + match.num_shared_tokens
         seq.shared_depth = match.shared_depth

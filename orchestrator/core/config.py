@@ -1,7 +1,7 @@
 """MFS configuration: one dataclass tree, loaded from YAML in one place and validated with clear errors.
 
 Every policy knob lives here (documented in docs/CONFIG.md). The sections an operator sets are pool, scheduler,
-router, escalation and engine; `comparison` holds the switches the compared systems of eval/ flip (a baseline's
+router, escalation, speculation and engine; `comparison` holds the switches the compared systems of eval/ flip (a baseline's
 static split, an ablation's cold handover) and `developer` the engine's implementation toggles: serving MFS
 leaves both at their defaults. Nothing else reads the environment or parses YAML for settings.
 """
@@ -113,6 +113,19 @@ class EscalationConfig:
 
 
 @dataclass(slots=True)
+class SpeculationConfig:
+    """Draft-target speculation inside the family: a smaller member drafts tokens that the request's own member
+    verifies in the same step (orchestrator/core/speculation.py)."""
+
+    enabled: bool = False
+    max_k: int = 4                        # most tokens drafted per request per step
+    fixed_k: int = 3                      # drafted tokens per step when the executor offers no step-cost estimate
+    # prior per-token acceptance of each "draft->target" pair, before any verify is observed
+    acceptance: dict[str, float] = field(default_factory=dict)
+    default_acceptance: float = 0.7       # the prior of a pair the table does not name
+
+
+@dataclass(slots=True)
 class EngineConfig:
     kind: str = "local"                   # local | triton
     device: str = "auto"                  # auto | cpu | cuda
@@ -142,6 +155,9 @@ class ComparisonSwitches:
     decode_reserve_blocks: int = 1       # block: blocks kept free per admitted request for its decode
     victim_order: str = "priority_progress"   # priority_progress | youngest (preemption.py)
     swap_preempted: bool = True          # save a victim's blocks to the host tier when it has room
+    # speculation: each member's server drafts with its own copy of the draft member (pages from its own slice,
+    # a draft cache no other server reads)
+    private_drafts: bool = False
 
 
 @dataclass(slots=True)
@@ -169,6 +185,7 @@ class MFSConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     escalation: EscalationConfig = field(default_factory=EscalationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     comparison: ComparisonSwitches = field(default_factory=ComparisonSwitches)
     developer: DeveloperFlags = field(default_factory=DeveloperFlags)
 
@@ -230,6 +247,13 @@ class MFSConfig:
                "must be in [0, 32] (glibc's ceiling on 64-bit)")
         _check(self.developer.parallel_forwards in (None, 1, 2), "developer.parallel_forwards",
                f"must be 1, 2 or null (auto), got {self.developer.parallel_forwards!r}")
+        spec = self.speculation
+        _check(spec.max_k >= 1, "speculation.max_k", "must be >= 1")
+        _check(1 <= spec.fixed_k <= spec.max_k, "speculation.fixed_k", "must be in [1, max_k]")
+        _check(all(0 <= a < 1 for a in (*spec.acceptance.values(), spec.default_acceptance)),
+               "speculation.acceptance", "per-token acceptances must be in [0, 1)")
+        _check(all("->" in pair for pair in spec.acceptance), "speculation.acceptance",
+               "keys name a pair as DRAFT->TARGET")
         _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
                f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from orchestrator.core.types import FinishReason, PageId, Request, RequestId, RequestOutput, SampledToken, StepPlan
+from orchestrator.core.types import (FinishReason, ForwardShape, PageId, Request, RequestId, RequestOutput,
+                                     SampledToken, StepPlan)
 
 
 class StepExecutor(Protocol):
@@ -31,6 +32,14 @@ class StepExecutor(Protocol):
     def release(self, request_ids: Sequence[RequestId]) -> None:
         """Forget per-request state (sampler generators)."""
         ...
+
+
+class StepCostEstimator(Protocol):
+    """What an executor that can price a step offers the core (the simulator's cost model does): the seconds a
+    step of these forwards would take, draft forwards first. Speculation chooses its draft length with it; an
+    executor without it gets the configured fixed length."""
+
+    def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float: ...
 
 
 class ServingEngine(Protocol):

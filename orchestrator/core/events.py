@@ -119,6 +119,9 @@ class Stats:
         self._generated_tokens: dict[str, int] = {}
         self._prompt_tokens: dict[str, int] = {}
         self._member_steps: dict[str, int] = {}
+        self._drafted_tokens: dict[str, int] = {}      # "draft->target" -> tokens drafted (speculation)
+        self._accepted_tokens: dict[str, int] = {}     # "draft->target" -> drafted tokens the target accepted
+        self._draft_length_steps: dict[int, int] = {}  # k chosen -> steps (steps with a request able to draft)
         self._routes: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUTES)
 
     def on_request_done(self, member: str, outcome: str) -> None:
@@ -182,6 +185,17 @@ class Stats:
             for member in members:
                 self._member_steps[member] = self._member_steps.get(member, 0) + 1
 
+    def on_speculation(self, pair: str, drafted_tokens: int, accepted_tokens: int) -> None:
+        """One verify of `pair` ("draft->target"): tokens drafted, and how many of them the target accepted."""
+        with self._lock:
+            self._drafted_tokens[pair] = self._drafted_tokens.get(pair, 0) + drafted_tokens
+            self._accepted_tokens[pair] = self._accepted_tokens.get(pair, 0) + accepted_tokens
+
+    def on_draft_length(self, k: int) -> None:
+        """A step in which some request could draft chose to draft k tokens (0: none)."""
+        with self._lock:
+            self._draft_length_steps[k] = self._draft_length_steps.get(k, 0) + 1
+
     def record_route(self, decision: RouteDecision) -> None:
         route = {"request_id": decision.request_id, "member": decision.member, "reason": decision.reason,
                  "complexity": decision.complexity, "scores": dict(decision.scores),
@@ -220,6 +234,9 @@ class Stats:
                                      for m in _union(members, self._generated_tokens)},
                 "prompt_tokens": {m: self._prompt_tokens.get(m, 0) for m in _union(members, self._prompt_tokens)},
                 "member_steps": {m: self._member_steps.get(m, 0) for m in _union(members, self._member_steps)},
+                "drafted_tokens": {**_draft_pairs(members), **self._drafted_tokens},
+                "accepted_draft_tokens": {**_draft_pairs(members), **self._accepted_tokens},
+                "draft_length_steps": {str(k): n for k, n in sorted(self._draft_length_steps.items())},
             }
             waits = {m: list(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
             routes = [{**r, "scores": dict(r["scores"]), "matched_prefix_tokens": dict(r["matched_prefix_tokens"])}
@@ -265,6 +282,11 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 def _wait_percentiles(waits: list[float]) -> dict[str, float]:
     """A member's recent queue waits: their count and p50/p90/p99 (0.0 while it has none, as its gauges read)."""
     return {"count": len(waits), **{f"p{q}": percentile(waits, q) or 0.0 for q in (50, 90, 99)}}
+
+
+def _draft_pairs(members: list[str]) -> dict[str, int]:
+    """Zeros for every pair speculation drafts for: the smallest member for each larger one."""
+    return {f"{members[0]}->{m}": 0 for m in members[1:]}
 
 
 def _union(members: list[str], extra: Mapping[str, Any]) -> list[str]:

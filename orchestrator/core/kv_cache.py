@@ -52,6 +52,9 @@ class SeqKV:
     residual_out: list[PageId] | None = None              # [block]: exit-depth residual pages this member writes
     residual_in: dict[int, PageId] = field(default_factory=dict)  # block -> residual page feeding a handover
     num_registered_blocks: int = 0
+    # The pool member its pages are allocated as (None: `member`): a draft's pages come from its target's slice
+    # when each server keeps its own draft (comparison.private_drafts)
+    account: str | None = None
     # The tables cut to the first n blocks as the last chunk got them (n, tables, residual_out): a decoding
     # request asks for the same n for tokens_per_block steps in a row, and copying 28-36 layer tables per
     # token was the simulator's top cost. Valid while the live tables keep their first n pages: they only
@@ -184,24 +187,30 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def attach(self, member: str, match: PrefixMatch, hashes: list[bytes], total_tokens: int,
-               reserve_pages: int = 0, evict: bool = True) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]] | None:
+               reserve_pages: int = 0, evict: bool = True, account: str | None = None,
+               residuals: bool = True) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]] | None:
         """Builds a request's block tables for its first total_tokens: acquires matched arena pages,
         allocates pages for tier hits (returned as loads) and for the rest. None if pages are short
         (then nothing is held). reserve_pages must stay available afterwards (decode headroom);
-        evict=False admits only into never-used free pages (warm-ups use idle memory only)."""
-        slots = self._table_slots(member, match, hashes)
-        pages = self._pin_arena_hits(member, slots)
+        evict=False admits only into never-used free pages (warm-ups use idle memory only).
+        account: the pool member the pages are allocated as (None: member); residuals=False: no residual pages
+        even where the member records them (a draft's KV: no handover starts from it)."""
+        records = residuals and self.layout.records_residual(member)
+        account = account or member
+        slots = self._table_slots(member, match, hashes, records)
+        pages = self._pin_arena_hits(account, slots)
         num_blocks = -(-total_tokens // self._blocks[member])
         num_grow = max(0, num_blocks - match.num_full_blocks - match.num_shared_blocks)
-        fresh = pages.count(None) + num_grow * self.pages_per_block(member)
-        enough = (self.pool.can_allocate(member, fresh + reserve_pages) if evict
+        per_block = self.pages_per_block(member) if records else self.family.member(member).num_layers
+        fresh = pages.count(None) + num_grow * per_block
+        enough = (self.pool.can_allocate(account, fresh + reserve_pages) if evict
                   else self.pool.counts()["free"] >= fresh + reserve_pages)
         if not enough:
             for page in pages:
                 if page is not None:
                     self.pool.release(page)
             return None
-        seq, loads = self._fill_tables(member, slots, pages)
+        seq, loads = self._fill_tables(member, slots, pages, account, records)
         seq.num_registered_blocks = match.num_full_blocks
         if not self.grow(seq, total_tokens):
             raise RuntimeError("page pool short after can_allocate said yes")  # invariant
@@ -209,15 +218,14 @@ class KVCacheManager:
 
     def arena_hits(self, member: str, match: PrefixMatch, hashes: list[bytes]) -> list[PageId]:
         """The arena pages attach() would share for this match (read only: nothing is acquired)."""
-        return [page for *_, key in self._table_slots(member, match, hashes)
+        return [page for *_, key in self._table_slots(member, match, hashes, self.layout.records_residual(member))
                 if key is not None and (page := self.pool.lookup(key)) is not None]
 
-    def _table_slots(self, member: str, match: PrefixMatch, hashes: list[bytes]) -> list[_Slot]:
+    def _table_slots(self, member: str, match: PrefixMatch, hashes: list[bytes], records: bool) -> list[_Slot]:
         """The matched part of a request's tables, in table order: full blocks (every layer under its key, and
         the residual this member records if some tier holds it), then shared blocks (lower layers under their
         keys, upper layers fresh, the source's residual read in, this member's own residual fresh)."""
         spec = self.family.member(member)
-        records = self.layout.records_residual(member)
         slots: list[_Slot] = []
         for block in range(match.num_full_blocks):
             block_hash = hashes[block]
@@ -238,23 +246,23 @@ class KVCacheManager:
                     slots.append(("out", None, block, None))
         return slots
 
-    def _pin_arena_hits(self, member: str, slots: list[_Slot]) -> list[PageId | None]:
+    def _pin_arena_hits(self, account: str, slots: list[_Slot]) -> list[PageId | None]:
         """Acquires every slot's page already in the arena (first, so allocating fresh pages cannot evict
         them); None where the slot needs a fresh page."""
-        return self.pool.acquire_keys([slot[3] for slot in slots], member)
+        return self.pool.acquire_keys([slot[3] for slot in slots], account)
 
-    def _fill_tables(self, member: str, slots: list[_Slot],
-                     pages: list[PageId | None]) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]]:
+    def _fill_tables(self, member: str, slots: list[_Slot], pages: list[PageId | None], account: str,
+                     records: bool) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]]:
         """Allocates the missing pages and lays every slot into the request's tables; a slot whose key a
         tier holds gets its key now and a load to run before the step."""
         spec = self.family.member(member)
         loads: list[tuple[PageId, PageKey, Tier]] = []
         seq = SeqKV(member=member, tokens_per_block=self._blocks[member],
                     block_tables=[[] for _ in range(spec.num_layers)],
-                    residual_out=[] if self.layout.records_residual(member) else None)
+                    residual_out=[] if records else None, account=None if account == member else account)
         for (kind, layer, block, key), page in zip(slots, pages):
             if page is None:
-                page = self._new(member)
+                page = self._new(account)
                 if key is not None:
                     tier = self.tiers.locate(key) if self.tiers is not None else None
                     if tier is None:
@@ -285,8 +293,8 @@ class KVCacheManager:
         missing = self.blocks_to_grow(seq, total_tokens)
         if missing == 0:
             return True
-        per_block = self.pages_per_block(seq.member)
-        pages = self.pool.allocate(seq.member, missing * per_block)
+        per_block = len(seq.block_tables) + (seq.residual_out is not None)
+        pages = self.pool.allocate(seq.account or seq.member, missing * per_block)
         if pages is None:
             return False
         it = iter(pages)

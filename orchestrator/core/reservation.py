@@ -19,7 +19,8 @@ from typing import ClassVar, NamedTuple
 from orchestrator.core.config import SchedulerConfig
 from orchestrator.core.kv_cache import PrefixMatch
 from orchestrator.core.parts import SchedulerParts
-from orchestrator.core.sequence import Sequence
+from orchestrator.core.sequence import DraftState, Sequence
+from orchestrator.core.speculation import draft_member_for
 from orchestrator.core.types import PageId, Request, SamplingParams
 
 
@@ -186,6 +187,12 @@ class Reservation(ABC):
                           for m in parts.family.members}
         # member -> pages_for_tokens(member, n) as one expression (tests/test_scheduler_load.py checks it)
         self._pages_for = {name: _pages_rule(*geometry) for name, geometry in self._geometry.items()}
+        # speculation: a draft's tables hold one page per layer per block (no residual), and a verify writes up to
+        # max_k positions past the request's last token
+        self._draft_pages_for = {m.name: _pages_rule(kv.tokens_per_block(m.name), m.num_layers, m.context_tokens)
+                                 for m in parts.family.members}
+        spec = parts.config.speculation
+        self._verify_tokens = spec.max_k if spec.enabled else 0
 
     def _fresh(self) -> None:
         key = (self.running.version, self.ratio.value)
@@ -213,12 +220,28 @@ class Reservation(ABC):
         return not self.partitioned or seq.member == member
 
     def future_pages(self, seq: Sequence) -> int:
-        """Pages a running request will still allocate for its expected decode."""
+        """Pages a running request will still allocate for its expected decode (its draft's included)."""
         if seq.kv is None:
             return 0
         _, per_block, context = self._geometry[seq.member]
         final = expected_final_tokens(seq, self.ratio.value, context)
-        return max(0, self._pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
+        pages = max(0, self._pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
+        if seq.draft is not None:
+            pages += self._draft_future_pages(seq.draft, final)
+        return pages
+
+    def _draft_future_pages(self, draft: DraftState, final_tokens: int) -> int:
+        return max(0, self._draft_pages_for[draft.member](final_tokens) - draft.kv.num_pages())
+
+    def draft_decode_pages(self, seq: Sequence) -> int:
+        """Pages the draft of a request being admitted will allocate beyond its prompt (0 when it drafts not):
+        what its draft's attach leaves free besides the reservation."""
+        member = draft_member_for(self.family, self.config, seq)
+        if member is None:
+            return 0
+        final = expected_final_tokens(seq, self.ratio.value, self._geometry[seq.member][2])
+        rule = self._draft_pages_for[member]
+        return max(0, rule(final) - rule(len(seq.token_ids)))
 
     def demand_pages(self, seq: Sequence) -> int:
         """Pages a waiting request needs to run to its expected end (ignoring prefix hits)."""
@@ -279,7 +302,11 @@ class Reservation(ABC):
             _, per_block, context = geometry[s.member]
             final = expected_final_tokens(s, ratio, context)
             held = len(s.kv.block_tables[0]) * per_block
-            demands.append(RunningDemand(held_pages=held, future_pages=max(0, pages_for[s.member](final) - held),
+            future = max(0, pages_for[s.member](final) - held)
+            if s.draft is not None:
+                held += s.draft.kv.num_pages()
+                future += self._draft_future_pages(s.draft, final)
+            demands.append(RunningDemand(held_pages=held, future_pages=future,
                                          remaining_steps=max(0, final - len(s.token_ids)) + 1))
         return demands
 
@@ -306,7 +333,8 @@ class PeakReservation(Reservation):
             if cached is not None:
                 return cached
         constant, profiles = 0, []
-        slack = self.kv.tokens_per_block(member)     # a decode's next block is grown one token early (preemption.py)
+        # a decode's next block is grown one token early (preemption.py), a verify's k positions ahead
+        slack = self.kv.tokens_per_block(member) + self._verify_tokens
         partitioned = self.partitioned
         for seq in self.running:
             if partitioned and seq.member != member:
@@ -322,6 +350,16 @@ class PeakReservation(Reservation):
                     private = self.kv.num_private_pages(seq.kv)
                 profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
                                                self._pages_for[seq.member], slack, self._geometry[seq.member][0]))
+                draft = seq.draft
+                if draft is not None:
+                    if claimed:
+                        pages = draft.kv.all_pages()
+                        private = self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
+                    else:
+                        private = self.kv.num_private_pages(draft.kv)
+                    profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final,
+                                                   draft.kv.num_pages(), private, self._draft_pages_for[draft.member],
+                                                   slack, draft.kv.tokens_per_block))
             else:
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)

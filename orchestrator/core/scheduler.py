@@ -32,6 +32,7 @@ from orchestrator.core.reservation import RESERVATIONS
 from orchestrator.core.router import MemberLoad, Router, SessionHomes
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.snapshot import pages_state
+from orchestrator.core.speculation import Speculation
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
@@ -75,8 +76,10 @@ class Scheduler:
         self.handover = Handover(parts, self.reservation, self.placement)
         self.escalation_rates = self.handover.rates      # per member: how often its requests escalate out
         self.lifecycle = Lifecycle(parts, self.escalation_rates)
-        self.preemption = Preemption(parts, self.reservation, self.handover.release_pins, self.lifecycle.forget)
-        self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap)
+        self.speculation = Speculation(parts)
+        self.preemption = Preemption(parts, self.reservation, self._release_pins_then_drafts, self.lifecycle.forget)
+        self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap,
+                                   self.speculation)
         step_members = policies.step_members
         turns = config.scheduler.member_turns
         if turns is None:
@@ -178,6 +181,10 @@ class Scheduler:
         return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1],
                               escalation_rate=rates.rate(n), **extra[n]) for n in running}
 
+    def _release_pins_then_drafts(self, member: str) -> bool:
+        """What a decode short of pages gives up before any request is preempted: escalation pins, then drafts."""
+        return self.handover.release_pins(member) or self.speculation.release_drafts(member)
+
     def reserved_pages(self, member: str) -> int:
         """Pages reserved for the running requests' remaining decode in `member`'s pool (reservation.py)."""
         return self.reservation.reserved_pages(member)
@@ -210,6 +217,7 @@ class Scheduler:
             self.reservation.ratio.on_step()
             self.admission.admit(plan, now_s, members)
         self.batches.build(plan, self.running, members)
+        self.speculation.plan(plan)
         for name in planned:
             if plan.batches:
                 last_busy[name] = now_s
@@ -229,7 +237,8 @@ class Scheduler:
         for page in failed:
             self.pool.drop_key(page)
         affected = {seq.request_id for seq in self.running
-                    if seq.kv is not None and failed.intersection(seq.kv.all_pages())}
+                    if (seq.kv is not None and failed.intersection(seq.kv.all_pages()))
+                    or (seq.draft is not None and failed.intersection(seq.draft.kv.all_pages()))}
         for request_id in affected:
             seq = self.running.get(request_id)
             assert seq is not None
@@ -262,22 +271,28 @@ class Scheduler:
                 self.kv.register_full_blocks(kv, seq.hashes, seq.num_computed_tokens)
                 if seq.is_warmup and seq.num_computed_tokens >= len(seq.token_ids):
                     self.lifecycle.finish(seq, now_s, outcome=None)
+        accepted = self.speculation.verified(plan, sampled)
         outputs: list[RequestOutput] = []
         generated: dict[str, int] = {}          # member -> tokens this step: one stats call per member, not per token
-        for token in sampled:
+        # A verify returns several tokens of one request in a row: its output comes after the last of them.
+        following = [token.request_id for token in sampled[1:]] + [None]
+        for token, next_id in zip(sampled, following):
             seq = running.get(token.request_id)
             if seq is None:
-                continue
+                continue                        # ended, or escalated among this step's tokens: the rest is dropped
             generated[seq.member] = generated.get(seq.member, 0) + 1
-            output = self._append_token(seq, token, now_s)
+            output = self._append_token(seq, token, now_s, last=next_id != token.request_id)
             if output is not None:
                 outputs.append(output)
         for member, n in generated.items():
             self.stats.on_tokens(member, generated_tokens=n)
+        if accepted is not None:
+            self.speculation.advance(plan, accepted)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: SampledToken, now_s: float) -> RequestOutput | None:
-        """One sampled token into its request (the caller counts it in the stats)."""
+    def _append_token(self, seq: Sequence, token: SampledToken, now_s: float, last: bool = True) -> RequestOutput | None:
+        """One sampled token into its request (the caller counts it in the stats); `last`: its request's last token
+        of the step, after which its output is due."""
         seq.append_token(token.token_id, token.logprob, token.top_logprobs)
         block_tokens, eos, context_tokens = self._token_rules[seq.member]
         if (len(seq.hashes) + 1) * block_tokens <= len(seq.token_ids):
@@ -288,7 +303,8 @@ class Scheduler:
             return self.lifecycle.finish(seq, now_s, outcome="finished")
         if seq.monitor is not None and seq.monitor.observe(token.top1_prob, token.top_logprobs):
             self.handover.escalate(seq, now_s)
-        return self.lifecycle.emit(seq)
+            return self.lifecycle.emit(seq)
+        return self.lifecycle.emit(seq) if last else None
 
     # ------------------------------------------------------------------ stats
     def pages_snapshot(self) -> dict:

@@ -13,6 +13,18 @@ from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Reque
 
 
 @dataclass(slots=True, eq=False)
+class DraftState:
+    """A request's KV on the member that drafts for it (speculation.py): a second set of tables beside its own."""
+
+    member: MemberName
+    kv: SeqKV
+    hashes: list[bytes]                        # the draft member's full-block hashes (its block size, its salt)
+    salt: str | None                           # cache salt of the draft's keys (a private draft cache's own)
+    shares_hashes: bool                        # its keys are the request's own (`Sequence.hashes`): none kept here
+    num_computed_tokens: int = 0               # positions whose draft KV exists
+
+
+@dataclass(slots=True, eq=False)
 class Sequence:
     """The core's state for one request (or one warm-up prefill)."""
 
@@ -46,6 +58,9 @@ class Sequence:
     num_escalations: int = 0                   # escalated requests are preempted after fresh ones
     pinned_kv: SeqKV | None = None             # source member's pages, kept until the target admits it
     held: bool = False                         # aged past scheduler.aging_steps: its pages are held
+    draft: DraftState | None = None            # the drafting member's KV while it speculates
+    num_drafted_tokens: int = 0                # speculation: tokens drafted for it, and the ones accepted
+    num_accepted_tokens: int = 0
 
     @property
     def request_id(self) -> RequestId:
@@ -64,9 +79,16 @@ class Sequence:
         if self.kv is not None:
             kv.release(self.kv)
             self.kv = None
+        self.drop_draft(kv)
         self.num_computed_tokens = 0
         self.shared_until_tokens = 0
         self.shared_depth = 0
+
+    def drop_draft(self, kv: KVCacheManager) -> None:
+        """The draft's pages go back (its full blocks stay cached); the request decodes without drafting."""
+        if self.draft is not None:
+            kv.release(self.draft.kv)
+            self.draft = None
 
     # ------------------------------------------------------------------ token rules (every engine's)
     # The scheduler (local engine) and TritonServing (members behind Triton) both go through these, so a
@@ -133,4 +155,5 @@ class Sequence:
             new_logprobs=self.logprobs[begin:end], new_top_logprobs=self.top_logprobs[begin:end],
             member=self.member, finished=final, finish_reason=self.finish_reason,
             num_prompt_tokens=self.num_prompt_tokens, num_cached_prompt_tokens=self.num_cached_prompt_tokens or 0,
-            spans=tuple(self.spans), route=self.route if begin == 0 else None, error=self.error)
+            spans=tuple(self.spans), route=self.route if begin == 0 else None, error=self.error,
+            num_drafted_tokens=self.num_drafted_tokens, num_accepted_tokens=self.num_accepted_tokens)

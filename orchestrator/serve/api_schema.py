@@ -280,12 +280,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def mfs_extension(spans: tuple[MemberSpan, ...], route: RouteDecision | None) -> dict[str, Any]:
-    """The `mfs` object: which members produced how many tokens, and why the first one was chosen."""
+def mfs_extension(spans: tuple[MemberSpan, ...], route: RouteDecision | None, num_drafted_tokens: int = 0,
+                  num_accepted_tokens: int = 0) -> dict[str, Any]:
+    """The `mfs` object: which members produced how many tokens, why the first one was chosen, and how many
+    tokens a smaller member drafted for it and its members accepted (speculation; 0 and 0 without)."""
     members = [{"member": s.member, "tokens": s.num_tokens} for s in spans]
     return {"members": members, "escalated": len({s.member for s in spans}) > 1,
             "route": None if route is None else {"member": route.member, "reason": route.reason,
-                                                 "complexity": route.complexity}}
+                                                 "complexity": route.complexity},
+            "speculation": {"drafted_tokens": num_drafted_tokens, "accepted_tokens": num_accepted_tokens}}
 
 
 def logprob_entry(tokenizer: FamilyTokenizer, token_id: int, logprob: float,

@@ -49,6 +49,8 @@ class Generation:
     member: str = ""
     spans: tuple[MemberSpan, ...] = ()
     route: RouteDecision | None = None
+    num_drafted_tokens: int = 0                # speculation, as the engine's last output counted it
+    num_accepted_tokens: int = 0
     finish_reason: str | None = None
     engine_finished: bool = False              # the engine ended the request itself (no abort needed)
     first_token_s: float | None = None
@@ -93,6 +95,8 @@ class Generation:
         self.member = out.member or self.member
         self.spans = out.spans or self.spans
         self.route = out.route or self.route
+        self.num_drafted_tokens = max(self.num_drafted_tokens, out.num_drafted_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, out.num_accepted_tokens)
         self.cached_tokens = max(self.cached_tokens, out.num_cached_prompt_tokens)
         if out.new_token_ids and self.first_token_s is None:
             self.first_token_s = now_s
@@ -129,7 +133,7 @@ class Generation:
 
     def mfs(self) -> dict:
         spans = self.spans or ((MemberSpan(self.member, self.completion_tokens),) if self.member else ())
-        return mfs_extension(spans, self.route)
+        return mfs_extension(spans, self.route, self.num_drafted_tokens, self.num_accepted_tokens)
 
     def logprobs_object(self, entries: list[dict], offset: int) -> dict | None:
         if not self.parsed.logprobs:

@@ -78,7 +78,8 @@ _FINISH = {reason.value: reason for reason in FinishReason}
 def pack_output(out: RequestOutput) -> tuple:
     return (out.request_id, out.new_token_ids, out.new_logprobs, out.new_top_logprobs, out.member, out.finished,
             out.finish_reason.value if out.finish_reason is not None else None, out.num_prompt_tokens,
-            out.num_cached_prompt_tokens, tuple((s.member, s.num_tokens) for s in out.spans), out.route, out.error)
+            out.num_cached_prompt_tokens, tuple((s.member, s.num_tokens) for s in out.spans), out.route, out.error,
+            out.num_drafted_tokens, out.num_accepted_tokens)
 
 
 def out_message(items: list[tuple[RequestId, Item]]) -> tuple:
@@ -89,10 +90,10 @@ def out_message(items: list[tuple[RequestId, Item]]) -> tuple:
 
 def unpack_output(packed: tuple) -> RequestOutput:
     (request_id, token_ids, logprobs, top_logprobs, member, finished, finish_reason, num_prompt, num_cached,
-     spans, route, error) = packed
+     spans, route, error, num_drafted, num_accepted) = packed
     return RequestOutput(request_id, token_ids, logprobs, top_logprobs, member, finished,
                          _FINISH[finish_reason] if finish_reason is not None else None, num_prompt, num_cached,
-                         tuple(MemberSpan(m, n) for m, n in spans), route, error)
+                         tuple(MemberSpan(m, n) for m, n in spans), route, error, num_drafted, num_accepted)
 
 
 # ----------------------------------------------------------------------------- engine side (child process)

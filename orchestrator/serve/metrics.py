@@ -63,6 +63,12 @@ class EngineStatsCollector(Collector):
                        _flat(counters.get("generated_tokens", {})))
         yield _counter("mfs_prompt_tokens", "prompt tokens admitted", ["member"],
                        _flat(counters.get("prompt_tokens", {})))
+        yield _counter("mfs_speculation_drafted_tokens", "tokens a smaller member drafted for a larger one",
+                       ["draft", "target"], _pairs(counters.get("drafted_tokens", {})))
+        yield _counter("mfs_speculation_accepted_tokens", "drafted tokens the larger member accepted",
+                       ["draft", "target"], _pairs(counters.get("accepted_draft_tokens", {})))
+        yield _counter("mfs_speculation_draft_length_steps", "steps that could draft, by the tokens drafted (0: none)",
+                       ["k"], _flat(counters.get("draft_length_steps", {})))
 
         by_state = pages.get("by_state", {})
         page_rows = [(("free", "all"), by_state.get("free", 0))]
@@ -84,6 +90,11 @@ class EngineStatsCollector(Collector):
         yield _gauge("mfs_queue_wait_seconds", "arrival to first admission, recent requests, by member and quantile",
                      ["member", "quantile"], [((m, q), w.get(q, 0.0)) for m, w in waits.items()
                                               for q in ("p50", "p90", "p99")])
+
+
+def _pairs(by_pair: dict[str, Any]) -> list[tuple[tuple[str, ...], float]]:
+    """{"a->b": n} -> ((a, b), n) rows."""
+    return [(tuple(k.split("->", 1)), n) for k, n in by_pair.items() if "->" in k]
 
 
 def _flat(by_key: dict[str, Any]) -> list[tuple[tuple[str, ...], float]]:

@@ -31,7 +31,9 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                    member=later.member or first.member,
                    num_cached_prompt_tokens=max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens),
                    spans=later.spans or first.spans,
-                   route=later.route or first.route)
+                   route=later.route or first.route,
+                   num_drafted_tokens=max(first.num_drafted_tokens, later.num_drafted_tokens),
+                   num_accepted_tokens=max(first.num_accepted_tokens, later.num_accepted_tokens))
 
 
 class OutputStream:

@@ -1,0 +1,333 @@
+"""Draft-target speculation inside the family: which member drafts for a request, the draft's KV beside the
+request's own, how many tokens a step drafts (DraftLength, a policy object), the step's DraftSpecs, and what a
+verify gives back.
+
+A smaller member drafts k tokens for a request of a larger one, which verifies them in one forward of k + 1 rows
+(the step-plan contract: types.DraftSpec, docs/ARCHITECTURE.md "Speculation"). In MFS the draft costs no weights of
+its own, its pages come from the one pool, and its KV of a session's prefix is often cached already (the session
+started on it, or it served the previous turn): the draft's tables are prefix-matched in the draft member's cache
+at admission like any request's. With comparison.private_drafts each member's server keeps its own draft copy:
+the draft's keys carry that server's salt (a cache no other server reads) and its pages come from that server's
+slice. Drafts are the first pages to go under pressure: before a decode would preempt a request, and before a
+waiting request is refused pages (release_drafts). Pure: no clock, no I/O.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+from typing import ClassVar, NamedTuple
+
+from orchestrator.core.config import MFSConfig, SpeculationConfig
+from orchestrator.core.family import FamilySpec
+from orchestrator.core.parts import SchedulerParts
+from orchestrator.core.sequence import DraftState, Sequence
+from orchestrator.core.types import (DraftSpec, ForwardShape, MemberName, RequestId, SampledToken, SamplingParams,
+                                     SeqChunk, StepPlan)
+
+# estimate_step_s of an executor that can price a step (engine_api.StepCostEstimator)
+StepCost = Callable[[Seq[ForwardShape]], float]
+
+
+def draftable(sampling: SamplingParams) -> bool:
+    """Whether a verify gives exactly what decoding alone would: not with penalties or a logit bias (the rows past
+    the first would need the drafted tokens in their history), nor with a seed under sampling (a seeded reply is
+    the same every time; speculation's draws depend on k, which depends on the batch)."""
+    return not sampling.penalized and not (sampling.temperature > 0 and sampling.seed is not None)
+
+
+def draft_member_for(family: FamilySpec, config: MFSConfig, seq: Sequence) -> MemberName | None:
+    """The member that drafts for `seq` on its current member: the family's smallest member, when it is smaller.
+    None when speculation is off, for a warm-up, a pinned request (its caller named the one member to answer) and
+    a sampling that speculation does not reproduce (draftable)."""
+    smallest = family.members[0].name
+    if (not config.speculation.enabled or seq.is_warmup or seq.member == smallest
+            or seq.request.pinned_member is not None or not draftable(seq.request.sampling)):
+        return None
+    return smallest
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify of k drafts yields on average when each draft is accepted with probability `acceptance`
+    until the first rejection: 1 + a + ... + a^k = (1 - a^(k + 1)) / (1 - a)."""
+    if k <= 0:
+        return 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def pair_name(draft: str, target: str) -> str:
+    return f"{draft}->{target}"
+
+
+class AcceptanceEstimates:
+    """Per draft->target pair, the per-token acceptance its recent verifies show: accepted drafts over accepted
+    drafts plus rejections (the estimate of a geometric's parameter), both decayed by DECAY per verify, seeded
+    with the configured prior as PRIOR_VERIFIES verifies' worth."""
+
+    PRIOR_VERIFIES: ClassVar[float] = 20.0
+    DECAY: ClassVar[float] = 0.995
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        self.config = config
+        self._counts: dict[str, list[float]] = {}      # pair -> [accepted, accepted + rejections]
+
+    def _entry(self, pair: str) -> list[float]:
+        entry = self._counts.get(pair)
+        if entry is None:
+            prior = self.config.acceptance.get(pair, self.config.default_acceptance)
+            entry = self._counts[pair] = [prior * self.PRIOR_VERIFIES, self.PRIOR_VERIFIES]
+        return entry
+
+    def acceptance(self, pair: str) -> float:
+        accepted, trials = self._entry(pair)
+        return min(accepted / trials, 0.999) if trials > 0 else 0.0
+
+    def observe(self, pair: str, num_drafted: int, num_accepted: int) -> None:
+        entry = self._entry(pair)
+        rejected = 1.0 if num_accepted < num_drafted else 0.0
+        entry[0] = entry[0] * self.DECAY + num_accepted
+        entry[1] = entry[1] * self.DECAY + num_accepted + rejected
+
+
+class Candidate(NamedTuple):
+    """A decode chunk of a request with a draft, as the draft-length policy weighs it."""
+
+    chunk: SeqChunk
+    seq: Sequence
+    max_k: int                # the most drafts it may take this step (its remaining tokens, its context)
+    acceptance: float         # its pair's estimated per-token acceptance
+
+
+class DraftLength:
+    """The step's k: the one that makes the step's time per token, summed over its requests, smallest:
+    T(k) x sum_r 1 / E_r(k), where E_r is what request r gets from the step (expected_tokens for a drafting
+    request, 1 for every other chunk) and T(k) the executor's estimate of the step with k drafts (k draft forwards
+    of the draft batch before the step, each verify k + 1 rows at its context). k grows while each step up lowers
+    the cost (T grows about linearly in k, sum 1 / E_r falls ever less: one minimum); 0 (no drafts) where even one
+    does not pay: large batches, compute-bound steps. Without an estimate, the fixed k."""
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        self.config = config
+
+    def choose(self, plan: StepPlan, candidates: list[Candidate], estimate: StepCost | None) -> int:
+        if estimate is None:
+            return self.config.fixed_k
+        num_chunks = sum(len(batch.chunks) for batch in plan.batches)
+        others = num_chunks - len(candidates)
+        best_k, best = 0, estimate(step_forwards(plan, candidates, 0, self.config.max_k)) * num_chunks
+        for k in range(1, self.config.max_k + 1):
+            per_token = others + sum(1.0 / expected_tokens(c.acceptance, min(k, c.max_k)) for c in candidates)
+            cost = estimate(step_forwards(plan, candidates, k, self.config.max_k)) * per_token
+            if cost >= best:
+                break       # one more draft adds a forward and gains less each time: past the best, it only grows
+            best_k, best = k, cost
+        return best_k
+
+
+def step_forwards(plan: StepPlan, candidates: list[Candidate], k: int, max_rows: int) -> list[ForwardShape]:
+    """The forwards of `plan` if every candidate drafted min(k, its max_k) tokens: the draft forwards first (the
+    first one catches each draft up to its request's last token, the k - 1 others decode one drafted token each),
+    then each member batch with the candidates' chunks as verifies of k + 1 rows. A catch-up longer than a
+    verify (a draft's first step after admission) counts as max_rows + 1 rows: it is paid once, not per step."""
+    by_chunk = {id(c.chunk): min(k, c.max_k) for c in candidates}
+    forwards: list[ForwardShape] = []
+    if k > 0:
+        # draft member -> (catch-up rows, tokens before them, the request's last position, k_r)
+        drafts: dict[str, list[tuple[int, int, int, int]]] = {}
+        for c in candidates:
+            draft = c.seq.draft
+            assert draft is not None        # a candidate has a draft
+            last = len(c.seq.token_ids) - 1
+            rows = min(last + 1 - draft.num_computed_tokens, max_rows + 1)
+            drafts.setdefault(draft.member, []).append((rows, last + 1 - rows, last, by_chunk[id(c.chunk)]))
+        for member, entries in drafts.items():
+            forwards.append(ForwardShape(MemberName(member), tuple(b for r, b, _, _ in entries if r == 1),
+                                         tuple((r, b) for r, b, _, _ in entries if r > 1), (), True))
+            for j in range(1, k):
+                contexts = tuple(last + j for _, _, last, k_r in entries if k_r > j)
+                if contexts:
+                    forwards.append(ForwardShape(MemberName(member), contexts, (), (), True))
+    for batch in plan.batches:
+        decodes: list[int] = []
+        verifies: list[tuple[int, int]] = []
+        prefills: list[tuple[int, int]] = []
+        for chunk in batch.chunks:
+            k_r = by_chunk.get(id(chunk), 0)
+            n = len(chunk.token_ids)
+            if k_r > 0:
+                verifies.append((k_r + 1, chunk.start_pos))
+            elif n == 1 and chunk.sample and chunk.start_pos > 0:
+                decodes.append(chunk.start_pos)
+            else:
+                prefills.append((n, chunk.start_pos))
+        if batch.chunks:
+            forwards.append(ForwardShape(batch.member, tuple(decodes), tuple(verifies), tuple(prefills)))
+    return forwards
+
+
+class Speculation:
+    """Per request its draft (attach at admission, release_drafts under pressure; Sequence.drop_pages releases it
+    with the request); per step the DraftSpecs (plan); after the step the verify's bookkeeping (verified, then
+    advance once the tokens are in)."""
+
+    def __init__(self, parts: SchedulerParts) -> None:
+        self.family, self.config, self.kv, self.running = parts.family, parts.config, parts.kv, parts.running
+        self.stats = parts.stats
+        self.settings = parts.config.speculation
+        self.private = parts.config.comparison.private_drafts
+        self.partitioned = parts.config.comparison.static_split is not None
+        self.acceptance = AcceptanceEstimates(self.settings)
+        self.length = DraftLength(self.settings)
+        self.estimate: StepCost | None = None
+        self._contexts = {m.name: m.context_tokens for m in parts.family.members}
+
+    def use_step_cost(self, estimate: StepCost | None) -> None:
+        """The executor's step-cost estimate (engine_api.StepCostEstimator.estimate_step_s), or None: fixed k."""
+        self.estimate = estimate
+
+    # ------------------------------------------------------------------ a request's draft
+    def attach(self, seq: Sequence, reserve_pages: int, page_loads: list) -> None:
+        """After seq's own pages: its draft's tables for its tokens, prefix-matched in the draft member's cache
+        (what that member holds of the prompt is not recomputed), allocated beside reserve_pages. None when they
+        do not fit: the request decodes without drafting."""
+        member = draft_member_for(self.family, self.config, seq)
+        if member is None:
+            return
+        salt = seq.request.cache_salt
+        if self.private:
+            salt = f"{salt or ''}|draft of {seq.member}"      # this server's own draft cache
+        shares = not self.private and self.kv.tokens_per_block(member) == self.kv.tokens_per_block(seq.member)
+        hashes = seq.hashes if shares else self.kv.block_hashes(member, seq.token_ids, salt)
+        match = self.kv.match(member, hashes, len(seq.token_ids), allow_shared=False)
+        attached = self.kv.attach(member, match, hashes, len(seq.token_ids), reserve_pages=reserve_pages,
+                                  account=seq.member if self.private else None, residuals=False)
+        if attached is None:
+            return
+        kv, loads = attached
+        page_loads.extend(loads)
+        seq.draft = DraftState(member=member, kv=kv, hashes=[] if shares else hashes, salt=salt,
+                               shares_hashes=shares, num_computed_tokens=match.num_full_tokens)
+
+    def release_drafts(self, member: str) -> bool:
+        """Gives back the drafts of the running requests in `member`'s pool (full blocks stay cached); they decode
+        without drafting from now on. True if any was held."""
+        if not self.settings.enabled:
+            return False
+        released = False
+        for seq in self.running:
+            if seq.draft is not None and (not self.partitioned or seq.member == member):
+                seq.drop_draft(self.kv)
+                released = True
+        if released:
+            self.running.changed()
+        return released
+
+    def _max_k(self, seq: Sequence, draft: DraftState) -> int:
+        """Drafts seq may take this step: at most max_k, no more than its remaining tokens less the one the verify
+        always gives, and every verified position inside both members' contexts."""
+        remaining = seq.request.sampling.max_tokens - seq.num_generated - 1
+        context = min(self._contexts[seq.member], self._contexts[draft.member]) - len(seq.token_ids) - 1
+        return min(self.settings.max_k, remaining, context)
+
+    # ------------------------------------------------------------------ a step
+    def plan(self, plan: StepPlan) -> None:
+        """Gives the step's decode chunks of requests with a draft their DraftSpec, k from the policy; grows their
+        tables for the k + 1 verify rows and the draft's k - 1 new positions (a request whose pages do not stretch
+        that far decodes plainly this step)."""
+        if not self.settings.enabled:
+            return
+        candidates: list[Candidate] = []
+        running = self.running
+        for batch in plan.batches:
+            for chunk in batch.chunks:
+                if not chunk.sample or len(chunk.token_ids) != 1:
+                    continue
+                seq = running.get(chunk.request_id)
+                if seq is None or seq.draft is None or not seq.is_decoding():
+                    continue
+                max_k = self._max_k(seq, seq.draft)
+                if max_k >= 1:
+                    pair = pair_name(seq.draft.member, seq.member)
+                    candidates.append(Candidate(chunk, seq, max_k, self.acceptance.acceptance(pair)))
+        if not candidates:
+            return
+        k = self.length.choose(plan, candidates, self.estimate)
+        self.stats.on_draft_length(k)
+        if k == 0:
+            return
+        grow = self.kv.grow
+        for candidate in candidates:
+            chunk, seq = candidate.chunk, candidate.seq
+            draft, own = seq.draft, seq.kv
+            assert draft is not None and own is not None
+            k_r = min(k, candidate.max_k)
+            n = len(seq.token_ids)
+            if not (grow(own, n + k_r) and grow(draft.kv, n + k_r - 1)):
+                continue
+            chunk.block_tables, residual_out = own.tables_upto(-(-(n + k_r) // own.tokens_per_block))
+            if chunk.residual_table_out is not None:
+                chunk.residual_table_out = residual_out
+            tables, _ = draft.kv.tables_upto(-(-(n + k_r - 1) // draft.kv.tokens_per_block))
+            chunk.draft = DraftSpec(member=draft.member, num_tokens=k_r,
+                                    token_ids=seq.token_ids[draft.num_computed_tokens:],
+                                    start_pos=draft.num_computed_tokens, block_tables=tables)
+        running.changed()       # tables grew
+
+    def verified(self, plan: StepPlan, sampled: list[SampledToken]) -> dict[RequestId, int] | None:
+        """Before the step's tokens go into their requests: per drafting request, the drafts its member accepted
+        (the tokens it got back, less the one every verify gives), counted per pair (stats, the acceptance
+        estimate) and per request. None when the step drafted nothing."""
+        drafted = [(chunk, batch.member) for batch in plan.batches for chunk in batch.chunks
+                   if chunk.draft is not None]
+        if not drafted:
+            return None
+        returned = dict.fromkeys((chunk.request_id for chunk, _ in drafted), 0)
+        for token in sampled:
+            if token.request_id in returned:
+                returned[token.request_id] += 1
+        accepted: dict[RequestId, int] = {}
+        for chunk, target in drafted:
+            draft = chunk.draft
+            assert draft is not None
+            got = returned[chunk.request_id]
+            if got == 0:
+                continue
+            n = min(got - 1, draft.num_tokens)
+            accepted[chunk.request_id] = n
+            pair = pair_name(draft.member, target)
+            self.acceptance.observe(pair, draft.num_tokens, n)
+            self.stats.on_speculation(pair, draft.num_tokens, n)
+            seq = self.running.get(chunk.request_id)
+            if seq is not None:
+                seq.num_drafted_tokens += draft.num_tokens
+                seq.num_accepted_tokens += n
+        return accepted
+
+    def advance(self, plan: StepPlan, accepted: dict[RequestId, int]) -> None:
+        """After the tokens went in: a request still running holds its member's KV up to its new last token (not
+        included: the verify's own token is computed next step) and its draft's up to what the draft wrote;
+        newly full blocks of both get their keys."""
+        register = self.kv.register_full_blocks
+        for batch in plan.batches:
+            for chunk in batch.chunks:
+                spec = chunk.draft
+                n = accepted.get(chunk.request_id) if spec is not None else None
+                if spec is None or n is None:
+                    continue
+                seq = self.running.get(chunk.request_id)
+                if seq is None or seq.kv is None:
+                    continue            # it stopped or escalated among the returned tokens
+                computed = chunk.start_pos + 1 + n
+                if computed > seq.num_computed_tokens:
+                    seq.num_computed_tokens = computed
+                register(seq.kv, seq.hashes, seq.num_computed_tokens)
+                draft = seq.draft
+                if draft is None:
+                    continue
+                draft.num_computed_tokens = min(computed, spec.start_pos + len(spec.token_ids) + spec.num_tokens - 1)
+                register(draft.kv, self._draft_hashes(seq, draft), draft.num_computed_tokens)
+
+    def _draft_hashes(self, seq: Sequence, draft: DraftState) -> list[bytes]:
+        if draft.shares_hashes:
+            return seq.hashes
+        if (len(draft.hashes) + 1) * draft.kv.tokens_per_block <= len(seq.token_ids):
+            draft.hashes = self.kv.block_hashes(draft.member, seq.token_ids, draft.salt, known=draft.hashes)
+        return draft.hashes
