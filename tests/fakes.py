@@ -107,7 +107,8 @@ class FakeExecutor:
                     token = (sum(context[-3:]) * 7 + 3) % (VOCAB_SIZE - 3) + 3   # never EOS
                     confident = batch.member not in self.low_confidence
                     out.append(SampledToken(request_id=chunk.request_id, token_id=token, logprob=-0.1,
-                                            top1_prob=0.9 if confident else 0.05))
+                                            top1_prob=0.9 if confident else 0.05, top_logprobs=(),
+                                            num_drafted=0))
         return out
 
     def read_page(self, page: PageId) -> bytes:

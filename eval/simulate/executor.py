@@ -115,7 +115,7 @@ class SimExecutor:
                 token = token_id(key, position)
                 if natural and natural.get(key) == position:
                     token = self._eos[member] if self._eos[member] is not None else token
-                out.append(tuple_new(SampledToken, (request_id, token, _log(p), p, ())))
+                out.append(tuple_new(SampledToken, (request_id, token, _log(p), p, (), 0)))
         return out
 
     def read_page(self, page: PageId) -> bytes:

@@ -128,6 +128,20 @@ class RouteDecision:
 
 # ----------------------------------------------------------------------------- step plan (core -> engine)
 @dataclass(slots=True)
+class DraftSpec:
+    """A smaller member of the family proposes `num_tokens` tokens for one decode chunk; the chunk's own member
+    verifies them in the same step."""
+
+    member: MemberName                 # the drafting member (shares the tokenizer; smaller)
+    num_tokens: int                    # k >= 1
+    token_ids: list[int]               # tokens whose KV the draft lacks, ending with the chunk's last token
+                                       # (catch-up: usually 1 token; more after admission or a rejected draft)
+    start_pos: int                     # position of token_ids[0]
+    block_tables: list[list[PageId]]   # the draft member's pages for this request, one list per draft layer,
+                                       # covering positions [0, start_pos + len(token_ids) + num_tokens - 1)
+
+
+@dataclass(slots=True)
 class SeqChunk:
     """One request's share of one member's forward pass in one step.
 
@@ -151,6 +165,9 @@ class SeqChunk:
     residual_table: list[PageId] | None = None   # input pages when start_layer > 0
     residual_table_out: list[PageId] | None = None
     num_generated: int = 0                       # tokens already generated (min_tokens, seeded sampling)
+    # A decode chunk whose member verifies k drafted tokens: token_ids == [last], sample=True, and block_tables
+    # cover positions [0, start_pos + 1 + k) (k + 1 verify rows). docs/ARCHITECTURE.md, Speculation.
+    draft: DraftSpec | None = None
 
 
 @dataclass(slots=True)
@@ -174,13 +191,16 @@ class StepPlan:
 
 class SampledToken(NamedTuple):
     """What the engine returns for a chunk with sample=True. A tuple, as PageKey: one is made per generated
-    token, and a tuple is built in C (a frozen dataclass's __init__ sets each field through Python)."""
+    token, and a tuple is built in C (a frozen dataclass's __init__ sets each field through Python).
+    A chunk with a draft returns 1 to k + 1 of them, in order (the accepted drafts, then the target's token),
+    each with its own logprob; the first carries num_drafted = k, the others 0."""
 
     request_id: RequestId
     token_id: int
     logprob: float
     top1_prob: float                                  # confidence signal for escalation
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    num_drafted: int = 0                              # k on the first token of a verify chunk, else 0
 
 
 # ----------------------------------------------------------------------------- results (core -> edge)
