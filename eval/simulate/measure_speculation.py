@@ -37,8 +37,9 @@ COST_BATCH = (1, 4, 16)
 COST_CONTEXT = 128
 REPEATS = 5
 ARENA_PAGES = 4096
-COSTS_NOTE = ("costs: wall-clock medians on a machine others shared while it ran; re-measure them alone "
-              "(--costs) before using them as figures")
+COSTS_NOTE = (f"costs: wall-clock medians of {REPEATS} runs after a warm-up, decodes at {COST_CONTEXT} tokens of "
+              "context; verify_ms = step_ms - draft_ms. Timed while other work may have shared the machine: "
+              "re-measure them alone (--costs) before using them as figures")
 
 
 @dataclass(slots=True)
@@ -272,9 +273,12 @@ def _synchronizer(executor):
 
 
 def build_executor(family, device: str, dtype: str, page_bytes: int = 16384, num_pages: int = ARENA_PAGES):
+    """The engine as serving builds it on this machine (on a CPU: every core but one for torch's threads)."""
     from engines.local.executor import LocalExecutor
+    from orchestrator.serve.serving import engine_threads
 
-    return LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, dtype=dtype, device=device)
+    return LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, dtype=dtype, device=device,
+                         num_threads=engine_threads(None) if device == "cpu" else None)
 
 
 def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float32", costs: bool = False,
@@ -296,7 +300,7 @@ def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float3
         "notes": [f"acceptance: k = {DRAFT_TOKENS} drafts a step; per_token_acceptance = accepted drafts / drafts "
                   "judged (the accepted ones plus the first rejected of each step); by_position: the share of "
                   "steps reaching draft i that kept it; temperature 1 draws from fixed per-request streams",
-                  COSTS_NOTE]}
+                  COSTS_NOTE if costs else "costs: not measured (--costs)"]}
     table["notes"].append(f"measured in {time.perf_counter() - started:.0f} s")
     return table
 
@@ -314,6 +318,10 @@ def print_table(table: dict[str, Any]) -> None:
                   f"{row['verify_ms']:>9} {row['step_ms']:>8} {row['plain_step_ms']:>8}")
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.simulate.measure_speculation",
                                      description=__doc__.split("\n\n")[0])
@@ -324,9 +332,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the draft and verify steps (wall clock: run it on a machine of its own)")
     parser.add_argument("--prompts", type=int, default=10, help="workload prompts decoded per pair and temperature")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--cost-k", default=",".join(map(str, COST_K)), help="drafted tokens timed (comma list)")
+    parser.add_argument("--cost-batch", default=",".join(map(str, COST_BATCH)), help="batch sizes timed (comma list)")
     parser.add_argument("--out", default="eval/simulate/tables/tiny_speculation.json")
     args = parser.parse_args(argv)
-    table = measure(args.family, args.device, args.dtype, args.costs, args.prompts, args.new_tokens)
+    table = measure(args.family, args.device, args.dtype, args.costs, args.prompts, args.new_tokens,
+                    ks=_ints(args.cost_k), batches=_ints(args.cost_batch))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
     print_table(table)
