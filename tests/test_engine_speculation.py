@@ -56,15 +56,20 @@ def _kv(executor: LocalExecutor, member: str, tables: list[list[PageId]], positi
     return torch.stack([view[torch.tensor([t[p // block] for p in positions]), :, slots] for t in tables])
 
 
-@pytest.mark.parametrize("drafter", ["tiny-s", "tiny-l"])
-def test_greedy_tokens_and_kv_equal_plain_decoding(family, prompts, drafter):
+TORCH_PATH = dict(native_attention=False, native_layer_ops=False)     # the operators CUDA runs
+
+
+@pytest.mark.parametrize("drafter, options", [("tiny-s", {}), ("tiny-l", {}), ("tiny-s", TORCH_PATH)],
+                         ids=["tiny-s", "tiny-l-self", "tiny-s-torch-ops"])
+def test_greedy_tokens_and_kv_equal_plain_decoding(family, prompts, drafter, options):
     """k = 1..4 side by side in one step, next to a plain decode and a tiny-m target drafting with tiny-s:
-    every request's tokens are plain decoding's, and the KV of every computed position too (target and draft)."""
+    every request's tokens are plain decoding's, and the KV of every computed position too (target and draft);
+    with the native kernels and with torch's operators (what the engine runs on CUDA)."""
     greedy = SamplingParams(max_tokens=20)
     decodes = [Decode(f"r{k}", prompts[k], "tiny-l", greedy, drafter, k) for k in (1, 2, 3, 4)]
     decodes += [Decode("plain", prompts[0], "tiny-l", greedy),
                 Decode("m", prompts[5], "tiny-m", greedy, "tiny-s", 3)]
-    plain, plain_executor, spec_executor = _run_both(family, decodes)
+    plain, plain_executor, spec_executor = _run_both(family, decodes, **options)
     for d, p in zip(decodes, plain):
         assert d.generated == p.generated, d.request_id
         assert [t.logprob for t in d.tokens] == pytest.approx([t.logprob for t in p.tokens], abs=1e-4)
@@ -255,7 +260,8 @@ def test_unseeded_sampling_emits_the_targets_distribution(family, prompts, param
 def test_a_malformed_draft_is_refused(family):
     executor = _executor(family)
     tables = [[PageId(layer)] for layer in range(8)]
-    good = DraftSpec(member="tiny-s", num_tokens=2, token_ids=[7], start_pos=3, block_tables=[[PageId(20)], [PageId(21)]])
+    good = DraftSpec(member="tiny-s", num_tokens=2, token_ids=[7], start_pos=3,
+                     block_tables=[[PageId(20)], [PageId(21)]])
     bad = [DraftSpec(member="tiny-s", num_tokens=2, token_ids=[8], start_pos=3, block_tables=good.block_tables),
            DraftSpec(member="tiny-s", num_tokens=2, token_ids=[7], start_pos=2, block_tables=good.block_tables),
            DraftSpec(member="tiny-s", num_tokens=0, token_ids=[7], start_pos=3, block_tables=good.block_tables),

@@ -52,7 +52,7 @@ class Drafts:
 
 
 def check_draft(chunk: SeqChunk, draft_layers: int) -> None:
-    """The contract's shape of a drafting chunk (docs/ARCHITECTURE.md, Speculation); ValueError otherwise."""
+    """The contract's shape of a drafting chunk (orchestrator/core/types.py, DraftSpec); ValueError otherwise."""
     spec = chunk.draft
     assert spec is not None
     problem = None

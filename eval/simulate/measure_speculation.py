@@ -8,7 +8,7 @@ on a shared machine they are noisy, and the table says so (re-measure them alone
     python -m eval.simulate.measure_speculation --out eval/simulate/tables/tiny_speculation.json
     python -m eval.simulate.measure_speculation --costs --device cuda --out speculation_cuda.json
 
-`SpeculativeRun` is the core's speculation bookkeeping in miniature (docs/ARCHITECTURE.md, Speculation): it
+`SpeculativeRun` is the core's speculation bookkeeping in miniature (orchestrator/core/types.py, DraftSpec): it
 builds each step's plan by hand (a prefill, then decode chunks that draft k tokens with another member), and
 applies what the engine returns (target computed = start + 1 + accepted; the draft's computed length as the
 contract gives it). The engine's tests drive it too.
