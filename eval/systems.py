@@ -53,7 +53,7 @@ def static_deployments(fractions: dict[str, float]) -> dict[str, Any]:
     """What separate servers on static slices are beside DEPLOYMENTS: each its slice of the pages and its own part
     of the host tier, sized in the same proportion (the parts add up to MFS's host tier). baseline_elastic keeps
     one host tier its deployments share, as it keeps one pool."""
-    return {"comparison.static_split": dict(fractions), "pool.host_tier_parts": dict(fractions), **DEPLOYMENTS}
+    return {"comparison.static_split": dict(fractions), "comparison.host_tier_parts": dict(fractions), **DEPLOYMENTS}
 
 
 # The scheduler policies of a single-model server before MFS's global scheduler (no reservation of future decode

@@ -107,7 +107,7 @@ def test_system_knobs():
     assert b.comparison.static_split == SPLIT and not b.comparison.cross_member_sharing
     # only the baselines run as separate deployments (the core's scheduler with eval's deployment policies)
     assert [n for n in SYSTEMS if system_scheduler(n) is not None] == \
-        ["baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy"]
+        ["baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec"]
     searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
     for name in ("baseline", "baseline_per_turn", "baseline_legacy"):
         assert system_config(name, "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == searched
@@ -382,7 +382,7 @@ def test_tiny_end_to_end_bench(tmp_path):
 
     baseline_config = result["settings"]["configs"]["baseline"]
     assert baseline_config["comparison"]["static_split"] and not baseline_config["comparison"]["cross_member_sharing"]
-    assert baseline_config["pool"]["host_tier_parts"] == baseline_config["comparison"]["static_split"]
+    assert baseline_config["comparison"]["host_tier_parts"] == baseline_config["comparison"]["static_split"]
     rescore = result["baseline_split_rescore"]
     assert rescore["winner"]["fractions"] == result["settings"]["baseline_split"] == baseline_config["comparison"]["static_split"]
     assert rescore["pilot"]["simulated"] and "measured" in rescore["pilot"]["cost_model"]
