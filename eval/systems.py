@@ -16,7 +16,7 @@ from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
-           "mfs_single_server_policies", "mfs_per_turn", "mfs_member_turns", "mfs_no_spec")
+           "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
 # mfs_no_spec: speculation (worth nothing where MFS runs without it: the tiny family's default).
@@ -53,7 +53,7 @@ def static_deployments(fractions: dict[str, float]) -> dict[str, Any]:
     """What separate servers on static slices are beside DEPLOYMENTS: each its slice of the pages and its own part
     of the host tier, sized in the same proportion (the parts add up to MFS's host tier). baseline_elastic keeps
     one host tier its deployments share, as it keeps one pool."""
-    return {"comparison.static_split": dict(fractions), "pool.host_tier_parts": dict(fractions), **DEPLOYMENTS}
+    return {"comparison.static_split": dict(fractions), "comparison.host_tier_parts": dict(fractions), **DEPLOYMENTS}
 
 
 # The scheduler policies of a single-model server before MFS's global scheduler (no reservation of future decode
@@ -125,8 +125,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base.update({**SINGLE_SERVER_POLICIES, **SINGLE_SERVER_ROUTING})
     elif name == "no_affinity":
         base["comparison.use_affinity"] = False
-    elif name == "mfs_member_turns":           # members' decodes step at their own frequencies (member_turns.py)
-        base["scheduler.member_turns"] = 2.0
+    elif name == "mfs_every_member":           # every member steps in every step (no member turns)
+        base["scheduler.member_turns"] = 0.0
     elif name == "mfs_per_turn":               # every turn routed afresh (sessions not kept on their first member)
         base["router.sticky_sessions"] = False
     elif name == "no_family_routing":           # the baselines' routing: complexity only, blind to caches and load

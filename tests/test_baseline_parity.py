@@ -15,7 +15,7 @@ FAIR = ("baseline", "baseline_per_turn", "baseline_elastic", "baseline_spec")
 # One pool against a slice per deployment, one host tier against a part per deployment (separate servers' own
 # host memory, sized as their slices), no KV reuse across members, family-wide routing, warm handovers: the
 # settings in which a fair baseline may differ from MFS. Nothing else.
-WHAT_MFS_IS = frozenset({"comparison.static_split", "pool.host_tier_parts", *DEPLOYMENTS})
+WHAT_MFS_IS = frozenset({"comparison.static_split", "comparison.host_tier_parts", *DEPLOYMENTS})
 LEAVES = ("static_split", "profiles", "host_tier_parts")     # dict-valued settings compared whole
 
 
@@ -44,13 +44,13 @@ def test_a_fair_baseline_differs_from_mfs_only_in_what_mfs_is():
                 found = differing(name, extra, host_tier_mb=host_tier_mb)
                 assert found <= WHAT_MFS_IS, f"{name} differs from mfs in {sorted(found - WHAT_MFS_IS)}"
                 assert found >= set(DEPLOYMENTS), f"{name} is missing part of what separate deployments are"
-    assert not {"comparison.static_split", "pool.host_tier_parts"} & differing("baseline_elastic")  # one pool, one tier
-    assert {"comparison.static_split", "pool.host_tier_parts"} <= differing("baseline")
+    assert not {"comparison.static_split", "comparison.host_tier_parts"} & differing("baseline_elastic")  # one pool, one tier
+    assert {"comparison.static_split", "comparison.host_tier_parts"} <= differing("baseline")
 
 
 def test_each_static_deployment_gets_a_host_tier_part_sized_as_its_slice():
     config = system_config("baseline", "tiny", 768, SPLIT, host_tier_mb=512.0)
-    assert config.pool.host_tier_parts == config.comparison.static_split == SPLIT
+    assert config.comparison.host_tier_parts == config.comparison.static_split == SPLIT
     assert config.pool.host_tier_mb == system_config("mfs", "tiny", 768, SPLIT, host_tier_mb=512.0).pool.host_tier_mb
 
 

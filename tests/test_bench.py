@@ -382,7 +382,7 @@ def test_tiny_end_to_end_bench(tmp_path):
 
     baseline_config = result["settings"]["configs"]["baseline"]
     assert baseline_config["comparison"]["static_split"] and not baseline_config["comparison"]["cross_member_sharing"]
-    assert baseline_config["pool"]["host_tier_parts"] == baseline_config["comparison"]["static_split"]
+    assert baseline_config["comparison"]["host_tier_parts"] == baseline_config["comparison"]["static_split"]
     rescore = result["baseline_split_rescore"]
     assert rescore["winner"]["fractions"] == result["settings"]["baseline_split"] == baseline_config["comparison"]["static_split"]
     assert rescore["pilot"]["simulated"] and "measured" in rescore["pilot"]["cost_model"]

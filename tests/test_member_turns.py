@@ -71,3 +71,14 @@ def test_without_a_cost_function_the_shape_orders_the_members():
     assert not math.isnan(MemberTurns(family, 2.0).frequencies({"s": 4, "l": 4})["l"])
     with pytest.raises(ValueError, match=">= 1"):
         MemberTurns(family, 0.5)
+
+
+@pytest.mark.parametrize("family_name,setting,expect", [("independent", None, True), ("independent", 0.0, False),
+                                                        ("nested", None, False), ("nested", 3.0, True)])
+def test_member_turns_are_on_by_default_for_independent_families_only(family_name, setting, expect):
+    from tests.fakes import nested_family
+    from tests.test_scheduler import Harness
+
+    family = independent_family() if family_name == "independent" else nested_family()
+    h = Harness(family=family, **{"scheduler.member_turns": setting})
+    assert isinstance(h.scheduler.batches.step_members, MemberTurns) == expect

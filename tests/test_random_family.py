@@ -106,8 +106,8 @@ def test_cuda_validation_script_refuses_without_cuda(tmp_path):
 def test_cuda_validation_script_pipeline_on_cpu(tmp_path):
     """The device script end to end at one rate with the smallest preset on the CPU: family built, saved trace
     replayed (no ShareGPT package needed), real runs, fits, simulations, the JSON written."""
-    result = _script({"ALLOW_CPU": "1", "PRESET": "tiny", "DTYPE": "float32", "PAGE_BYTES": "16384",
-                      "KV_PAGES": "512", "RATES": "4"}, tmp_path)
+    result = _script({"ALLOW_CPU": "1", "CHECKS": "validation", "PRESET": "tiny", "DTYPE": "float32",
+                      "PAGE_BYTES": "16384", "KV_PAGES": "512", "RATES": "4"}, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "validation_cuda.json").read_text())
     assert summary["rates"] == [4.0] and summary["systems"] == ["mfs", "baseline"]
@@ -115,3 +115,21 @@ def test_cuda_validation_script_pipeline_on_cpu(tmp_path):
     assert set(errors) == {"mfs", "baseline"}
     assert all(e["mean_token_latency_s"] is not None for e in errors.values())
     assert "--family" in summary["command"] and "escalation.enabled=false" in summary["command"]
+
+
+def test_cuda_validation_script_speculation_check_on_cpu(tmp_path):
+    """The script's speculation check, shortened, on the CPU: acceptance of every tiny pair at both
+    temperatures and the draft / verify costs asked for, printed and written as JSON."""
+    result = _script({"ALLOW_CPU": "1", "CHECKS": "speculation", "SPEC_PROMPTS": "1", "SPEC_TOKENS": "8",
+                      "SPEC_COST_K": "1,2", "SPEC_COST_BATCH": "1,4"}, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = json.loads((tmp_path / "out" / "speculation_cuda.json").read_text())
+    assert "cpu" in table["source"] and not (tmp_path / "out" / "validation_cuda.json").exists()
+    pairs = {("tiny-s", "tiny-m"), ("tiny-s", "tiny-l"), ("tiny-m", "tiny-l")}
+    assert {(r["draft"], r["target"], r["temperature"]) for r in table["acceptance"]} == {
+        (d, t, temperature) for d, t in pairs for temperature in (0.0, 1.0)}
+    assert all(0.0 <= r["per_token_acceptance"] <= 1.0 for r in table["acceptance"] if r["verify_steps"])
+    assert {(r["draft"], r["target"], r["k"], r["batch"]) for r in table["costs"]} == {
+        (d, t, k, b) for d, t in pairs for k in (1, 2) for b in (1, 4)}
+    assert all(r["step_ms"] > 0 and r["draft_ms"] > 0 for r in table["costs"])
+    assert "verify ms" in result.stdout and "tok/step" in result.stdout

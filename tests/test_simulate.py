@@ -599,7 +599,7 @@ def test_the_simulated_baseline_gets_the_split_the_core_finds_fastest_on_a_pilot
     about = search_baseline_split(setup, settings, trace, [1.0, 2.0], split, configs, library(), tokenizer)
     assert about["baseline_split_mode"] == "search"
     assert configs["baseline"].comparison.static_split == about["baseline_split"]     # the baseline runs the chosen split
-    assert configs["baseline"].pool.host_tier_parts == about["baseline_split"]       # ... with host tier parts to match
+    assert configs["baseline"].comparison.host_tier_parts == about["baseline_split"]       # ... with host tier parts to match
     rescore = about["baseline_split_rescore"]
     assert rescore["winner"]["fractions"] == about["baseline_split"]
     assert rescore["pilot"]["rates"] == [1.0, 2.0] and rescore["pilot"]["sessions"] == 2

@@ -26,6 +26,9 @@ def test_the_published_figures_give_a_per_token_acceptance_of_about_076_greedy()
     assert "published" in table.of("qwen3-1.7b->qwen3-8b").source
     tiny = acceptance_table("tiny", ["tiny-s", "tiny-m", "tiny-l"], tiny_table=__import__("pathlib").Path("/none"))
     assert tiny.of("tiny-s->tiny-l").greedy == 0.7 and "assumed" in tiny.of("tiny-s->tiny-l").source
+    measured = acceptance_table("tiny", ["tiny-s", "tiny-m", "tiny-l"])          # the shipped measured table
+    assert "measured" in measured.of("tiny-s->tiny-l").source
+    assert 0.0 < measured.of("tiny-s->tiny-l").greedy < 1.0 and measured.of("tiny-s->tiny-m").sampled > 0.0
     swept = acceptance_table("qwen3-large", ["qwen3-1.7b", "qwen3-8b", "qwen3-32b"], override=0.4)
     assert swept.of("qwen3-1.7b->qwen3-32b").sampled == 0.4 and swept.priors() == {
         "qwen3-1.7b->qwen3-8b": 0.4, "qwen3-1.7b->qwen3-32b": 0.4}

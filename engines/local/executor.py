@@ -16,6 +16,7 @@ from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
+from engines.local.speculation import Drafts, accept, check_draft, draft, verify_rows
 
 
 def nests_in(small: PagedCausalLM, large: PagedCausalLM) -> bool:
@@ -121,34 +122,96 @@ class LocalExecutor:
         return self.models[member_name].block_tokens(self.arena)
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
-        """Page loads were already written by the caller; runs one forward per group of nested member batches
-        (one per batch when nothing nests; each split in two on two threads with parallel_forwards), samples
-        per batch, returns tokens in chunk order across batches."""
+        """Page loads were already written by the caller; runs the drafts of chunks that speculate
+        (engines/local/speculation.py), then one forward per group of nested member batches (one per batch when
+        nothing nests; each split in two on two threads with parallel_forwards), samples per batch, returns
+        tokens in chunk order across batches (a drafting chunk's 1 to k + 1 tokens in order, in its place)."""
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
-        logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_chunks, vocab]
-        for host, indices in merge_groups([self.models[b.member].member for b in batches], self.nested_pairs):
-            chunks = [c for i in indices for c in batches[i].chunks]
-            exits = [self.models[batches[i].member].member.num_layers for i in indices for _ in batches[i].chunks]
+        drafted = self.run_drafts(batches)                        # request -> its drafts (one chunk a request)
+        rows = batches
+        if drafted:                                               # a drafting chunk becomes its k + 1 verify rows
+            rows = [MemberBatch(b.member, [r for c in b.chunks for r in (
+                verify_rows(c, drafted[c.request_id].tokens) if c.draft is not None else (c,))]) for b in batches]
+        logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_rows, vocab]
+        for host, indices in merge_groups([self.models[b.member].member for b in rows], self.nested_pairs):
+            chunks = [c for i in indices for c in rows[i].chunks]
+            exits = [self.models[rows[i].member].member.num_layers for i in indices for _ in rows[i].chunks]
             merged = self._forward(self.models[host], chunks, exits)
             row = 0
             for i in indices:                                     # split the rows back per batch
-                count = sum(c.sample for c in batches[i].chunks)
+                count = sum(c.sample for c in rows[i].chunks)
                 logits[i] = merged[row:row + count]
                 row += count
         sampled: list[SampledToken] = []
         for i, batch in enumerate(batches):
-            sampling_chunks = [c for c in batch.chunks if c.sample]
             eos = self.models[batch.member].member.eos_token_ids
-            sampled.extend(self.sampler.sample(logits[i], sampling_chunks, eos))
+            if drafted and any(c.draft is not None for c in batch.chunks):
+                sampled.extend(self._sample_verifying(batch, logits[i], drafted))
+            else:
+                sampled.extend(self.sampler.sample(logits[i], [c for c in batch.chunks if c.sample], eos))
         return sampled
+
+    def run_drafts(self, batches: list[MemberBatch]) -> dict[RequestId, Drafts]:
+        """The drafts of every chunk with a DraftSpec, batched per drafting member (and the target's EOS ids,
+        which min_tokens bans)."""
+        jobs: dict[tuple[str, tuple[int, ...]], list[SeqChunk]] = {}
+        for batch in batches:
+            target = self.models[batch.member]
+            for chunk in batch.chunks:
+                if chunk.draft is None:
+                    continue
+                drafter = self.models.get(chunk.draft.member)
+                if drafter is None or drafter.config.vocab_size != target.config.vocab_size:
+                    raise ValueError(f"chunk {chunk.request_id}: {chunk.draft.member!r} cannot draft for "
+                                     f"{batch.member!r} (not a member of this family with its vocabulary)")
+                check_draft(chunk, drafter.config.num_layers)
+                jobs.setdefault((chunk.draft.member, tuple(target.member.eos_token_ids)), []).append(chunk)
+        drafted: dict[RequestId, Drafts] = {}
+        for (member, eos), chunks in jobs.items():
+            model = self.models[member]
+            drafted.update(draft(model, lambda m, rows: self._forward(m, rows, [m.config.num_layers] * len(rows)),
+                                 self.sampler, chunks, eos))
+        return drafted
+
+    def _sample_verifying(self, batch: MemberBatch, logits: torch.Tensor,
+                          drafted: dict[RequestId, Drafts]) -> list[SampledToken]:
+        """A batch's tokens where some chunks verify drafts: the plain sampling chunks sampled together, each
+        drafting chunk's rows through the acceptance rule; in chunk order."""
+        member = self.models[batch.member].member
+        eos = member.eos_token_ids
+        plain_rows, plain_chunks = [], []
+        row = 0
+        for chunk in batch.chunks:
+            if chunk.draft is not None:
+                row += 1 + chunk.draft.num_tokens
+            elif chunk.sample:
+                plain_rows.append(row)
+                plain_chunks.append(chunk)
+                row += 1
+        plain = iter(self.sampler.sample(logits[plain_rows], plain_chunks, eos) if plain_chunks else [])
+        out: list[SampledToken] = []
+        row = 0
+        for chunk in batch.chunks:
+            if chunk.draft is not None:
+                drafts = drafted[chunk.request_id]
+                n = 1 + len(drafts.tokens)
+                out.extend(accept(self.sampler, logits[row:row + n], verify_rows(chunk, drafts.tokens), drafts, eos,
+                                  member.context_tokens))
+                row += n
+            elif chunk.sample:
+                out.append(next(plain))
+                row += 1
+        return out
 
     def _forward(self, model: PagedCausalLM, chunks: list[SeqChunk], exits: list[int]) -> torch.Tensor:
         """One forward, or (parallel_forwards) two over the chunks' first and second part at once: torch's ops
         and the native kernel release the GIL, so the second thread computes on another core. Chunks of one
-        step belong to different requests and write disjoint page slots, so the halves never touch the same
-        bytes; the logits come back in chunk order."""
+        step belong to different requests and write disjoint page slots (a verifying request's rows stay in one
+        half), so the halves never touch the same bytes; the logits come back in chunk order."""
         split = split_point(chunks) if self._helper is not None else 0
+        while 0 < split < len(chunks) and chunks[split].request_id == chunks[split - 1].request_id:
+            split += 1          # a verifying request's rows read each other's K/V: one half has them all
         if split == len(chunks):
             split = 0
         if split == 0:

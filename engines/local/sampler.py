@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from orchestrator.core.types import RequestId, SampledToken, SeqChunk
+from orchestrator.core.types import RequestId, SampledToken, SamplingParams, SeqChunk
 
 
 # Below this temperature a request samples greedily (as vLLM does): dividing logits by a temperature near zero
@@ -35,7 +35,13 @@ class Sampler:
             self._generators.pop(request_id, None)
             self._generated.pop(request_id, None)
 
-    def _generator(self, chunk: SeqChunk) -> torch.Generator:
+    def start_stream(self, request_id: RequestId, seed: int) -> None:
+        """Starts an unseeded request's random stream from `seed` instead of fresh entropy: measurements and
+        tests that draw many requests reproducibly (the draws are still the request's own stream)."""
+        self._generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def generator(self, chunk: SeqChunk) -> torch.Generator:
+        """The request's generator; a seeded request's is reseeded for its step (chunk.num_generated)."""
         generator = self._generators.get(chunk.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)
@@ -52,8 +58,24 @@ class Sampler:
         if not chunks:
             return []
         logits = logits.float()
-        # raw distribution (temperature 1, unfiltered) is the confidence signal: log p = logit - logsumexp
-        log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)          # [rows, 1]
+        processed = self.adjust(logits, chunks, eos_token_ids)
+        drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature >= MIN_SAMPLING_TEMPERATURE]
+        chosen = None                                              # all greedy, nothing adjusted: the raw top-1
+        if processed is not logits or drawn:
+            chosen = processed.argmax(dim=-1)                      # a banned token may be the raw top-1
+            for row in drawn:
+                chosen[row] = self.draw(self.distribution(processed[row], chunks[row].sampling), chunks[row])
+        tokens = self.tokens(logits, chunks, chosen)
+        for chunk, token in zip(chunks, tokens):
+            if chunk.sampling.penalized:
+                self.record(chunk.request_id, chunk.num_generated, [token.token_id])
+        return tokens
+
+    def adjust(self, logits: torch.Tensor, chunks: Sequence[SeqChunk],
+               eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+        """logits [rows, vocab] float32 -> the logits sampling chooses from: penalties and bias applied (each row
+        against its request's history before chunk.num_generated), EOS and stop tokens banned before min_tokens.
+        Returns `logits` itself when no row needs a change."""
         processed = logits
         penalized = [row for row, chunk in enumerate(chunks) if chunk.sampling.penalized]
         if penalized:
@@ -65,16 +87,18 @@ class Sampler:
                 if banned:
                     processed = processed.clone() if processed is logits else processed
                     processed[row, banned] = float("-inf")
-        best, chosen = logits.max(dim=-1)                          # one pass: the raw top-1 and its id
+        return processed
+
+    def tokens(self, logits: torch.Tensor, chunks: Sequence[SeqChunk],
+               chosen: torch.Tensor | None = None) -> list[SampledToken]:
+        """The SampledTokens of `chosen` [rows] (None: each row's raw top-1), with the raw model's logprobs
+        (temperature 1, unfiltered: the confidence signal), top-1 probability and top alternatives."""
+        log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)          # log p = logit - logsumexp
+        best, top1 = logits.max(dim=-1)                            # one pass: the raw top-1 and its id
         top1_logprobs = best - log_norm[:, 0]
         top1_probs = top1_logprobs.exp()
-        drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature >= MIN_SAMPLING_TEMPERATURE]
-        if processed is not logits:
-            chosen = processed.argmax(dim=-1)                      # a banned token may be the raw top-1
-        for row in drawn:
-            chosen[row] = self._draw(processed[row], chunks[row])
-        if processed is logits and not drawn:                      # all greedy, nothing banned: chosen = top-1
-            chosen_logprobs = top1_logprobs
+        if chosen is None:
+            chosen, chosen_logprobs = top1, top1_logprobs
         else:
             chosen_logprobs = (logits.gather(1, chosen[:, None]) - log_norm)[:, 0]
         num_top = max(c.sampling.num_top_logprobs for c in chunks)
@@ -83,18 +107,21 @@ class Sampler:
             top_values, top_ids = logits.topk(min(num_top, logits.shape[-1]), dim=-1)
             top_values, top_ids = (top_values - log_norm).tolist(), top_ids.tolist()
         chosen_list, logprob_list, top1_list = chosen.tolist(), chosen_logprobs.tolist(), top1_probs.tolist()
-        for row in penalized:
-            history = self._generated.setdefault(chunks[row].request_id, [])
-            del history[chunks[row].num_generated:]
-            history.append(chosen_list[row])
         tokens = []
         for row, chunk in enumerate(chunks):
             k = chunk.sampling.num_top_logprobs
             alternatives = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k > 0 else ()
             tokens.append(SampledToken(request_id=chunk.request_id, token_id=chosen_list[row],
                                        logprob=logprob_list[row], top1_prob=top1_list[row],
-                                       top_logprobs=alternatives))
+                                       top_logprobs=alternatives, num_drafted=0))
         return tokens
+
+    def record(self, request_id: RequestId, num_generated: int, token_ids: Sequence[int]) -> None:
+        """The request's history (what its penalties count) from generation step num_generated on is token_ids:
+        a rollback, a recompute or a rejected draft samples those steps again, and the list is cut back first."""
+        history = self._generated.setdefault(request_id, [])
+        del history[num_generated:]
+        history.extend(token_ids)
 
     def _penalize(self, logits: torch.Tensor, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """logits [rows, vocab] of requests with penalties or a bias -> adjusted logits, as vLLM defines them: the
@@ -121,9 +148,10 @@ class Sampler:
         presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=out.dtype)[:, None]
         return out - frequency * counts - presence * in_output.to(out.dtype)
 
-    def _draw(self, row_logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
-        """row_logits [vocab] -> a sampled token id (0-d tensor)."""
-        params = chunk.sampling
+    @staticmethod
+    def distribution(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """row_logits [vocab] (adjusted) -> the probabilities a sampled request draws from: temperature, then
+        top-k and top-p."""
         scaled = row_logits / params.temperature
         if 0 < params.top_k < scaled.shape[-1]:
             threshold = scaled.topk(params.top_k).values[-1]
@@ -136,8 +164,12 @@ class Sampler:
             drop_sorted[0] = False            # also when top_p rounds to 0 in float32 (5e-324)
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             scaled = scaled.masked_fill(drop, float("-inf"))
-        probs = scaled.softmax(-1)
-        return torch.multinomial(probs, 1, generator=self._generator(chunk))[0]
+        return scaled.softmax(-1)
+
+    def draw(self, probs: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
+        """probs [vocab] -> a token id (0-d tensor) from the request's generator (a seeded request's generator is
+        reseeded for its step, chunk.num_generated)."""
+        return torch.multinomial(probs, 1, generator=self.generator(chunk))[0]
 
 
 def _bin_counts(token_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:

@@ -9,9 +9,9 @@ Published: vLLM's draft-model speculative decoding (github.com/vllm-project/vllm
 2.61 at k = 3 at temperature 1. A verify of k drafts, each kept with probability a until the first rejection,
 yields (1 - a^(k+1)) / (1 - a) tokens; solving that for each figure gives a per-token acceptance of about 0.76
 greedy and 0.72 sampled. No figure for another pair of these families is at hand, so every pair of the Qwen3 and
-Llama 3.1 families gets these (labelled so). The tiny family's figures are to be measured on its own members
-(tables/tiny_acceptance.json, mfs-acceptance/1); until then 0.7 for both, labelled assumed. `mfs simulate
---acceptance X` sets every pair to X.
+Llama 3.1 families gets these (labelled so). The tiny family's figures are measured on its own members by the
+local engine (tables/tiny_speculation.json, written by `python -m eval.simulate.measure_speculation`); a pair the
+file lacks gets 0.7, labelled assumed. `mfs simulate --acceptance X` sets every pair to X.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from eval.simulate.paths import TABLES_DIR
 
-ACCEPTANCE_FORMAT = "mfs-acceptance/1"
-TINY_TABLE = TABLES_DIR / "tiny_acceptance.json"
+SPECULATION_FORMAT = "mfs-speculation-table/1"      # eval/simulate/measure_speculation.py
+TINY_TABLE = TABLES_DIR / "tiny_speculation.json"
 PUBLISHED_SOURCE = ("published: vLLM draft-model speculative decoding (vllm-project/vllm pull request 24322), "
                     "MT-Bench, Qwen3-32B verifying Qwen3-1.7B")
 # (temperature, k, tokens per verify) as published
@@ -113,12 +113,18 @@ def acceptance_table(family: str, member_names: list[str], override: float | Non
 
 
 def load_table(path: Path, pairs: list[str]) -> AcceptanceTable:
-    """An mfs-acceptance/1 file: {"format", "source", "pairs": {"draft->target": {"greedy", "sampled"}}}."""
+    """The acceptance measured in an mfs-speculation-table/1 file (one entry per pair and temperature:
+    draft, target, temperature, per_token_acceptance)."""
     data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("format") != ACCEPTANCE_FORMAT:
-        raise ValueError(f"{path}: not an {ACCEPTANCE_FORMAT} file")
+    if not isinstance(data, dict) or data.get("format") != SPECULATION_FORMAT:
+        raise ValueError(f"{path}: not an {SPECULATION_FORMAT} file")
     source = str(data.get("source", f"measured ({path.name})"))
-    table = {p: Acceptance(float(v["greedy"]), float(v["sampled"]), source) for p, v in data["pairs"].items()}
+    by_pair: dict[str, dict[str, float]] = {}
+    for entry in data["acceptance"]:
+        kind = "greedy" if float(entry["temperature"]) == 0 else "sampled"
+        by_pair.setdefault(f"{entry['draft']}->{entry['target']}", {})[kind] = float(entry["per_token_acceptance"])
+    table = {p: Acceptance(v.get("greedy", ASSUMED_ACCEPTANCE), v.get("sampled", v.get("greedy", ASSUMED_ACCEPTANCE)),
+                           source) for p, v in by_pair.items()}
     missing = [p for p in pairs if p not in table]
     assumed = Acceptance(ASSUMED_ACCEPTANCE, ASSUMED_ACCEPTANCE, "assumed (not measured yet)")
     notes = [f"{', '.join(missing)}: not in {path.name}, assumed"] if missing else []

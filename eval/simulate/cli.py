@@ -148,9 +148,6 @@ def _with_acceptance(args: argparse.Namespace, setup: SimSetup) -> SimSetup:
     return setup
 
 
-    return _with_policies(_build_setup(args, settings), args, settings)
-
-
 def _with_policies(setup: SimSetup, args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
     """The capacity policy every system runs, and how separate deployments share one device."""
     sharing = getattr(args, "colocated_deployments", None) or ("shared" if setup.family is not None else "turns")

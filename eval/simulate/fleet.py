@@ -52,25 +52,18 @@ class Placement:
 def parse_placement(text: str, node_placement: str = "colocated") -> Placement:
     if text in ("colocated", "per-member"):
         return Placement(text)
-    if text.startswith("pooled:"):
-        try:
-            gpus = int(text.split(":", 1)[1])
-        except ValueError:
-            gpus = 0
-        if gpus < 1:
-            raise PlacementError(f"--placement {text!r}: pooled:N needs a positive GPU count")
-        return Placement("pooled", gpus)
-    if text.startswith("fleet:"):
-        try:
-            n = int(text.split(":", 1)[1])
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise PlacementError(f"--placement {text!r}: fleet:N needs a positive node count")
-        if node_placement not in ("colocated", "per-member"):
-            raise PlacementError(f"--node-placement {node_placement!r}: expected colocated or per-member")
-        return Placement(node_placement, n)
-    raise PlacementError(f"--placement {text!r}: expected colocated, per-member, fleet:N or pooled:N")
+    kind, _, count = text.partition(":")
+    if kind not in ("fleet", "pooled"):
+        raise PlacementError(f"--placement {text!r}: expected colocated, per-member, fleet:N or pooled:N")
+    n = int(count) if count.isdigit() else 0
+    if n < 1:
+        raise PlacementError(f"--placement {text!r}: {kind}:N needs a positive {'GPU' if kind == 'pooled' else 'node'} "
+                             "count")
+    if kind == "pooled":
+        return Placement("pooled", n)
+    if node_placement not in ("colocated", "per-member"):
+        raise PlacementError(f"--node-placement {node_placement!r}: expected colocated or per-member")
+    return Placement(node_placement, n)
 
 
 class FrontRouter:

@@ -34,9 +34,6 @@ class PoolConfig:
     num_pages: int | None = None
     host_tier_mb: float = 256.0          # 0 disables the host tier
     disk_tier_mb: float = 0.0            # 0 disables the disk tier
-    # member -> its fraction of host_tier_mb, each member's part an LRU of its own (separate servers' host
-    # memory); None: one LRU every member shares
-    host_tier_parts: dict[str, float] | None = None
     disk_dir: str = ".cache/mfs/kv"
     member_limits: dict[str, MemberLimit] = field(default_factory=dict)
     session_ttl_s: float | None = None   # cached pages of an idle session become first to evict after this
@@ -56,7 +53,8 @@ class SchedulerConfig:
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
     # token-level member scheduling on a shared device (member_turns.py): each member's decodes step at their own
-    # frequency, a member's token period at most this many times that of stepping every member (None = off)
+    # frequency, a member's token period at most this many times that of stepping every member; 0: every member
+    # steps in every step; None: 2 for independent families, 0 for nested ones (their forwards share layers)
     member_turns: float | None = None
 
 
@@ -144,6 +142,9 @@ class ComparisonSwitches:
     every one at its default."""
 
     static_split: dict[str, float] | None = None   # fixed fraction of the pages per member (no shared pool)
+    # member -> its fraction of pool.host_tier_mb, each part an LRU of its own (separate servers' host memory);
+    # None: one LRU every member shares
+    host_tier_parts: dict[str, float] | None = None
     cross_member_sharing: bool = True    # nested families share lower-layer pages; False = per-member lineages
     use_affinity: bool = True            # routing reads the prefix cache and sessions
     use_load: bool = True                # routing reads load (and may downgrade)
@@ -193,12 +194,12 @@ class MFSConfig:
         _check(self.pool.num_pages is None or self.pool.num_pages > 0, "pool.num_pages", "must be positive")
         _check(self.pool.kv_memory_mb > 0, "pool.kv_memory_mb", "must be positive")
         _check(self.pool.host_tier_mb >= 0 and self.pool.disk_tier_mb >= 0, "pool.*_tier_mb", "must be >= 0")
-        parts = self.pool.host_tier_parts
+        parts = self.comparison.host_tier_parts
         if parts is not None:
             total = sum(parts.values())
             _check(all(v > 0 for v in parts.values()) and abs(total - 1.0) < 1e-6,
-                   "pool.host_tier_parts", f"fractions must be positive and sum to 1 (got {total})")
-            _check(not self.comparison.cross_member_sharing, "pool.host_tier_parts",
+                   "comparison.host_tier_parts", f"fractions must be positive and sum to 1 (got {total})")
+            _check(not self.comparison.cross_member_sharing, "comparison.host_tier_parts",
                    "needs comparison.cross_member_sharing: false (each part holds one member's own lineages)")
         split = self.comparison.static_split
         if split is not None:
@@ -210,6 +211,8 @@ class MFSConfig:
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
         sched = self.scheduler
         compare = self.comparison
+        _check(sched.member_turns is None or sched.member_turns == 0 or sched.member_turns >= 1,
+               "scheduler.member_turns", f"must be 0 (off), at least 1, or null (got {sched.member_turns})")
         _check(compare.decode_reservation in ("peak", "block", "guaranteed_no_evict"), "comparison.decode_reservation",
                f"must be peak, block or guaranteed_no_evict, got {compare.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",

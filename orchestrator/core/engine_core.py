@@ -87,9 +87,9 @@ def build_tiers(config: MFSConfig, family: FamilySpec) -> TieredStore | None:
     host = None
     if pool.host_tier_mb > 0:
         capacity = int(pool.host_tier_mb * 2**20)
-        host = (member_host_tier(capacity, pool.host_tier_parts, {m.name: (*m.layer_lineages, m.residual_lineage())
+        host = (member_host_tier(capacity, config.comparison.host_tier_parts, {m.name: (*m.layer_lineages, m.residual_lineage())
                                                                   for m in family.members})
-                if pool.host_tier_parts else HostTier(capacity))
+                if config.comparison.host_tier_parts else HostTier(capacity))
     disk = DiskTier(Path(pool.disk_dir), int(pool.disk_tier_mb * 2**20)) if pool.disk_tier_mb > 0 else None
     return TieredStore(host, disk) if host is not None or disk is not None else None
 

@@ -22,7 +22,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.handover import Handover
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
-from orchestrator.core.member_turns import MemberTurns
+from orchestrator.core.member_turns import DEFAULT_MEMBER_TURNS, MemberTurns
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.placement import Placement, SharedPoolPlacement
@@ -81,8 +81,11 @@ class Scheduler:
         self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap,
                                    self.speculation)
         step_members = policies.step_members
-        if step_members is None and config.scheduler.member_turns is not None:
-            step_members = MemberTurns(family, config.scheduler.member_turns)
+        turns = config.scheduler.member_turns
+        if turns is None:
+            turns = 0.0 if family.is_nested() else DEFAULT_MEMBER_TURNS
+        if step_members is None and turns:
+            step_members = MemberTurns(family, turns)
         self.batches = BatchFormer(config.scheduler, self.stats, step_members)
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
