@@ -275,7 +275,7 @@ def _synchronizer(executor):
 def build_executor(family, device: str, dtype: str, page_bytes: int = 16384, num_pages: int = ARENA_PAGES):
     """The engine as serving builds it on this machine (on a CPU: every core but one for torch's threads)."""
     from engines.local.executor import LocalExecutor
-    from orchestrator.serve.serving import engine_threads
+    from orchestrator.serve.local_engine import engine_threads
 
     return LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, dtype=dtype, device=device,
                          num_threads=engine_threads(None) if device == "cpu" else None)
