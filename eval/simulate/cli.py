@@ -369,7 +369,8 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         pooled = tuple(n for n in settings.systems if n not in deployed)
         configs, _ = system_configs(setup, replace(settings, systems=pooled), trace, tokenizer)
         deployed_configs, split = system_configs(separate, replace(settings, systems=deployed), trace, tokenizer)
-        configs = {n: {**configs, **deployed_configs}[n] for n in settings.systems}
+        merged = {**configs, **deployed_configs}
+        configs = {n: merged[n] for n in settings.systems}
         setups = {n: separate if n in deployed else setup for n in settings.systems}
     sim_started = time.perf_counter()
     split_baselines = [n for n in configs if n in SPLIT_BASELINES]

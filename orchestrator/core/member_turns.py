@@ -24,8 +24,9 @@ from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.sequence import Sequence
 
 # scheduler.member_turns for an independent family: no member's token period more than doubles. SIMULATED (Qwen3
-# 1.7B/8B/32B on one H200, aiconfigurator): guards of 1.5, 2, 3 and 5 gave 15.8, 15.3, 15.3, 15.3 ms per token at
-# 0.5 sessions/s, stepping every member 22.5
+# 1.7B/8B/32B on one H200, aiconfigurator, seed 0, 0.5 sessions/s: `mfs simulate --family qwen3-large --gpu
+# h200_sxm --sessions 120 --rates 0.5 --systems mfs --set speculation.enabled=false --set scheduler.member_turns=G`):
+# G = 1.5, 2, 3, 5 gave 15.8, 15.3, 15.3, 15.3 ms per token, G = 0 (every member in every step) 22.5
 DEFAULT_MEMBER_TURNS = 2.0
 # member, requests decoding on it -> the relative cost of its decode forward
 ForwardCost = Callable[[str, int], float]
@@ -50,7 +51,6 @@ class MemberTurns:
         weights = {m.name: shape_weight_bytes(m) for m in family.members}
         self.cost: ForwardCost = cost or (lambda member, _n: weights[member])
         self.credit: dict[str, float] = {m.name: 0.0 for m in family.members}
-        self.last_frequencies: dict[str, float] = {}
 
     def frequencies(self, decoding: dict[str, int]) -> dict[str, float]:
         """Each decoding member's share of the steps (the largest is 1), its period within the guard."""
@@ -88,7 +88,6 @@ class MemberTurns:
         if len(decoding) + len(prefilling - decoding.keys()) <= 1:
             return candidates                   # one member has work: it steps
         freq = self.frequencies(decoding) if decoding else {}
-        self.last_frequencies = freq
         stepping = set(prefilling)
         for member, f in freq.items():
             self.credit[member] += f

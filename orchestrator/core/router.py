@@ -142,10 +142,6 @@ class Router:
         self.session_bonus = (config.session_bonus if config.session_bonus is not None
                               else 0.0 if family.is_nested() else SESSION_BONUS_INDEPENDENT)
 
-    def largest_member_bound(self) -> float:
-        """The lowest complexity routed to the largest member (its band's lower bound)."""
-        return largest_member_bound(self._thresholds, self._num_members)
-
     def adequate_index(self, complexity: float) -> int:
         """Index of the smallest member whose complexity band holds `complexity` (thresholds are lower bounds)."""
         return min(bisect.bisect_right(self._thresholds, complexity), self._num_members - 1)
