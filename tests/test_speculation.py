@@ -352,3 +352,48 @@ def test_draft_length_is_zero_where_the_verify_costs_more_than_it_gives(per_forw
         assert chosen == {0} and not h.executor.drafts_seen
     for i in range(4):
         assert h.tokens(f"r{i}") == _plain_tokens(f"r{i}", [i + 3] + PROMPT, 12)
+
+
+def test_draft_length_is_zero_while_the_estimate_has_no_figure_yet():
+    """An engine still measuring its first steps (engines/local/step_costs.py) gives None: nothing is drafted
+    rather than a guess; once it prices steps, the policy drafts where that pays."""
+    h = SpecHarness(**{"pool.num_pages": 1024})
+    priced = FakeStepCost(0.020, 0.0001)
+    calls = {"n": 0}
+
+    def estimate(forwards):
+        calls["n"] += 1
+        return None if calls["n"] <= 6 else priced.estimate_step_s(forwards)
+
+    h.scheduler.speculation.use_step_cost(estimate)
+    h.submit("a", PROMPT, max_tokens=16, complexity_hint=LARGE)
+    h.run()
+    steps = h.scheduler.snapshot(h.now)["counters"]["draft_length_steps"]
+    assert steps.get("0", 0) >= 6 and max(int(k) for k in steps) >= 2
+    assert h.tokens("a") == _plain_tokens("a", PROMPT, 16)
+
+
+def test_a_planned_steps_forwards_are_those_its_draft_length_priced():
+    """plan_forwards (what a measuring engine fits on) reads back from the DraftSpecs the shapes step_forwards
+    priced for the k the policy chose."""
+    from orchestrator.core.speculation import plan_forwards
+
+    h = SpecHarness(**{"pool.num_pages": 1024})
+    priced = FakeStepCost(0.020, 0.0001)
+    seen = []
+
+    def estimate(forwards):
+        seen.append(list(forwards))
+        return priced.estimate_step_s(forwards)
+
+    h.scheduler.speculation.use_step_cost(estimate)
+    for i in range(3):
+        _admitted_and_decoding(h, f"r{i}", [i + 3] + PROMPT, max_tokens=20)
+    for _ in range(3):
+        h.step()                                        # every draft caught up: the catch-ups are one token
+    seen.clear()
+    h.now += 0.01
+    plan, _ = h.scheduler.schedule(h.now)
+    assert any(c.draft is not None for b in plan.batches for c in b.chunks)
+    assert plan_forwards(plan) in seen                  # the chosen k's forwards, as priced
+    assert any(f.is_draft for f in plan_forwards(plan))

@@ -18,19 +18,24 @@ PROMPTS = [[5, 17, 42, 99, 7, 311, 12, 64], list(range(30, 75)), [9, 9, 9, 120, 
 COMPLEXITY = {"tiny-m": 0.5, "tiny-l": 0.95}       # routed there (escalation off): a pinned request never drafts
 
 
-def run(speculate: bool, member: str, temperature: float = 0.0, seed: int | None = None) -> tuple[dict, EngineCore]:
+def run(speculate: bool, member: str, temperature: float = 0.0, seed: int | None = None,
+        measured: bool = False, max_tokens: int = 24) -> tuple[dict, EngineCore]:
+    """measured: the draft length priced by the engine's measured step costs, as served (what it chooses then
+    depends on this machine's timings); otherwise the fixed k of 3, so that every verify path runs."""
     config = load_config(overrides={"family": "tiny", "pool.num_pages": 512, "pool.host_tier_mb": 0,
                                     "escalation.enabled": False, "speculation.enabled": speculate,
                                     "speculation.fixed_k": 3})
     ticks = itertools.count()
     core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
                             make_executor=local_executor_factory(config))
+    if not measured:
+        core.scheduler.speculation.use_step_cost(None)
     outputs: dict[str, list[int]] = {}
     for i, prompt in enumerate(PROMPTS):
         rid = f"r{i}"
         outputs[rid] = []
         request = Request(request_id=RequestId(rid), prompt_token_ids=prompt,
-                          sampling=SamplingParams(max_tokens=24, temperature=temperature, seed=seed, ignore_eos=True),
+                          sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True),
                           arrival_s=0.0, complexity_hint=COMPLEXITY[member])
         core.add_request(request, lambda out, rid=rid: outputs[rid].extend(out.new_token_ids))
     drain(core, 500)
@@ -56,3 +61,17 @@ def test_a_seeded_sampled_request_is_not_drafted_for_and_keeps_its_tokens():
     speculated, core = run(True, "tiny-l", temperature=1.0, seed=7)
     assert speculated == plain
     assert core.snapshot()["counters"]["drafted_tokens"]["tiny-s->tiny-l"] == 0
+
+
+def test_with_the_measured_draft_length_greedy_tokens_are_still_those_without_speculation():
+    """As served: the engine measures its steps and the core drafts whatever length its fit says pays (0 before
+    MIN_STEPS steps, and wherever drafting costs more than it gives on this machine); the tokens never change."""
+    from engines.local.step_costs import MIN_STEPS
+
+    plain, _ = run(False, "tiny-l", max_tokens=64)
+    speculated, core = run(True, "tiny-l", measured=True, max_tokens=64)
+    assert speculated == plain and all(len(tokens) == 64 for tokens in plain.values())
+    assert core.executor.step_costs.num_steps == core.num_steps >= MIN_STEPS
+    steps = core.snapshot()["counters"]["draft_length_steps"]
+    assert steps.get("0", 0) >= MIN_STEPS // 2                     # nothing drafted before the fit has a figure
+    assert core.pool.num_used_pages() == 0

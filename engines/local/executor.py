@@ -1,12 +1,14 @@
 """LocalExecutor: the embedded StepExecutor: every member's weights, ONE arena, a sampler; runs step plans."""
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from orchestrator.core.family import FamilySpec, MemberSpec
+from orchestrator.core.speculation import plan_forwards
 from orchestrator.core.types import MemberBatch, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 from engines.local.arena import KVArena
@@ -17,6 +19,7 @@ from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
 from engines.local.speculation import Drafts, accept, check_draft, draft, verify_rows
+from engines.local.step_costs import MeasuredStepCosts
 
 
 def nests_in(small: PagedCausalLM, large: PagedCausalLM) -> bool:
@@ -70,13 +73,15 @@ class LocalExecutor:
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
                  device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True,
                  malloc_mmap_threshold_mb: int = 32, native_attention: bool = True,
-                 parallel_forwards: int = 1, native_layer_ops: bool = True) -> None:
+                 parallel_forwards: int = 1, native_layer_ops: bool = True, measure_steps: bool = False) -> None:
         """malloc_mmap_threshold_mb: see engines/local/malloc_tuning.py (process-wide; 0 = glibc defaults).
         native_attention: float32 CPU decodes read K/V in place from the pages (engines/local/paged_decode.py;
         compiled on first use, the torch path where no C compiler exists).
         native_layer_ops: float32 CPU forwards run RMSNorm, rope with the K/V write and SiLU-and-multiply as one
         native call each (engines/local/layer_kernels.py; the torch path where no C compiler exists).
-        parallel_forwards: 2 splits each CPU forward of two or more chunks in two halves run on two threads."""
+        parallel_forwards: 2 splits each CPU forward of two or more chunks in two halves run on two threads.
+        measure_steps: time every step and fit what steps cost (`step_costs`, engines/local/step_costs.py), which
+        the core prices speculation's draft length with (EngineCore.attach_executor); off, it drafts a fixed length."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
         if num_threads is not None:
@@ -94,6 +99,7 @@ class LocalExecutor:
         self._helper = (ThreadPoolExecutor(1, thread_name_prefix="mfs-forward")
                         if parallel_forwards == 2 and self.device.type == "cpu" else None)
         self.models: dict[str, PagedCausalLM] = {}
+        self.step_costs = MeasuredStepCosts(family.member_names) if measure_steps else None
         uses_kernel = native_attention and dtype == "float32" and self.device.type == "cpu"
         self.decode_kernel = PagedDecodeKernel.load() if uses_kernel else None
         on_cpu_f32 = dtype == "float32" and self.device.type == "cpu"
@@ -126,6 +132,14 @@ class LocalExecutor:
         (engines/local/speculation.py), then one forward per group of nested member batches (one per batch when
         nothing nests; each split in two on two threads with parallel_forwards), samples per batch, returns
         tokens in chunk order across batches (a drafting chunk's 1 to k + 1 tokens in order, in its place)."""
+        if self.step_costs is None:
+            return self._execute(plan)
+        began = time.perf_counter()
+        sampled = self._execute(plan)
+        self.step_costs.observe(plan_forwards(plan), time.perf_counter() - began)
+        return sampled
+
+    def _execute(self, plan: StepPlan) -> list[SampledToken]:
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
         drafted = self.run_drafts(batches)                        # request -> its drafts (one chunk a request)

@@ -93,6 +93,11 @@ class SimExecutor:
         """What the plan costs (also the tier copies made since the last step)."""
         return self._step_s(plan_shapes(plan, self.family))
 
+    @property
+    def step_costs(self) -> SimExecutor:
+        """What the core prices speculation's draft length with (EngineCore.attach_executor): this executor."""
+        return self
+
     def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float:
         """What a step of these forwards would cost (engine_api.StepCostEstimator: speculation's draft length),
         its forwards priced as a plan's are (no tier copies, no history: the same for every draft length)."""

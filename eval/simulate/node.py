@@ -107,7 +107,6 @@ class SimNode:
         assert isinstance(executor, SimExecutor)
         self.executor = executor
         self.executor.attach_clock(clock)       # it sees the idle gaps between its steps
-        self.scheduler.speculation.use_step_cost(self.executor.estimate_step_s)   # the draft length's prices
         # one timeline per device: the whole family on one device (members None: every member), else one per member
         # (on its own device, or sharing the one device)
         per_member = self.executor.members_in_parallel or share_device

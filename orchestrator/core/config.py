@@ -116,7 +116,7 @@ class SpeculationConfig:
 
     enabled: bool = False
     max_k: int = 4                        # most tokens drafted per request per step
-    fixed_k: int = 3                      # drafted tokens per step when the executor offers no step-cost estimate
+    fixed_k: int = 3                      # drafted tokens per step when the executor prices no step (no step_costs)
     # prior per-token acceptance of each "draft->target" pair, before any verify is observed
     acceptance: dict[str, float] = field(default_factory=dict)
     default_acceptance: float = 0.7       # the prior of a pair the table does not name

@@ -35,11 +35,12 @@ class StepExecutor(Protocol):
 
 
 class StepCostEstimator(Protocol):
-    """What an executor that can price a step offers the core (the simulator's cost model does): the seconds a
-    step of these forwards would take, draft forwards first. Speculation chooses its draft length with it; an
-    executor without it gets the configured fixed length."""
+    """What an executor that can price a step offers the core: the seconds a step of these forwards would take,
+    draft forwards first (the simulator from its cost model; the local engine from a fit of its own measured
+    steps, None until it has measured enough). Speculation chooses its draft length with it; an executor without
+    it gets the configured fixed length."""
 
-    def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float: ...
+    def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float | None: ...
 
 
 class ServingEngine(Protocol):

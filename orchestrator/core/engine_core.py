@@ -177,8 +177,15 @@ class EngineCore:
         core = cls(config, family, estimator, clock, step_clock=step_clock, cpu_clock=cpu_clock,
                    scheduler_factory=scheduler_factory, tiers=tiers)
         if make_executor is not None:
-            core.executor = make_executor(family, core.pool.num_pages, config.pool.page_bytes)
+            core.attach_executor(make_executor(family, core.pool.num_pages, config.pool.page_bytes))
         return core
+
+    def attach_executor(self, executor: StepExecutor) -> None:
+        """The executor the steps run on; its `step_costs` (an engine_api.StepCostEstimator), where it offers one,
+        prices speculation's draft length."""
+        self.executor = executor
+        step_costs = getattr(executor, "step_costs", None)
+        self.scheduler.speculation.use_step_cost(step_costs.estimate_step_s if step_costs is not None else None)
 
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: Request, sink: Sink) -> RouteDecision:

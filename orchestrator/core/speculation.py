@@ -23,8 +23,9 @@ from orchestrator.core.sequence import DraftState, Sequence
 from orchestrator.core.types import (DraftSpec, ForwardShape, MemberName, RequestId, SampledToken, SamplingParams,
                                      SeqChunk, StepPlan)
 
-# estimate_step_s of an executor that can price a step (engine_api.StepCostEstimator)
-StepCost = Callable[[Seq[ForwardShape]], float]
+# estimate_step_s of an executor that can price a step (engine_api.StepCostEstimator); None: not yet (an engine
+# that learns its step costs from its own steps has measured too few)
+StepCost = Callable[[Seq[ForwardShape]], "float | None"]
 
 
 def draftable(sampling: SamplingParams) -> bool:
@@ -102,7 +103,8 @@ class DraftLength:
     request, 1 for every other chunk) and T(k) the executor's estimate of the step with k drafts (k draft forwards
     of the draft batch before the step, each verify k + 1 rows at its context). k grows while each step up lowers
     the cost (T grows about linearly in k, sum 1 / E_r falls ever less: one minimum); 0 (no drafts) where even one
-    does not pay: large batches, compute-bound steps. Without an estimate, the fixed k."""
+    does not pay: large batches, compute-bound steps. Without an estimator, the fixed k; while the estimator has
+    no estimate yet (an engine still measuring its first steps), 0."""
 
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config
@@ -112,10 +114,16 @@ class DraftLength:
             return self.config.fixed_k
         num_chunks = sum(len(batch.chunks) for batch in plan.batches)
         others = num_chunks - len(candidates)
-        best_k, best = 0, estimate(step_forwards(plan, candidates, 0, self.config.max_k)) * num_chunks
+        plain = estimate(step_forwards(plan, candidates, 0, self.config.max_k))
+        if plain is None:
+            return 0
+        best_k, best = 0, plain * num_chunks
         for k in range(1, self.config.max_k + 1):
             per_token = others + sum(1.0 / expected_tokens(c.acceptance, min(k, c.max_k)) for c in candidates)
-            cost = estimate(step_forwards(plan, candidates, k, self.config.max_k)) * per_token
+            step_s = estimate(step_forwards(plan, candidates, k, self.config.max_k))
+            if step_s is None:
+                break
+            cost = step_s * per_token
             if cost >= best:
                 break       # one more draft adds a forward and gains less each time: past the best, it only grows
             best_k, best = k, cost
@@ -128,29 +136,54 @@ def step_forwards(plan: StepPlan, candidates: list[Candidate], k: int, max_rows:
     then each member batch with the candidates' chunks as verifies of k + 1 rows. A catch-up longer than a
     verify (a draft's first step after admission) counts as max_rows + 1 rows: it is paid once, not per step."""
     by_chunk = {id(c.chunk): min(k, c.max_k) for c in candidates}
-    forwards: list[ForwardShape] = []
+    drafts: dict[str, list[tuple[int, int, int, int]]] = {}
     if k > 0:
-        # draft member -> (catch-up rows, tokens before them, the request's last position, k_r)
-        drafts: dict[str, list[tuple[int, int, int, int]]] = {}
         for c in candidates:
             draft = c.seq.draft
             assert draft is not None        # a candidate has a draft
             last = len(c.seq.token_ids) - 1
             rows = min(last + 1 - draft.num_computed_tokens, max_rows + 1)
             drafts.setdefault(draft.member, []).append((rows, last + 1 - rows, last, by_chunk[id(c.chunk)]))
-        for member, entries in drafts.items():
-            forwards.append(ForwardShape(MemberName(member), tuple(b for r, b, _, _ in entries if r == 1),
-                                         tuple((r, b) for r, b, _, _ in entries if r > 1), (), True))
-            for j in range(1, k):
-                contexts = tuple(last + j for _, _, last, k_r in entries if k_r > j)
-                if contexts:
-                    forwards.append(ForwardShape(MemberName(member), contexts, (), (), True))
+    return _draft_forwards(drafts) + _batch_forwards(plan, lambda chunk: by_chunk.get(id(chunk), 0))
+
+
+def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
+    """The forwards of a planned step as its DraftSpecs set them (what an executor that measures its steps fits
+    its step-cost estimate on): the same shapes step_forwards prices, from the plan itself."""
+    drafts: dict[str, list[tuple[int, int, int, int]]] = {}
+    for batch in plan.batches:
+        for chunk in batch.chunks:
+            spec = chunk.draft
+            if spec is not None:
+                rows = len(spec.token_ids)
+                drafts.setdefault(spec.member, []).append(
+                    (rows, spec.start_pos, spec.start_pos + rows - 1, spec.num_tokens))
+    return _draft_forwards(drafts) + _batch_forwards(
+        plan, lambda chunk: chunk.draft.num_tokens if chunk.draft is not None else 0)
+
+
+def _draft_forwards(drafts: dict[str, list[tuple[int, int, int, int]]]) -> list[ForwardShape]:
+    """Per draft member, from its requests' (catch-up rows, tokens before them, last position, k): the catch-up
+    forward, then one forward per further drafted token."""
+    forwards: list[ForwardShape] = []
+    for member, entries in drafts.items():
+        forwards.append(ForwardShape(MemberName(member), tuple(b for r, b, _, _ in entries if r == 1),
+                                     tuple((r, b) for r, b, _, _ in entries if r > 1), (), True))
+        for j in range(1, max(k_r for _, _, _, k_r in entries)):
+            contexts = tuple(last + j for _, _, last, k_r in entries if k_r > j)
+            forwards.append(ForwardShape(MemberName(member), contexts, (), (), True))
+    return forwards
+
+
+def _batch_forwards(plan: StepPlan, drafts_of: Callable[[SeqChunk], int]) -> list[ForwardShape]:
+    """Each member batch's forward, a chunk with k drafts as a verify of k + 1 rows."""
+    forwards: list[ForwardShape] = []
     for batch in plan.batches:
         decodes: list[int] = []
         verifies: list[tuple[int, int]] = []
         prefills: list[tuple[int, int]] = []
         for chunk in batch.chunks:
-            k_r = by_chunk.get(id(chunk), 0)
+            k_r = drafts_of(chunk)
             n = len(chunk.token_ids)
             if k_r > 0:
                 verifies.append((k_r + 1, chunk.start_pos))

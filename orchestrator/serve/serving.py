@@ -49,8 +49,8 @@ class LocalServing:
         if self._thread is not None:
             return
         if self.core.executor is None:
-            self.core.executor = await asyncio.to_thread(local_executor, self.config, self.family,
-                                                         self.core.pool.num_pages)
+            self.core.attach_executor(await asyncio.to_thread(local_executor, self.config, self.family,
+                                                              self.core.pool.num_pages))
         self._running = True
         self._accepting = True
         self._thread = threading.Thread(target=self.core.run, args=(self._is_running, self._log_step_error),

@@ -149,7 +149,8 @@ class MemberWorker:
                                  native_attention=cfg.developer.native_attention,
                                  native_layer_ops=cfg.developer.native_layer_ops,
                                  # auto = 1 here: Triton's own threads share the process
-                                 parallel_forwards=cfg.developer.parallel_forwards or 1)
+                                 parallel_forwards=cfg.developer.parallel_forwards or 1,
+                                 measure_steps=cfg.speculation.enabled)
         self.core = EngineCore.build(cfg, self.family, clock=time.monotonic, estimator=ComplexityEstimator(()),
                                      make_executor=make_executor)
         self._running = True
