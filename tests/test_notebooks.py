@@ -122,4 +122,4 @@ def test_simulation_notebook_reads_the_shipped_results(tmp_path):
     assert not errors_of(nb), [e.get("evalue") for e in errors_of(nb)]
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "not found" not in text
-    assert "qwen3_1.7b_8b_32b_h200_600sessions ->" in text
+    assert "qwen3_1.7b_8b_32b_h200_fair_seed0 ->" in text
