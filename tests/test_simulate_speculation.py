@@ -128,16 +128,44 @@ def test_a_verify_is_priced_as_its_requests_decode_plus_its_extra_rows_and_the_d
     assert executor.step_s(plan) == pytest.approx((sum(drafts) + decode + extra) / 1e3)
     # the core's own description of the same step (what its draft-length policy asks the price of) costs the same
     candidates = [Candidate(c, _Seq(c), 3, 0.7) for c in plan.batches[0].chunks]
-    assert executor.estimate_step_s(step_forwards(plan, candidates, 3, 4)) == pytest.approx(executor.step_s(plan))
+    assert executor.estimate_step_s(step_forwards(plan, candidates, {"l": 3}, 4)) == pytest.approx(executor.step_s(plan))
     # without verifies the price is the table's decode price, unchanged
     plain = BatchShape("l", (500, 700), ())
     assert model.batch_s(plain) == pytest.approx((2 + 600 / 1000) / 1e3)
 
 
+def test_the_draft_members_own_batch_rides_in_the_catch_up_forward_on_one_device_only():
+    """One device running the family reads the draft member's weights once for its own decodes and the drafts'
+    catch-up (as the local engine runs them); members on devices of their own cannot, so they pay both."""
+    model = _table_model()
+    family = independent_family()
+    own = [SeqChunk(request_id=RequestId(f"s{i}"), token_ids=[5], start_pos=ctx, block_tables=[[0]], sample=True,
+                    sampling=SamplingParams(temperature=0.0)) for i, ctx in enumerate((300, 400))]
+    plan = StepPlan(batches=[MemberBatch("s", own),
+                             MemberBatch("l", [verify_chunk("a", 500, 3, 3), verify_chunk("b", 700, 9, 3)])])
+    shapes = plan_shapes(plan, family)
+    assert [(s.member, s.draft) for s in shapes] == [("s", True), ("s", True), ("s", True), ("l", False)]
+    assert shapes[0].decode_contexts == (500, 700, 300, 400)
+    one_device = SimExecutor(family, 64, 1024, model, library(members=("s", "l")), vocab_size=50)
+    merged = (4 + 475 / 1000) + (2 + 601 / 1000) + (2 + 602 / 1000)         # the catch-up carries s's own decodes
+    verify = (2 + 600 / 1000) + (10 + 8 / 10) - (10 + 2 / 10)
+    assert one_device.step_s(plan) == pytest.approx((merged + verify) / 1e3)
+    candidates = [Candidate(c, _Seq(c), 3, 0.7) for c in plan.batches[1].chunks]
+    assert one_device.estimate_step_s(step_forwards(plan, candidates, {"l": 3}, 4)) == pytest.approx(
+        one_device.step_s(plan))
+    assert len(plan_shapes(plan, family, drafts_ride=False)) == 5
+    own_devices = SimExecutor(family, 64, 1024, model, library(members=("s", "l")), vocab_size=50,
+                              members_in_parallel=True)
+    # the drafts run on l's devices before its verify, s's own decodes on s's: l's step waits for the drafts only
+    drafts = (2 + 600 / 1000) + (2 + 601 / 1000) + (2 + 602 / 1000)
+    assert own_devices.step_s(plan) == pytest.approx((drafts + max(verify, 2 + 350 / 1000)) / 1e3)
+
+
 class _Seq:
     """What step_forwards reads of a request: its tokens and its draft's computed count."""
 
-    def __init__(self, chunk: SeqChunk):
+    def __init__(self, chunk: SeqChunk, member: str = "l"):
+        self.member = member
         self.token_ids = [0] * (chunk.start_pos + 1)
         self.draft = type("D", (), {"member": chunk.draft.member, "num_computed_tokens": chunk.draft.start_pos})()
 

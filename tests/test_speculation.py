@@ -397,3 +397,49 @@ def test_a_planned_steps_forwards_are_those_its_draft_length_priced():
     assert any(c.draft is not None for b in plan.batches for c in b.chunks)
     assert plan_forwards(plan) in seen                  # the chosen k's forwards, as priced
     assert any(f.is_draft for f in plan_forwards(plan))
+
+
+class _DecodingSeq:
+    """What DraftLength reads of a request: its member, its tokens, its draft's member and computed count."""
+
+    def __init__(self, member: str, position: int):
+        self.member = member
+        self.token_ids = [0] * (position + 1)
+        self.draft = type("D", (), {"member": "s", "num_computed_tokens": position})()
+
+
+def test_each_target_member_drafts_its_own_length():
+    """The draft's forward is cheap beside the large member's forward, and a verify row is dear beside the middle
+    member's: the large member's requests draft, the middle one's do not. One k for the whole step could only
+    draft for both or for neither, and either costs more per token."""
+    from orchestrator.core.config import SpeculationConfig
+    from orchestrator.core.speculation import Candidate, DraftLength, step_forwards
+    from orchestrator.core.types import MemberBatch, SamplingParams, SeqChunk
+
+    weight_s = {"s": 0.001, "m": 0.002, "l": 0.020}
+    row_s = {"s": 0.00001, "m": 0.020, "l": 0.0001}
+
+    def estimate(forwards):
+        total = 0.0
+        for f in forwards:
+            rows = len(f.decode_contexts) + sum(r for r, _ in f.verifies) + sum(n for n, _ in f.prefills)
+            total += weight_s[f.member] + row_s[f.member] * rows
+        return total
+
+    def chunk(name: str) -> SeqChunk:
+        return SeqChunk(request_id=RequestId(name), token_ids=[5], start_pos=100, block_tables=[[0]], sample=True,
+                        sampling=SamplingParams(temperature=0.0))
+
+    plan = StepPlan(batches=[MemberBatch(MemberName(m), [chunk(f"{m}{i}"), chunk(f"{m}{i + 2}")])
+                             for i, m in enumerate(("m", "l"))])
+    candidates = [Candidate(c, _DecodingSeq(b.member, 100), 4, 0.8) for b in plan.batches for c in b.chunks]
+    policy = DraftLength(SpeculationConfig(enabled=True, max_k=4))
+    ks = policy.choose(plan, candidates, estimate)
+    assert ks["m"] == 0 and ks["l"] >= 2
+
+    def time_per_token(choice):
+        tokens = sum(expected_tokens(0.8, choice[c.seq.member]) for c in candidates)
+        return estimate(step_forwards(plan, candidates, choice, 4)) / tokens
+
+    assert all(time_per_token(ks) < time_per_token({"m": k, "l": k}) for k in range(5))
+    assert policy.choose(plan, candidates, None) == {"m": 3, "l": 3}      # no estimator: the fixed k for all

@@ -75,3 +75,49 @@ def test_with_the_measured_draft_length_greedy_tokens_are_still_those_without_sp
     steps = core.snapshot()["counters"]["draft_length_steps"]
     assert steps.get("0", 0) >= MIN_STEPS // 2                     # nothing drafted before the fit has a figure
     assert core.pool.num_used_pages() == 0
+
+
+def _mixed(speculate: bool) -> tuple[dict, EngineCore, list[int]]:
+    """Requests on tiny-s and on tiny-l in the same steps, the members run as separate forwards (as an independent
+    family's do: no nested merge); returns the tokens, the core, and per step how many batches rode in the drafts'
+    catch-up forward."""
+    config = load_config(overrides={"family": "tiny", "pool.num_pages": 512, "pool.host_tier_mb": 0,
+                                    "escalation.enabled": False, "speculation.enabled": speculate,
+                                    "speculation.fixed_k": 3})
+    ticks = itertools.count()
+    core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
+                            make_executor=local_executor_factory(config))
+    core.scheduler.speculation.use_step_cost(None)
+    executor = core.executor
+    executor.nested_pairs = set()
+    rode: list[int] = []
+    run_drafts = executor.run_drafts
+
+    def spy(batches, riders=None):
+        drafted, logits = run_drafts(batches, riders)
+        rode.append(len(logits))
+        return drafted, logits
+
+    executor.run_drafts = spy
+    outputs: dict[str, list[int]] = {}
+    for i, (prompt, complexity) in enumerate(zip(PROMPTS, (0.05, 0.95, 0.05))):
+        rid = f"r{i}"
+        outputs[rid] = []
+        request = Request(request_id=RequestId(rid), prompt_token_ids=prompt,
+                          sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                          arrival_s=0.0, complexity_hint=complexity)
+        core.add_request(request, lambda out, rid=rid: outputs[rid].extend(out.new_token_ids))
+    drain(core, 500)
+    return outputs, core, rode
+
+
+def test_the_draft_members_own_batch_rides_in_the_drafts_catch_up_forward_and_keeps_its_tokens():
+    """One engine running the whole family reads the draft member's weights once for its own requests' decodes and
+    the drafts' catch-up (a separate deployment's draft copy cannot): the tokens of both members are those
+    without speculation, and every page returns."""
+    plain, _, _ = _mixed(False)
+    speculated, core, rode = _mixed(True)
+    assert speculated == plain and all(len(tokens) == 20 for tokens in plain.values())
+    assert sum(rode) > 0, "tiny-s's batch rode in some step's catch-up forward"
+    assert core.snapshot()["counters"]["drafted_tokens"]["tiny-s->tiny-l"] > 0
+    assert core.pool.num_used_pages() == 0

@@ -142,13 +142,17 @@ class LocalExecutor:
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
-        drafted = self.run_drafts(batches)                        # request -> its drafts (one chunk a request)
+        groups = merge_groups([self.models[b.member].member for b in batches], self.nested_pairs)
+        # a drafting member's own batch with a forward of its own runs in its drafts' catch-up forward
+        alone = {batches[indices[0]].member: indices[0] for _, indices in groups if len(indices) == 1}
+        drafted, logits = self.run_drafts(batches, alone)     # request -> its drafts; rider batch -> its logits
         rows = batches
         if drafted:                                               # a drafting chunk becomes its k + 1 verify rows
             rows = [MemberBatch(b.member, [r for c in b.chunks for r in (
                 verify_rows(c, drafted[c.request_id].tokens) if c.draft is not None else (c,))]) for b in batches]
-        logits: dict[int, torch.Tensor] = {}                      # batch index -> [num_sampling_rows, vocab]
-        for host, indices in merge_groups([self.models[b.member].member for b in rows], self.nested_pairs):
+        for host, indices in groups:
+            if len(indices) == 1 and indices[0] in logits:
+                continue                                          # it rode in its drafts' catch-up forward
             chunks = [c for i in indices for c in rows[i].chunks]
             exits = [self.models[rows[i].member].member.num_layers for i in indices for _ in rows[i].chunks]
             merged = self._forward(self.models[host], chunks, exits)
@@ -166,9 +170,12 @@ class LocalExecutor:
                 sampled.extend(self.sampler.sample(logits[i], [c for c in batch.chunks if c.sample], eos))
         return sampled
 
-    def run_drafts(self, batches: list[MemberBatch]) -> dict[RequestId, Drafts]:
+    def run_drafts(self, batches: list[MemberBatch], riders: dict[str, int] | None = None,
+                   ) -> tuple[dict[RequestId, Drafts], dict[int, torch.Tensor]]:
         """The drafts of every chunk with a DraftSpec, batched per drafting member (and the target's EOS ids,
-        which min_tokens bans)."""
+        which min_tokens bans). riders: member -> index of its batch in `batches` that may ride in that member's
+        catch-up forward (one read of its weights, not two: only one engine running the whole family can); the
+        second value gives each batch that rode its logits [sampling rows, vocab]."""
         jobs: dict[tuple[str, tuple[int, ...]], list[SeqChunk]] = {}
         for batch in batches:
             target = self.models[batch.member]
@@ -182,11 +189,18 @@ class LocalExecutor:
                 check_draft(chunk, drafter.config.num_layers)
                 jobs.setdefault((chunk.draft.member, tuple(target.member.eos_token_ids)), []).append(chunk)
         drafted: dict[RequestId, Drafts] = {}
+        rode: dict[int, torch.Tensor] = {}
         for (member, eos), chunks in jobs.items():
             model = self.models[member]
-            drafted.update(draft(model, lambda m, rows: self._forward(m, rows, [m.config.num_layers] * len(rows)),
-                                 self.sampler, chunks, eos))
-        return drafted
+            rider = (riders or {}).get(member)
+            if rider is not None and (rider in rode or any(c.draft is not None for c in batches[rider].chunks)):
+                rider = None                    # one job a member carries it; a drafting batch verifies later
+            got, logits = draft(model, lambda m, rows: self._forward(m, rows, [m.config.num_layers] * len(rows)),
+                                self.sampler, chunks, eos, batches[rider].chunks if rider is not None else ())
+            drafted.update(got)
+            if rider is not None and logits is not None:
+                rode[rider] = logits
+        return drafted, rode
 
     def _sample_verifying(self, batch: MemberBatch, logits: torch.Tensor,
                           drafted: dict[RequestId, Drafts]) -> list[SampledToken]:

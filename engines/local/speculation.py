@@ -76,22 +76,31 @@ def _greedy(chunk: SeqChunk) -> bool:
 
 
 def draft(model: PagedCausalLM, run: Callable[[PagedCausalLM, list[SeqChunk]], torch.Tensor], sampler: Sampler,
-          chunks: Sequence[SeqChunk], eos_token_ids: Sequence[int]) -> dict[RequestId, Drafts]:
+          chunks: Sequence[SeqChunk], eos_token_ids: Sequence[int],
+          riders: Sequence[SeqChunk] = ()) -> tuple[dict[RequestId, Drafts], torch.Tensor | None]:
     """The drafts of every chunk drafting with `model`: one catch-up forward over all of them, then one
     one-token forward per further position (a chunk leaves after its own k). run(model, chunks) is the
-    executor's forward (logits of each chunk's last row)."""
+    executor's forward (logits of each sampling chunk's last row). riders: the drafting member's own batch in the
+    step, run in the catch-up forward (one read of its weights for both); their logits come back as the second
+    value (None without riders), to be sampled as that batch's."""
     drafts = {c.request_id: Drafts() for c in chunks}
     rows = [SeqChunk(request_id=c.request_id, token_ids=list(c.draft.token_ids), start_pos=c.draft.start_pos,
                      block_tables=c.draft.block_tables, sample=True, sampling=c.sampling,
                      num_generated=c.num_generated) for c in chunks]
     active = list(chunks)
+    rider_logits = None
     for step in range(max(c.draft.num_tokens for c in chunks)):
         if step > 0:
             active = [c for c in active if c.draft.num_tokens > step]
             rows = [SeqChunk(request_id=c.request_id, token_ids=[drafts[c.request_id].tokens[-1]],
                              start_pos=c.start_pos + step, block_tables=c.draft.block_tables, sample=True,
                              sampling=c.sampling, num_generated=c.num_generated + step) for c in active]
-        logits = run(model, rows).float()
+        if step == 0 and riders:
+            logits = run(model, rows + list(riders))
+            logits, rider_logits = logits[:len(rows)], logits[len(rows):]
+        else:
+            logits = run(model, rows)
+        logits = logits.float()
         processed = sampler.adjust(logits, rows, eos_token_ids)
         chosen = processed.argmax(dim=-1)
         for i, (chunk, row) in enumerate(zip(active, rows)):
@@ -106,7 +115,7 @@ def draft(model: PagedCausalLM, run: Callable[[PagedCausalLM, list[SeqChunk]], t
             tokens.append(token)
             if chunk.sampling.penalized:              # the next draft step's penalties count it
                 sampler.record(chunk.request_id, chunk.num_generated, tokens)
-    return drafts
+    return drafts, rider_logits
 
 
 def verify_rows(chunk: SeqChunk, drafted: Sequence[int]) -> list[SeqChunk]:

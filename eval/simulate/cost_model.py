@@ -39,7 +39,7 @@ class BatchShape:
         return len(self.decode_contexts) + sum(n for n, _ in self.prefills) + sum(r for r, _ in self.verifies)
 
 
-def plan_shapes(plan: StepPlan, family: FamilySpec) -> list[BatchShape]:
+def plan_shapes(plan: StepPlan, family: FamilySpec, drafts_ride: bool = True) -> list[BatchShape]:
     """Shapes of a plan's forwards: its draft forwards first (speculation: draft_shapes), then its member batches.
     As the local engine merges them (engines/local/executor.py), a batch whose member nests in a larger member of
     the same plan (its layers are that member's lower layers) rides in that member's forward; only the outermost
@@ -52,7 +52,31 @@ def plan_shapes(plan: StepPlan, family: FamilySpec) -> list[BatchShape]:
         spec = family.member(batch.member)
         nested = any(rides_in(family, batch.member, other) for other in present)
         shapes.append(batch_shape(batch, spec.num_layers, own_forward=not nested))
-    return shapes
+    return ride_catch_ups(shapes) if drafts_ride else shapes
+
+
+def ride_catch_ups(shapes: list[BatchShape]) -> list[BatchShape]:
+    """As the local engine runs them (engines/local/executor.py): a draft member's own batch in the step, where it
+    pays a forward of its own (it rides in no nested host), runs in its drafts' catch-up forward, the first one,
+    instead of in a forward of its own after the verifies: one read of that member's weights, not two. Only one
+    device running the whole family can do this; a separate deployment's draft copy is not its small member."""
+    own = {s.member: i for i, s in enumerate(shapes) if not s.draft and s.own_forward and not s.verifies}
+    out: list[BatchShape] = []
+    merged: set[int] = set()
+    caught_up: set[str] = set()
+    for shape in shapes:
+        j = own.get(shape.member)
+        if shape.draft and shape.member not in caught_up and j is not None:
+            rider = shapes[j]
+            merged.add(j)
+            rows, rider_rows = shape.num_tokens, rider.num_tokens
+            fraction = (rows + rider.layer_fraction * rider_rows) / max(1, rows + rider_rows)
+            shape = BatchShape(shape.member, shape.decode_contexts + rider.decode_contexts,
+                               shape.prefills + rider.prefills, fraction, True, shape.verifies + rider.verifies, True)
+        if shape.draft:
+            caught_up.add(shape.member)
+        out.append(shape)
+    return [shape for i, shape in enumerate(out) if i not in merged]
 
 
 _NESTS: dict[tuple[int, str, str], tuple[FamilySpec, bool]] = {}   # asked every simulated step: answered once
@@ -120,13 +144,14 @@ def draft_shapes(plan: StepPlan) -> list[BatchShape]:
     return shapes
 
 
-def forward_batch_shapes(forwards: list[ForwardShape], family: FamilySpec) -> list[BatchShape]:
+def forward_batch_shapes(forwards: list[ForwardShape], family: FamilySpec, drafts_ride: bool = True) -> list[BatchShape]:
     """The core's ForwardShapes (what the draft-length policy asks the price of) as cost-model shapes: a member
     batch that nests in a larger member of the same step rides in its forward, as in plan_shapes."""
     present = [f.member for f in forwards if not f.is_draft]
-    return [BatchShape(f.member, f.decode_contexts, f.prefills, 1.0,
-                       f.is_draft or not any(rides_in(family, f.member, other) for other in present),
-                       f.verifies, f.is_draft) for f in forwards]
+    shapes = [BatchShape(f.member, f.decode_contexts, f.prefills, 1.0,
+                         f.is_draft or not any(rides_in(family, f.member, other) for other in present),
+                         f.verifies, f.is_draft) for f in forwards]
+    return ride_catch_ups(shapes) if drafts_ride else shapes
 
 
 class CostModel(Protocol):

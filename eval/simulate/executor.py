@@ -91,7 +91,7 @@ class SimExecutor:
 
     def step_s(self, plan: StepPlan) -> float:
         """What the plan costs (also the tier copies made since the last step)."""
-        return self._step_s(plan_shapes(plan, self.family))
+        return self._step_s(plan_shapes(plan, self.family, not self.members_in_parallel))
 
     @property
     def step_costs(self) -> SimExecutor:
@@ -101,7 +101,8 @@ class SimExecutor:
     def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float:
         """What a step of these forwards would cost (engine_api.StepCostEstimator: speculation's draft length),
         its forwards priced as a plan's are (no tier copies, no history: the same for every draft length)."""
-        return self.cost.step_overhead_s() + self._compute_s(forward_batch_shapes(list(forwards), self.family))
+        return self.cost.step_overhead_s() + self._compute_s(
+            forward_batch_shapes(list(forwards), self.family, not self.members_in_parallel))
 
     def _compute_s(self, shapes: list[BatchShape]) -> float:
         costs = [self.cost.batch_s(shape) for shape in shapes]
@@ -125,7 +126,7 @@ class SimExecutor:
         steps and idle gaps. The tier copies counted are those made since the last execute, i.e. this plan's
         (the node copies right before it executes)."""
         self.release(plan.released_requests)
-        shapes = plan_shapes(plan, self.family)
+        shapes = plan_shapes(plan, self.family, not self.members_in_parallel)
         self.last_step_s = self._step_s(shapes)
         if self._history_s is not None and self._clock is not None:
             now = self._clock()

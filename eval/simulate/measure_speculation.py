@@ -255,7 +255,7 @@ def measure_costs(executor, family, ks=COST_K, batches=COST_BATCH, context: int 
             plain_ms = _median_ms(lambda: sync(executor.execute(plain)))
             for k in ks:
                 plan = _cost_plan(executor, drafter, target, k, batch, context, drafting=True)
-                draft_ms = _median_ms(lambda: sync(executor.run_drafts(plan.batches)))
+                draft_ms = _median_ms(lambda: sync(executor.run_drafts(plan.batches)[0]))
                 step_ms = _median_ms(lambda: sync(executor.execute(plan)))
                 rows.append({"draft": drafter, "target": target, "k": k, "batch": batch, "context": context,
                              "draft_ms": draft_ms, "verify_ms": round(max(0.0, step_ms - draft_ms), 3),

@@ -121,7 +121,7 @@ class Stats:
         self._member_steps: dict[str, int] = {}
         self._drafted_tokens: dict[str, int] = {}      # "draft->target" -> tokens drafted (speculation)
         self._accepted_tokens: dict[str, int] = {}     # "draft->target" -> drafted tokens the target accepted
-        self._draft_length_steps: dict[int, int] = {}  # k chosen -> steps (steps with a request able to draft)
+        self._draft_length_steps: dict[int, int] = {}  # k chosen -> member batches (with a request able to draft)
         self._routes: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUTES)
 
     def on_request_done(self, member: str, outcome: str) -> None:
@@ -192,7 +192,7 @@ class Stats:
             self._accepted_tokens[pair] = self._accepted_tokens.get(pair, 0) + accepted_tokens
 
     def on_draft_length(self, k: int) -> None:
-        """A step in which some request could draft chose to draft k tokens (0: none)."""
+        """A member's batch in a step, with some request able to draft, drafts k tokens (0: none)."""
         with self._lock:
             self._draft_length_steps[k] = self._draft_length_steps.get(k, 0) + 1
 

@@ -1,6 +1,6 @@
 """Draft-target speculation inside the family: which member drafts for a request, the draft's KV beside the
-request's own, how many tokens a step drafts (DraftLength, a policy object), the step's DraftSpecs, and what a
-verify gives back.
+request's own, how many tokens each member's requests draft in a step (DraftLength, a policy object), the step's
+DraftSpecs, and what a verify gives back.
 
 A smaller member drafts k tokens for a request of a larger one, which verifies them in one forward of k + 1 rows
 (the step-plan contract: types.DraftSpec, docs/ARCHITECTURE.md "Speculation"). In MFS the draft costs no weights of
@@ -98,52 +98,81 @@ class Candidate(NamedTuple):
 
 
 class DraftLength:
-    """The step's k: the one that makes the step's time per token, summed over its requests, smallest:
-    T(k) x sum_r 1 / E_r(k), where E_r is what request r gets from the step (expected_tokens for a drafting
-    request, 1 for every other chunk) and T(k) the executor's estimate of the step with k drafts (k draft forwards
-    of the draft batch before the step, each verify k + 1 rows at its context). k grows while each step up lowers
-    the cost (T grows about linearly in k, sum 1 / E_r falls ever less: one minimum); 0 (no drafts) where even one
-    does not pay: large batches, compute-bound steps. Without an estimator, the fixed k; while the estimator has
-    no estimate yet (an engine still measuring its first steps), 0."""
+    """Each target member's k in the step: the choice that makes the step's device time per token smallest,
+    T(k) / sum_r E_r(k_r), where E_r is what chunk r gets from the step (expected_tokens for a drafting request at
+    its member's k_r, 1 for every other chunk) and T(k) the executor's estimate of the step with those drafts (the
+    draft forwards before the step, each verify k_r + 1 rows at its context). Time per token, not each request's
+    own token period: every request running on the device waits for the step, not only those in it (members that
+    skip the step, member_turns.py), so a step's cost is its time over what it yields. Members differ: a draft is
+    cheap beside a large target's forward and dear beside a small one's, so one k for the step would over-draft
+    the one or under-draft the other; a member's k is chosen with the others' held (coordinate descent, until no
+    member's k changes). Along one member's k the cost has one minimum (T grows about linearly, sum E_r ever
+    less), so k grows while each step up lowers it; 0 (no drafts) where even one does not pay: large batches,
+    compute-bound steps. Without an estimator, the fixed k; while the estimator has no estimate yet (an engine
+    still measuring its first steps), 0."""
+
+    # passes of coordinate descent over the members (each pass only lowers the cost; two settle it in practice)
+    MAX_PASSES: ClassVar[int] = 3
 
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config
 
-    def choose(self, plan: StepPlan, candidates: list[Candidate], estimate: StepCost | None) -> int:
+    def choose(self, plan: StepPlan, candidates: list[Candidate], estimate: StepCost | None) -> dict[str, int]:
+        """target member -> the tokens its candidates draft this step."""
+        targets = sorted({c.seq.member for c in candidates})
         if estimate is None:
-            return self.config.fixed_k
+            return dict.fromkeys(targets, self.config.fixed_k)
+        ks = dict.fromkeys(targets, 0)
         num_chunks = sum(len(batch.chunks) for batch in plan.batches)
         others = num_chunks - len(candidates)
-        plain = estimate(step_forwards(plan, candidates, 0, self.config.max_k))
-        if plain is None:
-            return 0
-        best_k, best = 0, plain * num_chunks
-        for k in range(1, self.config.max_k + 1):
-            per_token = others + sum(1.0 / expected_tokens(c.acceptance, min(k, c.max_k)) for c in candidates)
-            step_s = estimate(step_forwards(plan, candidates, k, self.config.max_k))
+
+        def cost(choice: dict[str, int]) -> float | None:
+            step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k))
             if step_s is None:
+                return None
+            return step_s / (others + sum(expected_tokens(c.acceptance, min(choice[c.seq.member], c.max_k))
+                                          for c in candidates))
+
+        best = cost(ks)
+        if best is None:
+            return ks
+        for _ in range(self.MAX_PASSES):
+            changed = False
+            for member in targets:
+                start = ks[member]
+                trial = dict(ks)
+                # from 0 upwards: the member's best k given the others' (its cost along k has one minimum)
+                member_best_k, member_best = 0, None
+                for k in range(0, self.config.max_k + 1):
+                    trial[member] = k
+                    c = best if k == start else cost(trial)
+                    if c is None or (member_best is not None and c >= member_best):
+                        break
+                    member_best_k, member_best = k, c
+                if member_best is not None and member_best_k != start and member_best < best:
+                    ks[member], best, changed = member_best_k, member_best, True
+            if not changed or len(targets) == 1:
                 break
-            cost = step_s * per_token
-            if cost >= best:
-                break       # one more draft adds a forward and gains less each time: past the best, it only grows
-            best_k, best = k, cost
-        return best_k
+        return ks
 
 
-def step_forwards(plan: StepPlan, candidates: list[Candidate], k: int, max_rows: int) -> list[ForwardShape]:
-    """The forwards of `plan` if every candidate drafted min(k, its max_k) tokens: the draft forwards first (the
-    first one catches each draft up to its request's last token, the k - 1 others decode one drafted token each),
-    then each member batch with the candidates' chunks as verifies of k + 1 rows. A catch-up longer than a
-    verify (a draft's first step after admission) counts as max_rows + 1 rows: it is paid once, not per step."""
-    by_chunk = {id(c.chunk): min(k, c.max_k) for c in candidates}
+def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int], max_rows: int) -> list[ForwardShape]:
+    """The forwards of `plan` if every candidate drafted min(its member's k in ks, its max_k) tokens: the draft
+    forwards first (the first one catches each draft up to its request's last token, the k - 1 others decode one
+    drafted token each), then each member batch with the candidates' chunks as verifies of k + 1 rows. A catch-up
+    longer than a verify (a draft's first step after admission) counts as max_rows + 1 rows: it is paid once, not
+    per step."""
+    by_chunk = {id(c.chunk): min(ks.get(c.seq.member, 0), c.max_k) for c in candidates}
     drafts: dict[str, list[tuple[int, int, int, int]]] = {}
-    if k > 0:
-        for c in candidates:
-            draft = c.seq.draft
-            assert draft is not None        # a candidate has a draft
-            last = len(c.seq.token_ids) - 1
-            rows = min(last + 1 - draft.num_computed_tokens, max_rows + 1)
-            drafts.setdefault(draft.member, []).append((rows, last + 1 - rows, last, by_chunk[id(c.chunk)]))
+    for c in candidates:
+        k_r = by_chunk[id(c.chunk)]
+        if k_r <= 0:
+            continue
+        draft = c.seq.draft
+        assert draft is not None        # a candidate has a draft
+        last = len(c.seq.token_ids) - 1
+        rows = min(last + 1 - draft.num_computed_tokens, max_rows + 1)
+        drafts.setdefault(draft.member, []).append((rows, last + 1 - rows, last, k_r))
     return _draft_forwards(drafts) + _batch_forwards(plan, lambda chunk: by_chunk.get(id(chunk), 0))
 
 
@@ -282,16 +311,19 @@ class Speculation:
                     candidates.append(Candidate(chunk, seq, max_k, self.acceptance.acceptance(pair)))
         if not candidates:
             return
-        k = self.length.choose(plan, candidates, self.estimate)
-        self.stats.on_draft_length(k)
-        if k == 0:
+        ks = self.length.choose(plan, candidates, self.estimate)
+        for k in ks.values():
+            self.stats.on_draft_length(k)
+        if not any(ks.values()):
             return
         grow = self.kv.grow
         for candidate in candidates:
             chunk, seq = candidate.chunk, candidate.seq
             draft, own = seq.draft, seq.kv
             assert draft is not None and own is not None
-            k_r = min(k, candidate.max_k)
+            k_r = min(ks[seq.member], candidate.max_k)
+            if k_r <= 0:
+                continue
             n = len(seq.token_ids)
             if not (grow(own, n + k_r) and grow(draft.kv, n + k_r - 1)):
                 continue

@@ -67,8 +67,9 @@ class EngineStatsCollector(Collector):
                        ["draft", "target"], _pairs(counters.get("drafted_tokens", {})))
         yield _counter("mfs_speculation_accepted_tokens", "drafted tokens the larger member accepted",
                        ["draft", "target"], _pairs(counters.get("accepted_draft_tokens", {})))
-        yield _counter("mfs_speculation_draft_length_steps", "steps that could draft, by the tokens drafted (0: none)",
-                       ["k"], _flat(counters.get("draft_length_steps", {})))
+        yield _counter("mfs_speculation_draft_length_steps",
+                       "member batches that could draft, by the tokens drafted (0: none)", ["k"],
+                       _flat(counters.get("draft_length_steps", {})))
 
         by_state = pages.get("by_state", {})
         page_rows = [(("free", "all"), by_state.get("free", 0))]
