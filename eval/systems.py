@@ -16,12 +16,13 @@ from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
-           "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec")
+           "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec", "mfs_separate_drafts")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
-# mfs_no_spec: speculation (worth nothing where MFS runs without it: the tiny family's default).
+# mfs_no_spec: speculation (worth nothing where MFS runs without it: the tiny family's default); mfs_separate_drafts:
+# the draft member's own batch riding in the drafts' catch-up forward (speculation.drafts_ride).
 ATTRIBUTION_SYSTEMS = ("no_shared_pool", "no_family_routing", "no_warm_handover", "no_layer_sharing", "no_tiers",
-                       "mfs_no_spec")
+                       "mfs_no_spec", "mfs_separate_drafts")
 # What separate deployments of the members are, against one family server: the only configuration in which the
 # fair baselines differ from MFS (tests/test_baseline_parity.py holds them to it). Every generic scheduler policy
 # (reservation, retraction, aging, victim order, swap to the host tier, the stall-aware step budget), the host
@@ -127,6 +128,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base["comparison.use_affinity"] = False
     elif name == "mfs_every_member":           # every member steps in every step (no member turns)
         base["scheduler.member_turns"] = 0.0
+    elif name == "mfs_separate_drafts":        # the draft member's own batch in a forward of its own
+        base["speculation.drafts_ride"] = False
     elif name == "mfs_per_turn":               # every turn routed afresh (sessions not kept on their first member)
         base["router.sticky_sessions"] = False
     elif name == "no_family_routing":           # the baselines' routing: complexity only, blind to caches and load

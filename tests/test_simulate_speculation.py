@@ -154,6 +154,9 @@ def test_the_draft_members_own_batch_rides_in_the_catch_up_forward_on_one_device
     assert one_device.estimate_step_s(step_forwards(plan, candidates, {"l": 3}, 4)) == pytest.approx(
         one_device.step_s(plan))
     assert len(plan_shapes(plan, family, drafts_ride=False)) == 5
+    separate = SimExecutor(family, 64, 1024, model, library(members=("s", "l")), vocab_size=50, drafts_ride=False)
+    apart = (2 + 600 / 1000) + (2 + 350 / 1000) + (2 + 601 / 1000) + (2 + 602 / 1000)  # catch-up, s's own, drafts
+    assert separate.step_s(plan) == pytest.approx((apart + verify) / 1e3)
     own_devices = SimExecutor(family, 64, 1024, model, library(members=("s", "l")), vocab_size=50,
                               members_in_parallel=True)
     # the drafts run on l's devices before its verify, s's own decodes on s's: l's step waits for the drafts only

@@ -73,7 +73,8 @@ class LocalExecutor:
     def __init__(self, family: FamilySpec, num_pages: int, page_bytes: int, dtype: str = "float32",
                  device: str = "cpu", num_threads: int | None = None, merge_nested: bool = True,
                  malloc_mmap_threshold_mb: int = 32, native_attention: bool = True,
-                 parallel_forwards: int = 1, native_layer_ops: bool = True, measure_steps: bool = False) -> None:
+                 parallel_forwards: int = 1, native_layer_ops: bool = True, measure_steps: bool = False,
+                 drafts_ride: bool = True) -> None:
         """malloc_mmap_threshold_mb: see engines/local/malloc_tuning.py (process-wide; 0 = glibc defaults).
         native_attention: float32 CPU decodes read K/V in place from the pages (engines/local/paged_decode.py;
         compiled on first use, the torch path where no C compiler exists).
@@ -81,7 +82,9 @@ class LocalExecutor:
         native call each (engines/local/layer_kernels.py; the torch path where no C compiler exists).
         parallel_forwards: 2 splits each CPU forward of two or more chunks in two halves run on two threads.
         measure_steps: time every step and fit what steps cost (`step_costs`, engines/local/step_costs.py), which
-        the core prices speculation's draft length with (EngineCore.attach_executor); off, it drafts a fixed length."""
+        the core prices speculation's draft length with (EngineCore.attach_executor); off, it drafts a fixed length.
+        drafts_ride: a drafting member's own batch (with no nested host in the step) runs in its drafts' catch-up
+        forward instead of a forward of its own (run_drafts)."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
         if num_threads is not None:
@@ -100,6 +103,7 @@ class LocalExecutor:
                         if parallel_forwards == 2 and self.device.type == "cpu" else None)
         self.models: dict[str, PagedCausalLM] = {}
         self.step_costs = MeasuredStepCosts(family.member_names) if measure_steps else None
+        self.drafts_ride = drafts_ride
         uses_kernel = native_attention and dtype == "float32" and self.device.type == "cpu"
         self.decode_kernel = PagedDecodeKernel.load() if uses_kernel else None
         on_cpu_f32 = dtype == "float32" and self.device.type == "cpu"
@@ -144,7 +148,8 @@ class LocalExecutor:
         batches = [b for b in plan.batches if b.chunks]
         groups = merge_groups([self.models[b.member].member for b in batches], self.nested_pairs)
         # a drafting member's own batch with a forward of its own runs in its drafts' catch-up forward
-        alone = {batches[indices[0]].member: indices[0] for _, indices in groups if len(indices) == 1}
+        alone = ({batches[indices[0]].member: indices[0] for _, indices in groups if len(indices) == 1}
+                 if self.drafts_ride else {})
         drafted, logits = self.run_drafts(batches, alone)     # request -> its drafts; rider batch -> its logits
         rows = batches
         if drafted:                                               # a drafting chunk becomes its k + 1 verify rows

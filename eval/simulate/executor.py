@@ -42,7 +42,9 @@ class SimExecutor:
                  request_keys: dict[str, str] | None = None,
                  replies: Mapping[str, Sequence[int]] | None = None,
                  natural_lengths: Mapping[str, int] | None = None,
-                 acceptance: AcceptanceTable | None = None) -> None:
+                 acceptance: AcceptanceTable | None = None, drafts_ride: bool = True) -> None:
+        """drafts_ride: the draft member's own batch rides in its drafts' catch-up forward (cost_model.ride_catch_ups;
+        never for members on devices of their own: the drafts run on the target's)."""
         self.family = family
         self.num_pages = num_pages
         self.page_bytes = page_bytes
@@ -50,6 +52,7 @@ class SimExecutor:
         self.confidences = confidences
         self.vocab_size = vocab_size
         self.members_in_parallel = members_in_parallel
+        self.drafts_ride = drafts_ride and not members_in_parallel
         self.request_keys = request_keys if request_keys is not None else {}
         self.replies = replies or {}             # request key -> a real run's reply (token ids), replayed
         # request key -> tokens before its EOS (natural lengths: a reply ends where the dataset's did); a replayed
@@ -91,7 +94,7 @@ class SimExecutor:
 
     def step_s(self, plan: StepPlan) -> float:
         """What the plan costs (also the tier copies made since the last step)."""
-        return self._step_s(plan_shapes(plan, self.family, not self.members_in_parallel))
+        return self._step_s(plan_shapes(plan, self.family, self.drafts_ride))
 
     @property
     def step_costs(self) -> SimExecutor:
@@ -102,7 +105,7 @@ class SimExecutor:
         """What a step of these forwards would cost (engine_api.StepCostEstimator: speculation's draft length),
         its forwards priced as a plan's are (no tier copies, no history: the same for every draft length)."""
         return self.cost.step_overhead_s() + self._compute_s(
-            forward_batch_shapes(list(forwards), self.family, not self.members_in_parallel))
+            forward_batch_shapes(list(forwards), self.family, self.drafts_ride))
 
     def _compute_s(self, shapes: list[BatchShape]) -> float:
         costs = [self.cost.batch_s(shape) for shape in shapes]
@@ -126,7 +129,7 @@ class SimExecutor:
         steps and idle gaps. The tier copies counted are those made since the last execute, i.e. this plan's
         (the node copies right before it executes)."""
         self.release(plan.released_requests)
-        shapes = plan_shapes(plan, self.family, not self.members_in_parallel)
+        shapes = plan_shapes(plan, self.family, self.drafts_ride)
         self.last_step_s = self._step_s(shapes)
         if self._history_s is not None and self._clock is not None:
             now = self._clock()

@@ -34,7 +34,7 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     def make_executor(family, num_pages, page_bytes):
         return SimExecutor(family, num_pages, page_bytes, setup.cost, confidences, vocab_size,
                            members_in_parallel=setup.members_in_parallel, replies=replies, natural_lengths=lengths,
-                           acceptance=setup.acceptance)
+                           acceptance=setup.acceptance, drafts_ride=config.speculation.drafts_ride)
 
     def make_nodes(clock, events, on_output):
         share = scheduler_factory is not None and setup.colocated_deployments == "shared"

@@ -117,6 +117,9 @@ class SpeculationConfig:
     enabled: bool = False
     max_k: int = 4                        # most tokens drafted per request per step
     fixed_k: int = 3                      # drafted tokens per step when the executor prices no step (no step_costs)
+    # on one device, the draft member's own batch in a step runs in its drafts' catch-up forward (one read of its
+    # weights for both; only an engine running the whole family can); false: a forward of its own
+    drafts_ride: bool = True
     # prior per-token acceptance of each "draft->target" pair, before any verify is observed
     acceptance: dict[str, float] = field(default_factory=dict)
     default_acceptance: float = 0.7       # the prior of a pair the table does not name

@@ -28,7 +28,7 @@ def local_executor(config: MFSConfig, family: FamilySpec, num_pages: int, own_pr
                          malloc_mmap_threshold_mb=developer.malloc_mmap_threshold_mb,
                          native_attention=developer.native_attention, native_layer_ops=developer.native_layer_ops,
                          parallel_forwards=parallel_forwards(developer.parallel_forwards, device, threads, own_process),
-                         measure_steps=config.speculation.enabled)
+                         measure_steps=config.speculation.enabled, drafts_ride=config.speculation.drafts_ride)
 
 
 def local_executor_factory(config: MFSConfig, own_process: bool = False) -> ExecutorFactory:

@@ -150,7 +150,7 @@ class MemberWorker:
                                  native_layer_ops=cfg.developer.native_layer_ops,
                                  # auto = 1 here: Triton's own threads share the process
                                  parallel_forwards=cfg.developer.parallel_forwards or 1,
-                                 measure_steps=cfg.speculation.enabled)
+                                 measure_steps=cfg.speculation.enabled, drafts_ride=cfg.speculation.drafts_ride)
         self.core = EngineCore.build(cfg, self.family, clock=time.monotonic, estimator=ComplexityEstimator(()),
                                      make_executor=make_executor)
         self._running = True
