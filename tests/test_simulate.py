@@ -12,7 +12,7 @@ import pytest
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import ConfidenceLibrary
 from eval.simulate.cost_model import (BatchShape, LinearCostModel, TableCostModel, after_idle_term,
-                                      after_prefill_term, batch_shape, features, fit_steps, plan_shapes,
+                                      after_prefill_term, features, fit_steps, plan_shapes,
                                       prefill_tokens_of, step_histories)
 from eval.simulate.executor import SimExecutor
 from eval.simulate.fleet import FrontRouter, PlacementError, parse_placement
@@ -132,9 +132,9 @@ def test_table_cost_model_combines_decode_and_prefill_with_the_overlap(tmp_path)
         load_table(tmp_path / "bad.json")
 
 
-def test_batch_shape_tells_decodes_from_prefill_chunks_and_counts_layers():
+def test_a_plans_shape_tells_decodes_from_prefill_chunks_and_counts_layers():
     batch = MemberBatch("m", [chunk("a", 40, 1), chunk("b", 0, 16), chunk("c", 8, 8, start_layer=2)])
-    shape = batch_shape(batch, num_layers=4)
+    shape, = plan_shapes(StepPlan(batches=[batch]), nested_family())          # m: 4 layers
     assert shape.decode_contexts == (40,) and shape.prefills == ((16, 0), (8, 8))
     assert shape.layer_fraction == pytest.approx((4 * 1 + 4 * 16 + 2 * 8) / (4 * 25))
 

@@ -13,12 +13,8 @@ from typing import Any, Protocol
 
 from eval.simulate.step_table import StepTable
 from orchestrator.core.family import FamilySpec
+from orchestrator.core.speculation import plan_forwards
 from orchestrator.core.types import ForwardShape, MemberBatch, StepPlan
-
-# A draft's catch-up of at most this many tokens is priced as a verify's rows (its request's KV read once, the rows
-# through the weights); a longer one (its first step after admission) as a prefill chunk.
-CATCH_UP_VERIFY_ROWS = 16
-
 
 @dataclass(frozen=True, slots=True)
 class BatchShape:
@@ -40,18 +36,49 @@ class BatchShape:
 
 
 def plan_shapes(plan: StepPlan, family: FamilySpec, drafts_ride: bool = True) -> list[BatchShape]:
-    """Shapes of a plan's forwards: its draft forwards first (speculation: draft_shapes), then its member batches.
-    As the local engine merges them (engines/local/executor.py), a batch whose member nests in a larger member of
-    the same plan (its layers are that member's lower layers) rides in that member's forward; only the outermost
-    batch of such a group pays a forward of its own."""
-    present = [b.member for b in plan.batches if b.chunks]
-    shapes = draft_shapes(plan)
-    for batch in plan.batches:
-        if not batch.chunks:
-            continue
-        spec = family.member(batch.member)
-        nested = any(rides_in(family, batch.member, other) for other in present)
-        shapes.append(batch_shape(batch, spec.num_layers, own_forward=not nested))
+    """Shapes of a plan's forwards, as the core describes them (speculation.plan_forwards: its draft forwards
+    first, then its member batches) and the local engine runs them (engines/local/executor.py): a batch whose member
+    nests in a larger member of the same plan (its layers are that member's lower layers) rides in that member's
+    forward, only the outermost batch of such a group paying a forward of its own; a batch that starts above layer
+    0 (a nested handover) computes its share of the layers; with drafts_ride, ride_catch_ups."""
+    fractions = {b.member: layer_fraction(b, family.member(b.member).num_layers) for b in plan.batches if b.chunks}
+    return forward_batch_shapes(plan_forwards(plan), family, drafts_ride, fractions)
+
+
+_NESTS: dict[tuple[int, str, str], tuple[FamilySpec, bool]] = {}   # asked every simulated step: answered once
+
+
+def rides_in(family: FamilySpec, member: str, other: str) -> bool:
+    """Whether member's layers are the lower layers of the larger member `other` (it rides in other's forward)."""
+    entry = _NESTS.get((id(family), member, other))
+    if entry is None or entry[0] is not family:
+        spec = family.member(member)
+        nests = family.member(other).index > spec.index and family.shared_depth(member, other) == spec.num_layers
+        entry = _NESTS[(id(family), member, other)] = (family, nests)
+    return entry[1]
+
+
+def layer_fraction(batch: MemberBatch, num_layers: int) -> float:
+    """The share of the member's layers the batch's rows compute (a chunk from start_layer computes the rest)."""
+    layers_computed = total = 0
+    for chunk in batch.chunks:
+        n = 1 + chunk.draft.num_tokens if chunk.draft is not None else len(chunk.token_ids)
+        layers_computed += (num_layers - chunk.start_layer) * n
+        total += n
+    return layers_computed / (num_layers * total) if total else 1.0
+
+
+def forward_batch_shapes(forwards: list[ForwardShape], family: FamilySpec, drafts_ride: bool = True,
+                         fractions: dict[str, float] | None = None) -> list[BatchShape]:
+    """The core's ForwardShapes (a planned step's, or one the draft-length policy asks the price of) as cost-model
+    shapes: a member batch that nests in a larger member of the same step rides in its forward; fractions: the
+    share of its layers each member's batch computes (1 where not given)."""
+    present = [f.member for f in forwards if not f.is_draft]
+    fractions = fractions or {}
+    shapes = [BatchShape(f.member, f.decode_contexts, f.prefills,
+                         1.0 if f.is_draft else fractions.get(f.member, 1.0),
+                         f.is_draft or not any(rides_in(family, f.member, other) for other in present),
+                         f.verifies, f.is_draft) for f in forwards]
     return ride_catch_ups(shapes) if drafts_ride else shapes
 
 
@@ -77,81 +104,6 @@ def ride_catch_ups(shapes: list[BatchShape]) -> list[BatchShape]:
             caught_up.add(shape.member)
         out.append(shape)
     return [shape for i, shape in enumerate(out) if i not in merged]
-
-
-_NESTS: dict[tuple[int, str, str], tuple[FamilySpec, bool]] = {}   # asked every simulated step: answered once
-
-
-def rides_in(family: FamilySpec, member: str, other: str) -> bool:
-    """Whether member's layers are the lower layers of the larger member `other` (it rides in other's forward)."""
-    entry = _NESTS.get((id(family), member, other))
-    if entry is None or entry[0] is not family:
-        spec = family.member(member)
-        nests = family.member(other).index > spec.index and family.shared_depth(member, other) == spec.num_layers
-        entry = _NESTS[(id(family), member, other)] = (family, nests)
-    return entry[1]
-
-
-def batch_shape(batch: MemberBatch, num_layers: int, own_forward: bool = True) -> BatchShape:
-    """The shape of a core MemberBatch: a one-token chunk that samples is a decode (with a draft: a verify of its
-    k + 1 rows), anything else a prefill."""
-    decodes: list[int] = []
-    prefills: list[tuple[int, int]] = []
-    verifies: list[tuple[int, int]] = []
-    layers_computed = total = 0
-    for chunk in batch.chunks:
-        n = len(chunk.token_ids)
-        if chunk.draft is not None:
-            n = 1 + chunk.draft.num_tokens
-            verifies.append((n, chunk.start_pos))
-        elif n == 1 and chunk.sample and chunk.start_pos > 0:
-            decodes.append(chunk.start_pos)
-        else:
-            prefills.append((n, chunk.start_pos))
-        layers_computed += (num_layers - chunk.start_layer) * n
-        total += n
-    fraction = layers_computed / (num_layers * total) if total else 1.0
-    return BatchShape(batch.member, tuple(decodes), tuple(prefills), fraction, own_forward, tuple(verifies))
-
-
-def draft_shapes(plan: StepPlan) -> list[BatchShape]:
-    """The draft forwards of a plan, per draft member: the first catches every draft up to its request's last
-    token and drafts one token (a catch-up of one token is a decode; of a few, a verify's rows; of many, a prefill
-    chunk), then k - 1 forwards of one drafted token each (a request drafting fewer leaves the later ones)."""
-    by_member: dict[str, list] = {}
-    for batch in plan.batches:
-        for chunk in batch.chunks:
-            if chunk.draft is not None:
-                by_member.setdefault(chunk.draft.member, []).append(chunk)
-    shapes = []
-    for member, chunks in by_member.items():
-        decodes: list[int] = []
-        verifies: list[tuple[int, int]] = []
-        prefills: list[tuple[int, int]] = []
-        for chunk in chunks:
-            spec = chunk.draft
-            rows = len(spec.token_ids)
-            if rows == 1:
-                decodes.append(spec.start_pos)
-            elif rows <= CATCH_UP_VERIFY_ROWS:
-                verifies.append((rows, spec.start_pos))
-            else:
-                prefills.append((rows, spec.start_pos))
-        shapes.append(BatchShape(member, tuple(decodes), tuple(prefills), verifies=tuple(verifies), draft=True))
-        for j in range(1, max(c.draft.num_tokens for c in chunks)):
-            contexts = tuple(c.start_pos + j for c in chunks if c.draft.num_tokens > j)
-            shapes.append(BatchShape(member, contexts, (), draft=True))
-    return shapes
-
-
-def forward_batch_shapes(forwards: list[ForwardShape], family: FamilySpec, drafts_ride: bool = True) -> list[BatchShape]:
-    """The core's ForwardShapes (what the draft-length policy asks the price of) as cost-model shapes: a member
-    batch that nests in a larger member of the same step rides in its forward, as in plan_shapes."""
-    present = [f.member for f in forwards if not f.is_draft]
-    shapes = [BatchShape(f.member, f.decode_contexts, f.prefills, 1.0,
-                         f.is_draft or not any(rides_in(family, f.member, other) for other in present),
-                         f.verifies, f.is_draft) for f in forwards]
-    return ride_catch_ups(shapes) if drafts_ride else shapes
 
 
 class CostModel(Protocol):

@@ -15,7 +15,7 @@ recorded library (confidence.py). A chunk with a draft (speculation) gets the sa
 verify accepts: each draft is kept with its pair's per-token acceptance (acceptance.py), drawn from a hash of the
 request key and the position (the same draws in every system), until the first rejection, then the target's
 token; its cost is the draft member's forwards before the step plus the verify's rows in the target's batch
-(cost_model.draft_shapes), and the executor prices a step the core asks about the same way (estimate_step_s).
+(cost_model.plan_shapes), and the executor prices a step the core asks about the same way (estimate_step_s).
 Page contents are not simulated: read_page returns one shared block of
 page_bytes zeros, so the host tier's byte accounting is exact while holding no real memory per page.
 """

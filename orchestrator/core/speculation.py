@@ -23,6 +23,10 @@ from orchestrator.core.sequence import DraftState, Sequence
 from orchestrator.core.types import (DraftSpec, ForwardShape, MemberName, RequestId, SampledToken, SamplingParams,
                                      SeqChunk, StepPlan)
 
+# A draft's catch-up of at most this many tokens is a verify's rows (its request's KV read once, the rows through
+# the weights); a longer one (a draft's first step after admission) a prefill chunk.
+CATCH_UP_VERIFY_ROWS = 16
+
 # estimate_step_s of an executor that can price a step (engine_api.StepCostEstimator); None: not yet (an engine
 # that learns its step costs from its own steps has measured too few)
 StepCost = Callable[[Seq[ForwardShape]], "float | None"]
@@ -193,11 +197,13 @@ def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
 
 def _draft_forwards(drafts: dict[str, list[tuple[int, int, int, int]]]) -> list[ForwardShape]:
     """Per draft member, from its requests' (catch-up rows, tokens before them, last position, k): the catch-up
-    forward, then one forward per further drafted token."""
+    forward (one row a decode, up to CATCH_UP_VERIFY_ROWS a verify's rows, more a prefill chunk), then one forward
+    per further drafted token."""
     forwards: list[ForwardShape] = []
     for member, entries in drafts.items():
         forwards.append(ForwardShape(MemberName(member), tuple(b for r, b, _, _ in entries if r == 1),
-                                     tuple((r, b) for r, b, _, _ in entries if r > 1), (), True))
+                                     tuple((r, b) for r, b, _, _ in entries if 1 < r <= CATCH_UP_VERIFY_ROWS),
+                                     tuple((r, b) for r, b, _, _ in entries if r > CATCH_UP_VERIFY_ROWS), True))
         for j in range(1, max(k_r for _, _, _, k_r in entries)):
             contexts = tuple(last + j for _, _, last, k_r in entries if k_r > j)
             forwards.append(ForwardShape(MemberName(member), contexts, (), (), True))
