@@ -132,4 +132,5 @@ def test_cuda_validation_script_speculation_check_on_cpu(tmp_path):
     assert {(r["draft"], r["target"], r["k"], r["batch"]) for r in table["costs"]} == {
         (d, t, k, b) for d, t in pairs for k in (1, 2) for b in (1, 4)}
     assert all(r["step_ms"] > 0 and r["draft_ms"] > 0 for r in table["costs"])
-    assert "verify ms" in result.stdout and "tok/step" in result.stdout
+    assert all(r["ride_step_ms"] > 0 and r["apart_step_ms"] > 0 for r in table["costs"])
+    assert "verify ms" in result.stdout and "ride ms" in result.stdout and "tok/step" in result.stdout

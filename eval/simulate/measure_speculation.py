@@ -210,9 +210,11 @@ def measure_acceptance(executor, family, prompts: list[list[int]], k: int = DRAF
     return rows
 
 
-def _cost_plan(executor, drafter: str, target: str, k: int, batch: int, context: int, drafting: bool) -> StepPlan:
-    """batch decodes of `target` at `context`, each drafting k tokens with `drafter` (or none); pages per
-    request from a counter (their contents do not change the time)."""
+def _cost_plan(executor, drafter: str, target: str, k: int, batch: int, context: int, drafting: bool,
+               own: int = 0) -> StepPlan:
+    """batch decodes of `target` at `context`, each drafting k tokens with `drafter` (or none), after `own`
+    decodes of the drafter's own requests at the same context; pages per request from a counter (their contents
+    do not change the time)."""
     next_page = 0
 
     def tables(member: str, positions: int) -> list[list[PageId]]:
@@ -230,7 +232,10 @@ def _cost_plan(executor, drafter: str, target: str, k: int, batch: int, context:
         chunks.append(SeqChunk(request_id=RequestId(f"cost{i}"), token_ids=[5], start_pos=context,
                                block_tables=tables(target, context + 1 + k), sample=True,
                                sampling=SamplingParams(max_tokens=context), num_generated=8, draft=draft))
-    return StepPlan(batches=[MemberBatch(target, chunks)])
+    own_chunks = [SeqChunk(request_id=RequestId(f"own{i}"), token_ids=[5], start_pos=context,
+                           block_tables=tables(drafter, context + 1), sample=True,
+                           sampling=SamplingParams(max_tokens=context), num_generated=8) for i in range(own)]
+    return StepPlan(batches=([MemberBatch(drafter, own_chunks)] if own_chunks else []) + [MemberBatch(target, chunks)])
 
 
 def _median_ms(fn, repeats: int = REPEATS) -> float:
@@ -246,7 +251,10 @@ def _median_ms(fn, repeats: int = REPEATS) -> float:
 def measure_costs(executor, family, ks=COST_K, batches=COST_BATCH, context: int = COST_CONTEXT) -> list[dict]:
     """Per pair, k and batch: the draft phase (catch-up plus k - 1 draft decodes), the whole step (drafts,
     the target's k + 1 rows per request, acceptance), verify = step - draft, and the target's plain decode
-    step at the same batch and context."""
+    step at the same batch and context. With the drafter's own batch of as many decodes in the step, the members
+    run as an independent family's (no nested merge): ride_step_ms with that batch in the drafts' catch-up
+    forward (speculation.drafts_ride), apart_step_ms in a forward of its own (what the simulator's
+    cost_model.ride_catch_ups saves: apart - ride)."""
     sync = _synchronizer(executor)
     rows = []
     for drafter, target in draft_pairs(family):
@@ -259,8 +267,23 @@ def measure_costs(executor, family, ks=COST_K, batches=COST_BATCH, context: int 
                 step_ms = _median_ms(lambda: sync(executor.execute(plan)))
                 rows.append({"draft": drafter, "target": target, "k": k, "batch": batch, "context": context,
                              "draft_ms": draft_ms, "verify_ms": round(max(0.0, step_ms - draft_ms), 3),
-                             "step_ms": step_ms, "plain_step_ms": plain_ms})
+                             "step_ms": step_ms, "plain_step_ms": plain_ms,
+                             **_riding_ms(executor, sync, drafter, target, k, batch, context)})
     return rows
+
+
+def _riding_ms(executor, sync, drafter: str, target: str, k: int, batch: int, context: int) -> dict[str, float]:
+    mixed = _cost_plan(executor, drafter, target, k, batch, context, drafting=True, own=batch)
+    nested, ride = executor.nested_pairs, executor.drafts_ride
+    executor.nested_pairs = set()
+    try:
+        out = {}
+        for key, rides in (("ride_step_ms", True), ("apart_step_ms", False)):
+            executor.drafts_ride = rides
+            out[key] = _median_ms(lambda: sync(executor.execute(mixed)))
+        return out
+    finally:
+        executor.nested_pairs, executor.drafts_ride = nested, ride
 
 
 def _synchronizer(executor):
@@ -312,10 +335,11 @@ def print_table(table: dict[str, Any]) -> None:
               f"{row['tokens_per_step']:>8}  {row['by_position']}")
     if table["costs"]:
         print(f"\n{'draft':>8} {'target':>8} {'k':>2} {'batch':>5} {'draft ms':>9} {'verify ms':>9} {'step ms':>8} "
-              f"{'plain ms':>8}")
+              f"{'plain ms':>8} {'ride ms':>8} {'apart ms':>8}")
         for row in table["costs"]:
             print(f"{row['draft']:>8} {row['target']:>8} {row['k']:>2} {row['batch']:>5} {row['draft_ms']:>9} "
-                  f"{row['verify_ms']:>9} {row['step_ms']:>8} {row['plain_step_ms']:>8}")
+                  f"{row['verify_ms']:>9} {row['step_ms']:>8} {row['plain_step_ms']:>8} {row['ride_step_ms']:>8} "
+                  f"{row['apart_step_ms']:>8}")
 
 
 def _ints(text: str) -> tuple[int, ...]:

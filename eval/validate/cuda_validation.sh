@@ -10,8 +10,9 @@
 # Writes $OUT/validation_cuda.json and $OUT/validation_cuda.log (OUT defaults to ./cuda_validation_out).
 # CHECKS (default "validation speculation") picks the parts. `speculation`: draft-target speculation on the local
 # engine with the shipped tiny family (eval/simulate/measure_speculation.py): per-token acceptance of each member
-# pair at temperature 0 and 1, and draft / verify step costs for k in SPEC_COST_K at batch SPEC_COST_BATCH; prints
-# a small table, writes $OUT/speculation_cuda.json. It runs first and takes about a minute, so its JSON comes back
+# pair at temperature 0 and 1, draft / verify step costs for k in SPEC_COST_K at batch SPEC_COST_BATCH, and the
+# step with the drafter's own batch riding in the drafts' catch-up forward against apart (speculation.drafts_ride);
+# prints a small table, writes $OUT/speculation_cuda.json. It runs first and takes about a minute, so its JSON comes back
 # even when the validation runs past the call's limit; alone:
 #   run(command="CHECKS=speculation bash eval/validate/cuda_validation.sh", timeout_s=240)
 # Knobs: SPEC_PROMPTS, SPEC_TOKENS, SPEC_COST_K, SPEC_COST_BATCH, SPEC_DTYPE.
