@@ -443,3 +443,26 @@ def test_each_target_member_drafts_its_own_length():
 
     assert all(time_per_token(ks) < time_per_token({"m": k, "l": k}) for k in range(5))
     assert policy.choose(plan, candidates, None) == {"m": 3, "l": 3}      # no estimator: the fixed k for all
+
+
+def test_drafts_must_save_more_than_the_estimates_own_error():
+    """A saving inside the step-cost estimate's error (a fit of noisy measured steps) is no evidence: no drafts."""
+    from orchestrator.core.config import SpeculationConfig
+    from orchestrator.core.speculation import Candidate, DraftLength, step_forwards
+    from orchestrator.core.types import MemberBatch, SamplingParams, SeqChunk
+
+    def estimate(forwards):             # a target forward 10 ms, a draft forward 2 ms, rows nearly free
+        return sum((0.002 if f.is_draft else 0.010) + 0.00001 * (len(f.decode_contexts) + sum(r for r, _ in f.verifies))
+                   for f in forwards)
+
+    chunk = SeqChunk(request_id=RequestId("a"), token_ids=[5], start_pos=100, block_tables=[[0]], sample=True,
+                     sampling=SamplingParams(temperature=0.0))
+    plan = StepPlan(batches=[MemberBatch(MemberName("l"), [chunk])])
+    candidates = [Candidate(chunk, _DecodingSeq("l", 100), 4, 0.5)]
+    policy = DraftLength(SpeculationConfig(enabled=True, max_k=4))
+    ks = policy.choose(plan, candidates, estimate)
+    saving = 1 - (estimate(step_forwards(plan, candidates, ks, 4)) / expected_tokens(0.5, ks["l"])) / estimate(
+        step_forwards(plan, candidates, {"l": 0}, 4))
+    assert ks["l"] >= 1 and 0.1 < saving < 0.5
+    assert policy.choose(plan, candidates, estimate, margin=saving * 0.9) == ks
+    assert policy.choose(plan, candidates, estimate, margin=saving * 1.1) == {"l": 0}

@@ -110,5 +110,19 @@ def test_the_core_prices_draft_lengths_with_the_executors_step_costs_where_it_ha
     measured = MeasuredStepCosts(family.member_names)
     core.attach_executor(PricedExecutor(measured))
     assert core.scheduler.speculation.estimate == measured.estimate_step_s
+    assert core.scheduler.speculation.estimate_error == measured.estimate_error     # the margin drafts must beat
     core.attach_executor(FakeExecutor(family, config.pool.num_pages, config.pool.page_bytes))
     assert core.scheduler.speculation.estimate is None          # the fixed draft length
+    assert core.scheduler.speculation.estimate_error is None
+
+
+def test_the_fits_error_is_its_residual_relative_to_the_step():
+    """On steps that vary as a CPU's do, the fit's error is the variation it cannot explain; on exact costs 0."""
+    rng = random.Random(3)
+    exact, noisy = MeasuredStepCosts(MEMBERS), MeasuredStepCosts(MEMBERS)
+    for _ in range(WINDOW):
+        step = random_step(rng, drafts=rng.random() < 0.5)
+        exact.observe(step, true_cost(step))
+        noisy.observe(step, true_cost(step) * rng.uniform(0.8, 1.2))
+    assert exact.estimate_error() == pytest.approx(0.0, abs=1e-3)
+    assert 0.05 < noisy.estimate_error() < 0.2          # uniform +-20%: about 11.5% RMS

@@ -4,8 +4,10 @@ Speculation's draft length weighs a step's time against the tokens its drafts sh
 (orchestrator/core/speculation.py, DraftLength), so it needs the price of steps it has not run: the same batch
 with k drafts. The simulator reads a cost model; the local engine has none for the machine it happens to run on,
 so it learns one: a step's seconds as a linear function of its forwards' shapes (orchestrator.core.types
-ForwardShape, the shapes speculation prices), fitted on the steps it runs: a ridge regression over the last WINDOW steps, solved again every REFIT steps, so that it follows the
-machine as it warms up, throttles or shares its cores.
+ForwardShape, the shapes speculation prices), fitted on the steps it runs: a ridge regression over the last WINDOW
+steps, solved again every REFIT steps, so that it follows the machine as it warms up, throttles or shares its
+cores. Its error (the fit's residual, relative to the mean step) is the margin a draft length must beat: a CPU's
+steps vary from one to the next, and a saving smaller than that variation is not one the fit can see.
 
 Features, per member: forwards, rows (decodes, verify rows, prefill tokens), rows x context (in thousands of
 tokens: the attention's reads); a draft forward counts apart (a draft runs as a forward of its own, where the
@@ -37,6 +39,7 @@ class MeasuredStepCosts:
         self._x = np.zeros((WINDOW, self._size))
         self._y = np.zeros(WINDOW)
         self._theta = np.zeros(self._size)
+        self._error = 0.0
         self.num_steps = 0
 
     def features(self, forwards: Sequence[ForwardShape]) -> np.ndarray:
@@ -71,9 +74,16 @@ class MeasuredStepCosts:
         penalty = np.full(self._size, RIDGE)
         penalty[0] = 0.0
         self._theta = np.linalg.solve(x.T @ x + np.diag(penalty), x.T @ y)
+        mean = float(y.mean())
+        self._error = float(np.sqrt(np.mean((x @ self._theta - y) ** 2))) / mean if mean > 0 else 0.0
 
     def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float | None:
         """The fitted seconds of a step of these forwards (never below 0); None before MIN_STEPS steps."""
         if self.num_steps < MIN_STEPS:
             return None
         return max(float(self.features(forwards) @ self._theta), 0.0)
+
+    def estimate_error(self) -> float:
+        """The fit's root-mean-square residual over its window, relative to the window's mean step (0 before the
+        first fit)."""
+        return self._error

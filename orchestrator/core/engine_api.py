@@ -42,6 +42,11 @@ class StepCostEstimator(Protocol):
 
     def estimate_step_s(self, forwards: Sequence[ForwardShape]) -> float | None: ...
 
+    def estimate_error(self) -> float:
+        """How far an estimate may be off, relative to the step (0: a cost model; a fit: its residual error):
+        speculation drafts only where the saving is larger."""
+        ...
+
 
 class ServingEngine(Protocol):
     """Request-level interface the HTTP server and the bench drive: local loop or Triton-backed."""

@@ -185,7 +185,10 @@ class EngineCore:
         prices speculation's draft length."""
         self.executor = executor
         step_costs = getattr(executor, "step_costs", None)
-        self.scheduler.speculation.use_step_cost(step_costs.estimate_step_s if step_costs is not None else None)
+        if step_costs is None:
+            self.scheduler.speculation.use_step_cost(None)
+        else:
+            self.scheduler.speculation.use_step_cost(step_costs.estimate_step_s, step_costs.estimate_error)
 
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: Request, sink: Sink) -> RouteDecision:

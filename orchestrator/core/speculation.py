@@ -121,8 +121,11 @@ class DraftLength:
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config
 
-    def choose(self, plan: StepPlan, candidates: list[Candidate], estimate: StepCost | None) -> dict[str, int]:
-        """target member -> the tokens its candidates draft this step."""
+    def choose(self, plan: StepPlan, candidates: list[Candidate], estimate: StepCost | None,
+               margin: float = 0.0) -> dict[str, int]:
+        """target member -> the tokens its candidates draft this step. margin: how far the estimate may be off,
+        relative (a fit of noisy measured steps; 0 for a cost model): drafts must save more than that share of the
+        time per token, or none are made (a saving inside the estimate's own error is no evidence)."""
         targets = sorted({c.seq.member for c in candidates})
         if estimate is None:
             return dict.fromkeys(targets, self.config.fixed_k)
@@ -137,8 +140,8 @@ class DraftLength:
             return step_s / (others + sum(expected_tokens(c.acceptance, min(choice[c.seq.member], c.max_k))
                                           for c in candidates))
 
-        best = cost(ks)
-        if best is None:
+        best = plain = cost(ks)
+        if best is None or plain is None:
             return ks
         for _ in range(self.MAX_PASSES):
             changed = False
@@ -157,6 +160,8 @@ class DraftLength:
                     ks[member], best, changed = member_best_k, member_best, True
             if not changed or len(targets) == 1:
                 break
+        if best > plain * (1.0 - margin):
+            return dict.fromkeys(targets, 0)
         return ks
 
 
@@ -245,11 +250,13 @@ class Speculation:
         self.acceptance = AcceptanceEstimates(self.settings)
         self.length = DraftLength(self.settings)
         self.estimate: StepCost | None = None
+        self.estimate_error: Callable[[], float] | None = None
         self._contexts = {m.name: m.context_tokens for m in parts.family.members}
 
-    def use_step_cost(self, estimate: StepCost | None) -> None:
+    def use_step_cost(self, estimate: StepCost | None, error: Callable[[], float] | None = None) -> None:
         """The executor's step-cost estimate (engine_api.StepCostEstimator.estimate_step_s), or None: fixed k."""
         self.estimate = estimate
+        self.estimate_error = error
 
     # ------------------------------------------------------------------ a request's draft
     def attach(self, seq: Sequence, reserve_pages: int, page_loads: list) -> None:
@@ -317,7 +324,8 @@ class Speculation:
                     candidates.append(Candidate(chunk, seq, max_k, self.acceptance.acceptance(pair)))
         if not candidates:
             return
-        ks = self.length.choose(plan, candidates, self.estimate)
+        margin = self.estimate_error() if self.estimate_error is not None else 0.0
+        ks = self.length.choose(plan, candidates, self.estimate, margin)
         for k in ks.values():
             self.stats.on_draft_length(k)
         if not any(ks.values()):
