@@ -18,10 +18,7 @@ PROMPTS = [[5, 17, 42, 99, 7, 311, 12, 64], list(range(30, 75)), [9, 9, 9, 120, 
 COMPLEXITY = {"tiny-m": 0.5, "tiny-l": 0.95}       # routed there (escalation off): a pinned request never drafts
 
 
-def run(speculate: bool, member: str, temperature: float = 0.0, seed: int | None = None,
-        measured: bool = False, max_tokens: int = 24) -> tuple[dict, EngineCore]:
-    """measured: the draft length priced by the engine's measured step costs, as served (what it chooses then
-    depends on this machine's timings); otherwise the fixed k of 3, so that every verify path runs."""
+def _tiny_core(speculate: bool, measured: bool = False) -> EngineCore:
     config = load_config(overrides={"family": "tiny", "pool.num_pages": 512, "pool.host_tier_mb": 0,
                                     "escalation.enabled": False, "speculation.enabled": speculate,
                                     "speculation.fixed_k": 3})
@@ -30,6 +27,14 @@ def run(speculate: bool, member: str, temperature: float = 0.0, seed: int | None
                             make_executor=local_executor_factory(config))
     if not measured:
         core.scheduler.speculation.use_step_cost(None)
+    return core
+
+
+def run(speculate: bool, member: str, temperature: float = 0.0, seed: int | None = None,
+        measured: bool = False, max_tokens: int = 24) -> tuple[dict, EngineCore]:
+    """measured: the draft length priced by the engine's measured step costs, as served (what it chooses then
+    depends on this machine's timings); otherwise the fixed k of 3, so that every verify path runs."""
+    core = _tiny_core(speculate, measured)
     outputs: dict[str, list[int]] = {}
     for i, prompt in enumerate(PROMPTS):
         rid = f"r{i}"
@@ -81,13 +86,7 @@ def _mixed(speculate: bool) -> tuple[dict, EngineCore, list[int]]:
     """Requests on tiny-s and on tiny-l in the same steps, the members run as separate forwards (as an independent
     family's do: no nested merge); returns the tokens, the core, and per step how many batches rode in the drafts'
     catch-up forward."""
-    config = load_config(overrides={"family": "tiny", "pool.num_pages": 512, "pool.host_tier_mb": 0,
-                                    "escalation.enabled": False, "speculation.enabled": speculate,
-                                    "speculation.fixed_k": 3})
-    ticks = itertools.count()
-    core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
-                            make_executor=local_executor_factory(config))
-    core.scheduler.speculation.use_step_cost(None)
+    core = _tiny_core(speculate)
     executor = core.executor
     executor.nested_pairs = set()
     rode: list[int] = []
