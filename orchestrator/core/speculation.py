@@ -140,9 +140,10 @@ class DraftLength:
             return step_s / (others + sum(expected_tokens(c.acceptance, min(choice[c.seq.member], c.max_k))
                                           for c in candidates))
 
-        best = plain = cost(ks)
-        if best is None or plain is None:
+        plain = cost(ks)
+        if plain is None:
             return ks
+        best = plain
         for _ in range(self.MAX_PASSES):
             changed = False
             for member in targets:
