@@ -124,6 +124,53 @@ def test_escalation_hands_over_mid_stream_and_reuses_shared_layers():
     assert stats["counters"]["escalations"]["s->m"] == 1 and stats["counters"]["escalations"]["m->l"] == 1
 
 
+def test_an_escalated_request_moves_to_a_node_homing_its_new_member_and_finishes_there():
+    """A fleet with member homes (pooled placement) moves an escalated request, waiting for a member its node is
+    not home to, to another node's core: no output at the move, its tokens and progress go with it, the source
+    returns every page and the target finishes it."""
+    settings = {"escalation.min_tokens": 4, "escalation.window_tokens": 4, "comparison.warmup": False,
+                "router.complexity_thresholds": [0.99, 0.995]}
+    a = Harness(family=independent_family(), low_confidence=("s",), **settings)
+    b = Harness(family=independent_family(), low_confidence=("s",), **settings)
+    a.scheduler.home_members = frozenset({"s"})
+    assert a.submit("e", PROMPT, max_tokens=12).member == "s"
+    moved = []
+    for _ in range(50):
+        a.step()
+        moved = a.scheduler.moved_out()
+        if moved:
+            break
+    assert [seq.request_id for seq in moved] == ["e"] and moved[0].member in ("m", "l")
+    target = moved[0].member
+    running = next(iter(a.scheduler.running), None)
+    assert running is None
+    seq = a.core.move_out(moved[0])
+    with pytest.raises(ValueError):
+        a.core.move_out(seq)                                   # no longer this scheduler's
+    sent = len(a.tokens("e"))
+    assert not a.outputs["e"][-1].finished and a.scheduler.moved_out() == []
+    b.now = a.now
+    b.core.move_in(seq, lambda out: b.outputs.setdefault("e", []).append(out))
+    with pytest.raises(InvalidRequestError):
+        b.core.move_in(seq, lambda out: None)                  # a request id once only
+    b.run()
+    a.step()                                                   # the next plan tells the source's engine to forget it
+    final = b.final("e")
+    assert sent + len(b.tokens("e")) == 12 and [s.member for s in final.spans] == ["s", target]
+    assert a.pool.counts()["used"] == 0 and b.pool.counts()["used"] == 0
+    assert "e" in a.executor.released
+
+
+def test_a_duplicate_request_id_is_refused_and_the_live_request_keeps_its_stream():
+    h = Harness()
+    h.submit("a", PROMPT, max_tokens=6, pinned_member=MemberName("m"))
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        h.core.add_request(Request(request_id=RequestId("a"), prompt_token_ids=list(PROMPT),
+                                   sampling=SamplingParams(max_tokens=2), arrival_s=h.now), lambda out: None)
+    h.run()
+    assert len(h.tokens("a")) == 6 and h.final("a").finish_reason is FinishReason.LENGTH
+
+
 def test_pinned_request_never_escalates():
     h = Harness(low_confidence=("s",), **{"escalation.min_tokens": 2})
     h.submit("p", PROMPT, max_tokens=10, pinned_member=MemberName("s"))

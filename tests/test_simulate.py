@@ -348,6 +348,31 @@ def test_front_router_sticks_sessions_follows_prefixes_and_balances():
     assert router.decisions == {"session": 1, "prefix": 1, "load": 3}
 
 
+def test_member_homes_share_the_nodes_as_the_deployments_share_the_gpus():
+    from eval.simulate.fleet import member_homes
+
+    assert member_homes(3, {"s": 1, "m": 1, "l": 1}) == [("s",), ("m",), ("l",)]
+    assert member_homes(3, {"8b": 1, "70b": 2}) == [("8b",), ("70b",), ("70b",)]       # llama: 8B on 1, 70B on 2
+    assert member_homes(6, {"8b": 1, "70b": 2}) == [("8b",), ("8b",), ("70b",)] + [("70b",)] * 3
+    assert member_homes(2, {"s": 1, "m": 1, "l": 1}) == [("s", "l"), ("m",)]               # fewer nodes: shared
+
+
+def test_front_router_sends_a_member_home_and_spills_when_its_home_is_congested():
+    from eval.simulate.fleet import SPILL_WAITING
+
+    router = FrontRouter(3, homes=[("s",), ("m",), ("l",)])
+    prompt, idle, congested = list(range(200)), [0, 0, 0], [0, SPILL_WAITING + 1, 0]
+    assert router.route("a", prompt, [5, 90, 0], "m", idle) == 1          # home, however many it runs
+    assert router.route("a", prompt, [5, 90, 0], "m", idle) == 1          # the session stays
+    assert router.route("b", [3] * 200, [5, 9, 0], "m", congested) == 2   # home congested: least loaded of the rest
+    assert router.route("b", [3] * 200, [5, 9, 0], "m", idle) == 2        # and the spilled session stays there
+    assert router.route("a", prompt, [5, 9, 0], "m", congested) == 2      # its node congested: it leaves too
+    assert router.route("d", [5] * 200, [5, 9, 0]) == 2                   # member unknown: least load
+    assert router.move("l", 0, [5, 9, 0], idle) == 2                      # an escalation to l: l's home
+    assert router.move("l", 0, [5, 9, 0], [0, 0, SPILL_WAITING + 1]) == 0 # l's home congested: stays at the source
+    assert router.decisions == {"session": 2, "prefix": 0, "load": 1, "home": 1, "spill": 2, "moved": 1}
+
+
 def test_parse_placement():
     assert parse_placement("colocated").label == "colocated"
     fleet = parse_placement("fleet:8", "per-member")
@@ -375,12 +400,23 @@ def test_pooled_placement_gives_the_family_every_gpu_group_and_the_deployments_t
     assert family.host_tier_mb * 3 == separate.host_tier_mb * 2          # the same host memory per GPU
     out = tmp_path / "pooled.json"
     assert main(["simulate", "--family", "qwen3-large", "--gpu", "h200_sxm", "--placement", "pooled:3",
-                 "--sessions", "6", "--rates", "2", "--systems", "mfs,baseline", "--no-progress",
+                 "--sessions", "12", "--rates", "2", "--systems", "mfs,baseline_spec", "--no-progress",
                  "--out", str(out)]) == 0
-    sim = json.loads(out.read_text())["simulated"]
+    result = json.loads(out.read_text())
+    sim = result["simulated"]
     assert (sim["placement"], sim["num_nodes"], sim["node_placement"]) == ("pooled:3", 3, "colocated")
+    assert sim["member_homes"] == [["qwen3-1.7b"], ["qwen3-8b"], ["qwen3-32b"]]
     assert sim["separate_deployments"]["placement"] == "per-member"
-    assert sim["separate_deployments"]["systems"] == ["baseline"]
+    assert sim["separate_deployments"]["systems"] == ["baseline_spec"]
+    mfs, deployed = (result["curve"][0]["systems"][name] for name in ("mfs", "baseline_spec"))
+    routed = mfs["simulation"]["front_router"]
+    assert routed["home"] == 12 and routed["spill"] == 0            # every session's first turn went home
+    # every escalated request continued on its new member's home, and the members served what the deployments did
+    assert routed["moved"] == sum(mfs["escalations"].values()) > 0
+    assert mfs["member_token_share"] == deployed["member_token_share"]
+    with pytest.raises(SystemExit, match="--no-member-homes is an option of --placement pooled:N"):
+        main(["simulate", "--family", "qwen3-large", "--gpu", "h200_sxm", "--no-member-homes", "--sessions", "6",
+              "--rates", "2", "--systems", "mfs", "--no-progress", "--out", str(tmp_path / "x.json")])
 
 
 # ----------------------------------------------------------------------------- the real core in virtual time

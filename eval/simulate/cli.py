@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="colocated | per-member | fleet:N | pooled:N (N GPUs: the family on every GPU group "
                              "for MFS, each member on its own GPUs for the separate deployments)")
     parser.add_argument("--node-placement", default="colocated", help="inside a fleet: colocated | per-member")
+    parser.add_argument("--no-member-homes", action="store_true",
+                        help="pooled:N without member homes: the front router places the family's requests by "
+                             "session, prefix and load alone (what homes are worth)")
     parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS, help="tokens per KV block (GPU)")
     parser.add_argument("--host-tier-gib", type=float, default=None, metavar="GIB",
                         help=f"host memory for the KV host tier per GPU of a node, paper-scale families (default "
@@ -117,6 +120,8 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
     """The run's setup, and under pooled:N the separate deployments' own (None: every system shares the first)."""
     placement = parse_placement(args.placement, args.node_placement)
     if placement.kind != "pooled":
+        if getattr(args, "no_member_homes", False):
+            raise PlacementError("--no-member-homes is an option of --placement pooled:N (member homes)")
         return build_setup(args, settings), None
     if not is_paper_family(args.family):
         raise PlacementError(f"--placement {placement.label} places a GPU family on GPUs; {args.family} runs on this "
@@ -124,6 +129,8 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
     pooled, separate = pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table,
                                      args.block_tokens, host_tier_gib_per_gpu=_host_tier_gib(args),
                                      saves_overlap=not args.serial_saves)
+    if args.no_member_homes:
+        pooled.member_homes = None
     return (_with_acceptance(args, _with_policies(pooled, args, settings)),
             _with_acceptance(args, _with_policies(separate, args, settings)))
 
@@ -427,6 +434,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                       "capacity_policy": setup.capacity_policy,
                       "colocated_deployments": setup.colocated_deployments,
                       "node_placement": setup.placement.kind, "num_nodes": setup.placement.num_nodes,
+                      "member_homes": setup.member_homes,
                       "memory": setup.memory, "num_pages_per_node": setup.num_pages, "page_bytes": setup.page_bytes,
                       **({} if separate is None else {"separate_deployments": {
                           "placement": separate.placement.label, "num_nodes": separate.placement.num_nodes,

@@ -23,6 +23,7 @@ from eval.simulate.fleet import FrontRouter
 from eval.simulate.node import SimNode
 from eval.bench.sessions import ClosedLoopSessions, record_output
 from eval.bench.workloads import Trace
+from orchestrator.core.sequence import Sequence
 from orchestrator.core.errors import MFSError
 from orchestrator.core.types import Request, RequestOutput
 
@@ -47,12 +48,12 @@ NodeFactory = Callable[[VirtualClock, EventQueue, Callable[[RequestOutput, float
 
 
 def simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float = STATS_INTERVAL_S,
-             keep_nodes: list | None = None) -> SimRun:
+             keep_nodes: list | None = None, homes: list[tuple[str, ...]] | None = None) -> SimRun:
     """keep_nodes: where to leave the replay's nodes instead of freeing them at its end. A forked worker that
     exits right after (cli._forked_system) passes one: the OS then takes the memory back at once, where freeing
     the nodes' pools, prefix maps and tiers object by object took ~9 s of a 10,000-session fleet:8 replay."""
     with no_full_collections():
-        return _simulate(tag, make_nodes, trace, stats_interval_s, keep_nodes)
+        return _simulate(tag, make_nodes, trace, stats_interval_s, keep_nodes, homes)
 
 
 @contextmanager
@@ -78,7 +79,7 @@ def no_full_collections():
 
 
 def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s: float,
-              keep_nodes: list | None = None) -> SimRun:
+              keep_nodes: list | None = None, homes: list[tuple[str, ...]] | None = None) -> SimRun:
     started, cpu_started = time.perf_counter(), time.process_time()
     clock = VirtualClock()
     events = EventQueue(clock)
@@ -106,7 +107,25 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
     request_path = getattr(nodes[0].executor.cost, "request_path_s", None) if nodes else None
     if request_path is not None:
         path_in_s, path_out_s = request_path()
-    router = FrontRouter(len(nodes))
+    router = FrontRouter(len(nodes), homes if len(nodes) > 1 else None)
+    if router.homes is not None:
+        def move(source: SimNode, seq: Sequence) -> None:
+            """An escalated request continues on a home of its new member, as it would move to that member's
+            own deployment."""
+            index = router.move(seq.member, nodes.index(source),
+                                [n.num_in_flight for n in nodes], [n.scheduler.num_waiting() for n in nodes])
+            target = nodes[index]
+            if target is source:
+                return
+            key = source.executor.request_keys.get(seq.request_id)
+            source.move_out(seq)
+            if key is not None:
+                target.executor.request_keys[seq.request_id] = key
+            target.move_in(seq)
+
+        for node, members in zip(nodes, router.homes):
+            node.scheduler.home_members = frozenset(members)
+            node.on_move_out = move
 
     def next_turn(index: int, k: int, now: float) -> None:
         turns = trace.sessions[index].turns
@@ -123,7 +142,11 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
             remaining[0] -= 1
             return
         session_id = trace.sessions[index].session_id
-        node = nodes[router.route(session_id, request.prompt_token_ids, [n.num_in_flight for n in nodes])]
+        member, waiting = None, None
+        if router.homes is not None:
+            member, waiting = nodes[0].adequate_member(request), [n.scheduler.num_waiting() for n in nodes]
+        node = nodes[router.route(session_id, request.prompt_token_ids, [n.num_in_flight for n in nodes], member,
+                                  waiting)]
         node.executor.request_keys[request.request_id] = request_key(session_id, k)
         pending[request.request_id] = (record, index, k)
         if path_in_s > 0:

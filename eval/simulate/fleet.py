@@ -12,6 +12,12 @@ pooled:N     N GPUs, each system as it would use them: the family's own systems 
              whole family on every GPU group (as many colocated nodes as the GPUs hold, behind the front router),
              the separate deployments give each member its own GPUs (per-member nodes, replicated to fill the N
              GPUs). Same GPUs and the same host memory per GPU for both (eval/simulate/setup.py pooled_setups).
+             Each member has home nodes, as many as the deployments give it GPUs (member_homes): while the
+             loads are balanced a request goes to a home of its member, so a node mostly steps one member alone
+             as a per-member GPU does; when a home is overloaded the request spills to the least loaded node,
+             which holds that member's weights too. That spill is what a shifting mix needs and a per-member
+             deployment cannot do. A request escalated to a member its node is not home to moves to that member's
+             home (driver.py, Scheduler.move_out/move_in), as it would move to the larger member's deployment.
 
 The front router is modelled on what is deployed today (sglang-router's cache_aware policy, Dynamo's KV
 router): a session sticks to its node while that node is not overloaded; otherwise the node whose routed
@@ -31,6 +37,10 @@ BALANCE_ABS_THRESHOLD = 32
 BALANCE_REL_THRESHOLD = 1.5
 ROUTER_BLOCK_TOKENS = 64            # the router's prefix granularity (it does not know the nodes' block sizes)
 ROUTER_BLOCKS_PER_NODE = 200_000    # bounded approximate tree per node (LRU), like the router's max tree size
+# member homes: a node with more requests than this waiting for admission is congested, and new sessions spill
+# past it. Requests wait a step or two between arrival and admission at any load, so the bar sits above that
+# (Qwen3 1.7B/8B/32B on 3 H200, 400 sessions, SIMULATED: no spill up to 8 sessions/s, 64 of 400 at 128/s).
+SPILL_WAITING = 8
 
 
 class PlacementError(ValueError):
@@ -66,14 +76,33 @@ def parse_placement(text: str, node_placement: str = "colocated") -> Placement:
     return Placement(node_placement, n)
 
 
-class FrontRouter:
-    """Session affinity, then approximate prefix affinity under a balance check, then least load."""
+def member_homes(num_nodes: int, gpus_per_member: dict[str, int]) -> list[tuple[str, ...]]:
+    """Each node's home members: the nodes shared out in proportion to the GPUs each member's own deployment has
+    (largest remainder), every member at least one node while there are as many nodes as members; with fewer
+    nodes than members, members share homes in order (node i is home to members i, i + n, ...)."""
+    names = list(gpus_per_member)
+    if num_nodes < len(names):
+        return [tuple(names[i::num_nodes]) for i in range(num_nodes)]
+    spare = num_nodes - len(names)
+    total = sum(gpus_per_member.values())
+    exact = {n: spare * gpus_per_member[n] / total for n in names}
+    counts = {n: 1 + int(exact[n]) for n in names}
+    for n in sorted(names, key=lambda n: exact[n] - int(exact[n]), reverse=True)[: num_nodes - sum(counts.values())]:
+        counts[n] += 1
+    return [(n,) for n in names for _ in range(counts[n])]
 
-    def __init__(self, num_nodes: int) -> None:
+
+class FrontRouter:
+    """Session affinity, then approximate prefix affinity under a balance check, then least load. With member
+    homes (pooled placement), a request whose member is known goes to the least loaded of its member's homes
+    unless that node is overloaded against the least loaded node (the balance check), then to the least loaded."""
+
+    def __init__(self, num_nodes: int, homes: list[tuple[str, ...]] | None = None) -> None:
         self.num_nodes = num_nodes
+        self.homes = homes
         self._sessions: dict[str, int] = {}
         self._trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_nodes)]
-        self.decisions = {"session": 0, "prefix": 0, "load": 0}
+        self.decisions = {"session": 0, "prefix": 0, "load": 0, **({"home": 0, "spill": 0, "moved": 0} if homes is not None else {})}
 
     @staticmethod
     def prefix_keys(token_ids: list[int]) -> list[int]:
@@ -83,15 +112,21 @@ class FrontRouter:
             keys.append(parent)
         return keys
 
-    def route(self, session_id: str | None, token_ids: list[int], loads: list[int]) -> int:
+    def route(self, session_id: str | None, token_ids: list[int], loads: list[int], member: str | None = None,
+              waiting: list[int] | None = None) -> int:
+        """member: the member the request is for, as the nodes' router will judge it; waiting: each node's
+        requests not yet admitted (member homes need both)."""
         if self.num_nodes == 1:
             return 0
         low, high = min(loads), max(loads)
-        balanced = not (high - low > BALANCE_ABS_THRESHOLD and high > BALANCE_REL_THRESHOLD * max(low, 1))
+        balanced = not _overloaded(high, low)
         keys = self.prefix_keys(token_ids)
+        homes = ([i for i, h in enumerate(self.homes) if member in h] if self.homes is not None and member else [])
         node = self._sessions.get(session_id) if session_id else None
         reason = "session"
-        if node is None or (not balanced and loads[node] == high):
+        if homes and waiting is not None:
+            node, reason = self._route_home(node, homes, loads, waiting)
+        elif node is None or (not balanced and loads[node] == high):
             node, reason = None, "load"
             if balanced and keys:
                 best, best_len = 0, -1
@@ -115,3 +150,32 @@ class FrontRouter:
         while len(tree) > ROUTER_BLOCKS_PER_NODE:
             tree.popitem(last=False)
         return node
+
+
+    def move(self, member: str, source: int, loads: list[int], waiting: list[int]) -> int:
+        """Where a request on node `source` escalated to `member` continues: that member's least busy home while
+        that node is not congested, else the least congested node. The session's later turns stay with `source`,
+        where its first turn's member is (their member starts there, as in a deployment with session affinity)."""
+        homes = [i for i, h in enumerate(self.homes or ()) if member in h]
+        node = min(homes, key=lambda i: (waiting[i], loads[i], i))
+        if waiting[node] > SPILL_WAITING:
+            node = min(range(self.num_nodes), key=lambda i: (waiting[i], loads[i], i))
+        if node == source:
+            return node
+        self.decisions["moved"] += 1
+        return node
+
+    def _route_home(self, node: int | None, homes: list[int], loads: list[int], waiting: list[int]) -> tuple[int, str]:
+        """A session stays on its node, a new one goes to its member's least busy home, while that node is not
+        congested (more than SPILL_WAITING requests waiting for admission); else the least congested node."""
+        if node is not None and waiting[node] <= SPILL_WAITING:
+            return node, "session"
+        home = min(homes, key=lambda i: (waiting[i], loads[i], i))
+        if waiting[home] <= SPILL_WAITING:
+            return home, "home"
+        return min(range(self.num_nodes), key=lambda i: (waiting[i], loads[i], i)), "spill"
+
+
+def _overloaded(load: int, lowest: int) -> bool:
+    """sglang-router's imbalance test, of one node against the least loaded."""
+    return load - lowest > BALANCE_ABS_THRESHOLD and load > BALANCE_REL_THRESHOLD * max(lowest, 1)

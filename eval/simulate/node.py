@@ -25,6 +25,7 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_core import EngineCore, Step
 from orchestrator.core.errors import MFSError
 from orchestrator.core.family import FamilySpec
+from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import Request, RequestOutput
 
 # Nothing runnable although work is queued (e.g. the only waiting request needs pages a finishing one still
@@ -113,6 +114,8 @@ class SimNode:
         self.devices = ([Device(None)] if not per_member else [Device((name,)) for name in self.family.member_names])
         self.shared = SharedDevice(clock, events) if share_device and not self.executor.members_in_parallel else None
         self.num_in_flight = 0          # requests submitted and not finished (the front router's load)
+        # a fleet with member homes: where an escalated request for a member homed elsewhere goes (driver.py)
+        self.on_move_out: Callable[[SimNode, Sequence], None] | None = None
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: Request) -> None:
@@ -127,6 +130,22 @@ class SimNode:
             if device is not but and not device.busy and self.scheduler.has_work(device.members):
                 device.busy = True
                 self.events.push(self.clock(), lambda device=device: self._start_step(device))
+
+    def adequate_member(self, request: Request) -> str:
+        """The member this node's router would judge the request is for, before load and affinity (the front
+        router's member homes need it)."""
+        complexity = (request.complexity_hint if request.complexity_hint is not None
+                      else self.scheduler.estimator.score(request.prompt_token_ids))
+        return self.scheduler.router.adequate_member(complexity)
+
+    def move_out(self, seq: Sequence) -> None:
+        self.core.move_out(seq)
+        self.num_in_flight -= 1
+
+    def move_in(self, seq: Sequence) -> None:
+        self.core.move_in(seq, self._deliver)
+        self.num_in_flight += 1
+        self._wake_idle()
 
     # ------------------------------------------------------------------ steps
     def _start_step(self, device: Device) -> None:
@@ -145,6 +164,9 @@ class SimNode:
 
     def _finish_step(self, device: Device, step: Step) -> None:
         self.core.finish_step(step)
+        if self.on_move_out is not None:
+            for seq in self.scheduler.moved_out():
+                self.on_move_out(self, seq)
         if self.scheduler.has_work(device.members):
             self._start_step(device)
         else:

@@ -42,7 +42,7 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
                         share_device=share)
                 for i in range(setup.placement.num_nodes)]
 
-    run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes)
+    run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes, setup.member_homes)
     with no_full_collections():     # else collections walk the live records and trace: 0.6 s of a 17 s replay
         metrics = summarize(run.records, run.counters, run.duration_s, pages_timeline(run.samples), setup.member_names)
     step_s = setup.solo_decode_step_s()

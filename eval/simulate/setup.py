@@ -16,7 +16,7 @@ from eval.simulate.acceptance import AcceptanceTable
 from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
 from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, HOST_TIER_GIB_PER_GPU, PRESETS,
                                     DeviceMemory, page_bytes_for, paper_family, tensor_parallel)
-from eval.simulate.fleet import Placement, PlacementError
+from eval.simulate.fleet import Placement, PlacementError, member_homes
 from eval.simulate.step_table import StepTable, StepTableError, load_table, save_table
 from eval.weights import member_weight_bytes, weight_bytes
 from orchestrator.core.config import MFSConfig
@@ -69,6 +69,8 @@ class SimSetup:
     colocated_deployments: str = "turns"          # separate deployments on one device: shared | turns (node.py)
     acceptance: AcceptanceTable | None = None   # speculation: what a simulated verify accepts (acceptance.py)
     free_fraction: float = FREE_GPU_MEMORY_FRACTION
+    # pooled placement: each node's home members, for the front router (fleet.member_homes); None: no homes
+    member_homes: list[tuple[str, ...]] | None = None
 
     @property
     def members_in_parallel(self) -> bool:
@@ -224,7 +226,8 @@ def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path
         build_aic_table([(n, m, 1) for n, m in preset], gpu, backend))
     configs = {n: probe.member(n).hf_config for n, _ in preset}
     group = next(iter(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("colocated")).values()))
-    per_member = sum(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("per-member")).values())
+    per_member_tps = _tensor_parallel(configs, probe.gpu_memory_bytes, Placement("per-member"))
+    per_member = sum(per_member_tps.values())
     if num_gpus % group or num_gpus % per_member:
         need = group * per_member // math.gcd(group, per_member)
         raise PlacementError(f"--placement pooled:{num_gpus}: {family} on {gpu} needs a multiple of {group} GPUs "
@@ -233,6 +236,7 @@ def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path
     common = dict(block_tokens=block_tokens, free_fraction=free_fraction, host_tier_gib_per_gpu=host_tier_gib_per_gpu,
                   saves_overlap=saves_overlap)
     pooled = paper_setup(family, gpu, backend, Placement("colocated", num_gpus // group), None, **common)
+    pooled.member_homes = member_homes(num_gpus // group, per_member_tps)
     separate = paper_setup(family, gpu, backend, Placement("per-member", num_gpus // per_member), None, **common)
     pooled.notes.append(f"pooled:{num_gpus}: the family's systems on {num_gpus // group} node(s) of {group} GPU(s) "
                         f"each holding every member; the separate deployments on {num_gpus // per_member} set(s) "

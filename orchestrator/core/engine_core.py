@@ -22,13 +22,14 @@ from typing import Any
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import StepExecutor
-from orchestrator.core.errors import MFSError
+from orchestrator.core.errors import InvalidRequestError, MFSError
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec, dtype_bytes, load_family
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
+from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import DiskTier, HostTier, TieredStore, member_host_tier
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
@@ -193,7 +194,7 @@ class EngineCore:
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: Request, sink: Sink) -> RouteDecision:
         """Queues the request; its outputs go to sink. Raises InvalidRequest/QueueFull at once (nothing queued)."""
-        self._sinks[request.request_id] = sink
+        self._claim_sink(request.request_id, sink)
         try:
             with self.lock:
                 decision = self.scheduler.add_request(request, self.clock())
@@ -206,6 +207,30 @@ class EngineCore:
     def detach(self, request_id: RequestId) -> None:
         """The caller stops listening (its outputs are dropped from now on); abort() ends the request."""
         self._sinks.pop(request_id, None)
+
+    def _claim_sink(self, request_id: RequestId, sink: Sink) -> None:
+        """A live request's id is refused before its sink could be replaced (its outputs would go astray)."""
+        if request_id in self._sinks:
+            raise InvalidRequestError(f"duplicate request id {request_id}", param="request_id")
+        self._sinks[request_id] = sink
+
+    def move_out(self, seq: Sequence) -> Sequence:
+        """Takes a waiting request out, unended, for another node's core to move_in (Scheduler.move_out)."""
+        with self.lock:
+            self.scheduler.move_out(seq)
+        self._sinks.pop(seq.request_id, None)
+        return seq
+
+    def move_in(self, seq: Sequence, sink: Sink) -> None:
+        """Continues a request another node's core moved out; its outputs go to sink (Scheduler.move_in)."""
+        self._claim_sink(seq.request_id, sink)
+        try:
+            with self.lock:
+                self.scheduler.move_in(seq, self.clock())
+        except BaseException:
+            self._sinks.pop(seq.request_id, None)
+            raise
+        self.wake.set()
 
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:

@@ -19,7 +19,7 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.events import EventKind, EventLog, Stats, pages_block
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.handover import Handover
+from orchestrator.core.handover import Handover, release_pin
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.core.member_turns import DEFAULT_MEMBER_TURNS, MemberTurns
@@ -62,6 +62,9 @@ class Scheduler:
                              use_load=config.comparison.use_load)
         sticky = config.router.sticky_sessions
         self.homes = SessionHomes() if (sticky if sticky is not None else not family.is_nested()) else None
+        # the members this node is home to, when a fleet homes members on nodes (eval/simulate/fleet.py); requests
+        # escalated to another member are offered to be moved to its home (moved_out). None: every member
+        self.home_members: frozenset[str] | None = None
         self.estimator = estimator
         self.events = events if events is not None else EventLog()   # an empty log is falsy (__len__)
         self.stats = stats if stats is not None else Stats()
@@ -135,6 +138,37 @@ class Scheduler:
             self.lifecycle.register(warm)
             self.waiting.push(warm)
         return decision
+
+    def moved_out(self) -> list[Sequence]:
+        """The escalated requests waiting for a member outside this scheduler's home members (set by a fleet that
+        homes members on nodes: eval/simulate/fleet.py), which another node serves better: move_out them."""
+        if self.home_members is None:
+            return []
+        return [seq for seq in self.waiting if seq.num_escalations and seq.kv is None and not seq.is_warmup
+                and seq.member not in self.home_members]
+
+    def move_out(self, seq: Sequence) -> Sequence:
+        """Takes a waiting request out without ending it (no output; the source pages it kept go back), for
+        another node's scheduler to move_in with its tokens, progress and monitor: the request continues there."""
+        if self.lifecycle.by_id.get(seq.request_id) is not seq or seq.kv is not None or seq.is_warmup:
+            raise ValueError(f"request {seq.request_id} is not a waiting request of this scheduler")
+        release_pin(seq, self.kv, self.running)
+        seq.drop_draft(self.kv)
+        self.waiting.remove(seq)
+        self.lifecycle.forget(seq)
+        seq.warmup_member = None        # a warm-up it had here is no use there
+        return seq
+
+    def move_in(self, seq: Sequence, now_s: float) -> None:
+        """Adopts a request another node's scheduler moved out: it resumes first, on the member it was moved for
+        (prefilling its prompt and generated tokens there, from this node's cache where it has them)."""
+        if seq.request_id in self.lifecycle.by_id:
+            raise InvalidRequestError(f"duplicate request id {seq.request_id}", param="request_id")
+        self.placement.check_fits(seq.request)
+        seq.count_query = True
+        self.lifecycle.register(seq)
+        self.waiting.push(seq, front=True)
+        self.events.emit(EventKind.ROUTE, now_s, seq.request_id, seq.member, reason="moved in")
 
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:
