@@ -2,6 +2,8 @@
 greedy request gets exactly the tokens it gets without speculation (tiny family, CPU); every page comes back."""
 from __future__ import annotations
 
+from orchestrator.core.speculation import plan_forwards
+
 import itertools
 
 import pytest
@@ -90,14 +92,21 @@ def _mixed(speculate: bool) -> tuple[dict, EngineCore, list[int]]:
     executor = core.executor
     executor.nested_pairs = set()
     rode: list[int] = []
-    run_drafts = executor.run_drafts
+    run_drafts, execute = executor.run_drafts, executor.execute
+    core.riders = []            # per step: (the riders the step-cost estimate expects, the batches that rode)
 
     def spy(batches, riders=None):
         drafted, logits = run_drafts(batches, riders)
         rode.append(len(logits))
         return drafted, logits
 
-    executor.run_drafts = spy
+    def spy_execute(plan):
+        expected = executor.riders_of(plan_forwards(plan))
+        sampled = execute(plan)
+        core.riders.append((expected, set(executor.last_riders)))
+        return sampled
+
+    executor.run_drafts, executor.execute = spy, spy_execute
     outputs: dict[str, list[int]] = {}
     for i, (prompt, complexity) in enumerate(zip(PROMPTS, (0.05, 0.95, 0.05))):
         rid = f"r{i}"
@@ -118,5 +127,7 @@ def test_the_draft_members_own_batch_rides_in_the_drafts_catch_up_forward_and_ke
     speculated, core, rode = _mixed(True)
     assert speculated == plain and all(len(tokens) == 20 for tokens in plain.values())
     assert sum(rode) > 0, "tiny-s's batch rode in some step's catch-up forward"
+    # the measured step-cost fit prices a step as the engine runs it: one forward where the batch rode
+    assert all(expected == actual for expected, actual in core.riders) and any(a for _, a in core.riders)
     assert core.snapshot()["counters"]["drafted_tokens"]["tiny-s->tiny-l"] > 0
     assert core.pool.num_used_pages() == 0

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engines.local.step_costs import MIN_STEPS, WINDOW, MeasuredStepCosts
+from engines.local.step_costs import MIN_STEPS, WINDOW, MeasuredStepCosts, ride
 from orchestrator.core.types import ForwardShape, MemberName
 
 MEMBERS = ["s", "m", "l"]
@@ -92,6 +92,32 @@ def test_the_fit_follows_a_machine_that_slows_down():
         costs.observe(step, 2 * true_cost(step))
     probe = random_step(random.Random(11), drafts=False)
     assert costs.estimate_step_s(probe) == pytest.approx(2 * true_cost(probe), rel=1e-3)
+
+
+def test_a_batch_that_rode_in_its_drafts_forward_is_one_forward_to_the_fit():
+    """A drafting member's own batch, run in its drafts' catch-up forward, costs that forward's rows, not a forward
+    of its own: the fit reads the forwards as run, prices steps as they would run, and gets them right."""
+    draft = ForwardShape(MemberName("s"), (100, 200), (), (), True)
+    own = ForwardShape(MemberName("s"), (50, 60, 70), (), ())
+    large = ForwardShape(MemberName("l"), (), ((3, 300),), ())
+    assert ride([draft, large, own], {"s"}) == [ForwardShape(MemberName("s"), (100, 200, 50, 60, 70), (), (), True),
+                                                large]
+    assert ride([draft, large, own], ()) == [draft, large, own]
+    assert ride([large, own], {"s"}) == [large, own]                 # nothing to ride in
+
+    def riders_of(forwards):
+        return {"s"} if any(f.is_draft for f in forwards) and any(f.member == "s" and not f.is_draft
+                                                                    for f in forwards) else set()
+
+    costs = MeasuredStepCosts(MEMBERS, riders_of)
+    rng = random.Random(13)
+    for i in range(WINDOW):
+        step = random_step(rng, drafts=i % 2 == 0)
+        ran = ride(step, riders_of(step))
+        costs.observe(ran, true_cost(ran))
+    for _ in range(20):
+        step = random_step(rng, drafts=True)
+        assert costs.estimate_step_s(step) == pytest.approx(true_cost(ride(step, riders_of(step))), rel=1e-3)
 
 
 class PricedExecutor:

@@ -9,7 +9,7 @@ import torch
 
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.speculation import plan_forwards
-from orchestrator.core.types import MemberBatch, PageId, RequestId, SampledToken, SeqChunk, StepPlan
+from orchestrator.core.types import ForwardShape, MemberBatch, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 from engines.local.arena import KVArena
 from engines.local.checkpoint import TORCH_DTYPES, LayerWeights, load_checkpoint
@@ -19,7 +19,7 @@ from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
 from engines.local.speculation import Drafts, accept, check_draft, draft, verify_rows
-from engines.local.step_costs import MeasuredStepCosts
+from engines.local.step_costs import MeasuredStepCosts, ride
 
 
 def nests_in(small: PagedCausalLM, large: PagedCausalLM) -> bool:
@@ -102,8 +102,9 @@ class LocalExecutor:
         self._helper = (ThreadPoolExecutor(1, thread_name_prefix="mfs-forward")
                         if parallel_forwards == 2 and self.device.type == "cpu" else None)
         self.models: dict[str, PagedCausalLM] = {}
-        self.step_costs = MeasuredStepCosts(family.member_names) if measure_steps else None
         self.drafts_ride = drafts_ride
+        self.step_costs = MeasuredStepCosts(family.member_names, self.riders_of) if measure_steps else None
+        self.last_riders: frozenset[str] = frozenset()     # the members whose batch rode in the last step
         uses_kernel = native_attention and dtype == "float32" and self.device.type == "cpu"
         self.decode_kernel = PagedDecodeKernel.load() if uses_kernel else None
         on_cpu_f32 = dtype == "float32" and self.device.type == "cpu"
@@ -140,8 +141,20 @@ class LocalExecutor:
             return self._execute(plan)
         began = time.perf_counter()
         sampled = self._execute(plan)
-        self.step_costs.observe(plan_forwards(plan), time.perf_counter() - began)
+        self.step_costs.observe(ride(plan_forwards(plan), self.last_riders), time.perf_counter() - began)
         return sampled
+
+    def riders_of(self, forwards: Sequence[ForwardShape]) -> set[str]:
+        """The members whose own batch a step of these forwards would run in their drafts' catch-up forward, as
+        _execute decides it: a drafting member with a batch of its own that verifies nothing and shares no
+        nested forward with another batch of the step."""
+        if not self.drafts_ride:
+            return set()
+        drafting = {f.member for f in forwards if f.is_draft}
+        present = [f.member for f in forwards if not f.is_draft]
+        return {f.member for f in forwards if not f.is_draft and f.member in drafting and not f.verifies
+                and not any((f.member, o) in self.nested_pairs or (o, f.member) in self.nested_pairs
+                            for o in present if o != f.member)}
 
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
         self.release(plan.released_requests)
@@ -151,6 +164,7 @@ class LocalExecutor:
         alone = ({batches[indices[0]].member: indices[0] for _, indices in groups if len(indices) == 1}
                  if self.drafts_ride else {})
         drafted, logits = self.run_drafts(batches, alone)     # request -> its drafts; rider batch -> its logits
+        self.last_riders = frozenset(batches[i].member for i in logits)
         rows = batches
         if drafted:                                               # a drafting chunk becomes its k + 1 verify rows
             rows = [MemberBatch(b.member, [r for c in b.chunks for r in (

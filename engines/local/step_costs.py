@@ -12,13 +12,15 @@ steps vary from one to the next, and a saving smaller than that variation is not
 Features, per member: forwards, rows (decodes, verify rows, prefill tokens), rows x context (in thousands of
 tokens: the attention's reads); a draft forward counts apart (a draft runs as a forward of its own, where the
 step's member batches may share one merged forward in a nested family); and one per step. Before MIN_STEPS steps
-there is no estimate (None): the core then drafts nothing, rather than guessing. A shape the window has not
+there is no estimate (None): the core then drafts nothing, rather than guessing. A drafting member's own batch that
+rode in its drafts' catch-up forward (engines/local/executor.py) is one forward, not two: the fit reads the forwards
+the engine ran (`ride`), and prices a step the way the engine would run it (`riders_of`). A shape the window has not
 seen (drafts, before any step drafted) is priced at nothing extra by the ridge, so the core tries it, and the
 steps that follow price it; once the window has forgotten it, it is tried again.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -30,10 +32,30 @@ REFIT = 16              # steps between two solves
 RIDGE = 1e-6            # the penalty on every coefficient but the step's own: keeps unseen shapes at 0
 
 
+def ride(forwards: Sequence[ForwardShape], riders: Collection[str]) -> list[ForwardShape]:
+    """The forwards as run when each member in `riders` had its own batch ride in its first draft forward."""
+    if not riders:
+        return list(forwards)
+    own = {f.member: f for f in forwards if not f.is_draft and f.member in riders}
+    out: list[ForwardShape] = []
+    rode: set[str] = set()
+    for f in forwards:
+        rider = own.get(f.member) if f.is_draft and f.member not in rode else None
+        if rider is not None:
+            f = ForwardShape(f.member, f.decode_contexts + rider.decode_contexts, f.verifies + rider.verifies,
+                             f.prefills + rider.prefills, True)
+            rode.add(f.member)
+        out.append(f)
+    return [f for f in out if f.is_draft or f.member not in rode]
+
+
 class MeasuredStepCosts:
     PER_MEMBER = 5      # forwards, rows, rows x context, draft forwards, draft rows
 
-    def __init__(self, member_names: Sequence[str]) -> None:
+    def __init__(self, member_names: Sequence[str],
+                 riders_of: Callable[[Sequence[ForwardShape]], Collection[str]] | None = None) -> None:
+        """riders_of: the members whose own batch would ride in their drafts' forward in a step of these forwards."""
+        self.riders_of = riders_of
         self._index = {name: i for i, name in enumerate(member_names)}
         self._size = 1 + self.PER_MEMBER * len(member_names)
         self._x = np.zeros((WINDOW, self._size))
@@ -81,6 +103,8 @@ class MeasuredStepCosts:
         """The fitted seconds of a step of these forwards (never below 0); None before MIN_STEPS steps."""
         if self.num_steps < MIN_STEPS:
             return None
+        if self.riders_of is not None:
+            forwards = ride(forwards, self.riders_of(forwards))
         return max(float(self.features(forwards) @ self._theta), 0.0)
 
     def estimate_error(self) -> float:
