@@ -23,8 +23,8 @@ from eval.simulate.fleet import FrontRouter
 from eval.simulate.node import SimNode
 from eval.bench.sessions import ClosedLoopSessions, record_output
 from eval.bench.workloads import Trace
-from orchestrator.core.sequence import Sequence
 from orchestrator.core.errors import MFSError
+from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import Request, RequestOutput
 
 STATS_INTERVAL_S = 0.5          # the bench samples the stats snapshot every 0.5 s

@@ -12,9 +12,9 @@ pooled:N     N GPUs, each system as it would use them: the family's own systems 
              whole family on every GPU group (as many colocated nodes as the GPUs hold, behind the front router),
              the separate deployments give each member its own GPUs (per-member nodes, replicated to fill the N
              GPUs). Same GPUs and the same host memory per GPU for both (eval/simulate/setup.py pooled_setups).
-             Each member has home nodes, as many as the deployments give it GPUs (member_homes): while the
-             loads are balanced a request goes to a home of its member, so a node mostly steps one member alone
-             as a per-member GPU does; when a home is overloaded the request spills to the least loaded node,
+             Each member has home nodes, as many as the deployments give it GPUs (member_homes): a session's
+             first turn goes to a home of its member, so a node mostly steps one member alone as a per-member GPU
+             does; when that home is congested (SPILL_WAITING) the session spills to the least congested node,
              which holds that member's weights too. That spill is what a shifting mix needs and a per-member
              deployment cannot do. A request escalated to a member its node is not home to moves to that member's
              home (driver.py, Scheduler.move_out/move_in), as it would move to the larger member's deployment.
@@ -94,15 +94,17 @@ def member_homes(num_nodes: int, gpus_per_member: dict[str, int]) -> list[tuple[
 
 class FrontRouter:
     """Session affinity, then approximate prefix affinity under a balance check, then least load. With member
-    homes (pooled placement), a request whose member is known goes to the least loaded of its member's homes
-    unless that node is overloaded against the least loaded node (the balance check), then to the least loaded."""
+    homes (pooled placement) and the request's member known: session affinity, then the least busy of its
+    member's homes, each while that node is not congested, else the least congested node (_route_home)."""
 
     def __init__(self, num_nodes: int, homes: list[tuple[str, ...]] | None = None) -> None:
         self.num_nodes = num_nodes
         self.homes = homes
         self._sessions: dict[str, int] = {}
         self._trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_nodes)]
-        self.decisions = {"session": 0, "prefix": 0, "load": 0, **({"home": 0, "spill": 0, "moved": 0} if homes is not None else {})}
+        self.decisions = {"session": 0, "prefix": 0, "load": 0}
+        if homes is not None:
+            self.decisions.update(home=0, spill=0, moved=0)
 
     @staticmethod
     def prefix_keys(token_ids: list[int]) -> list[int]:
@@ -150,7 +152,6 @@ class FrontRouter:
         while len(tree) > ROUTER_BLOCKS_PER_NODE:
             tree.popitem(last=False)
         return node
-
 
     def move(self, member: str, source: int, loads: list[int], waiting: list[int]) -> int:
         """Where a request on node `source` escalated to `member` continues: that member's least busy home while
