@@ -348,6 +348,21 @@ def test_front_router_sticks_sessions_follows_prefixes_and_balances():
     assert router.decisions == {"session": 1, "prefix": 1, "load": 3}
 
 
+def test_member_tp_shards_a_deployment_wider_and_refuses_what_cannot_hold_it():
+    from eval.simulate.setup import paper_setup, pooled_setups
+
+    family, separate = pooled_setups("llama3.1", "h200_sxm", "trtllm", 4, None, member_tp={"llama3.1-8b": 2})
+    assert {n: separate.cost.table.member(n).tp for n in separate.member_names} == {"llama3.1-8b": 2,
+                                                                                     "llama3.1-70b": 2}
+    assert family.member_homes == [("llama3.1-8b",), ("llama3.1-70b",)]     # 2 GPUs each: one node each
+    for bad in ({"llama3.1-70b": 1}, {"llama3.1-8b": 3}, {"llama3.1-405b": 2}):
+        with pytest.raises(PlacementError):
+            pooled_setups("llama3.1", "h200_sxm", "trtllm", 4, None, member_tp=bad)
+    with pytest.raises(PlacementError, match="per-member or pooled"):
+        paper_setup("llama3.1", "h200_sxm", "trtllm", parse_placement("colocated"), None,
+                    member_tp={"llama3.1-8b": 2})
+
+
 def test_member_homes_share_the_nodes_as_the_deployments_share_the_gpus():
     from eval.simulate.fleet import member_homes
 

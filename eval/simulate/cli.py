@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="colocated | per-member | fleet:N | pooled:N (N GPUs: the family on every GPU group "
                              "for MFS, each member on its own GPUs for the separate deployments)")
     parser.add_argument("--node-placement", default="colocated", help="inside a fleet: colocated | per-member")
+    parser.add_argument("--member-tp", default=None, metavar="MEMBER=TP,...",
+                        help="per-member and pooled:N placement: shard a member's own deployment over more GPUs "
+                             "than it needs (tensor parallelism, a power of two; default: the least that holds it)")
     parser.add_argument("--no-member-homes", action="store_true",
                         help="pooled:N without member homes: the front router places the family's requests by "
                              "session, prefix and load alone (what homes are worth)")
@@ -128,11 +131,25 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
                              "machine's measured cost model (colocated or fleet:N)")
     pooled, separate = pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table,
                                      args.block_tokens, host_tier_gib_per_gpu=_host_tier_gib(args),
-                                     saves_overlap=not args.serial_saves)
+                                     saves_overlap=not args.serial_saves, member_tp=_member_tp(args))
     if args.no_member_homes:
         pooled.member_homes = None
     return (_with_acceptance(args, _with_policies(pooled, args, settings)),
             _with_acceptance(args, _with_policies(separate, args, settings)))
+
+
+def _member_tp(args: argparse.Namespace) -> dict[str, int] | None:
+    """--member-tp MEMBER=TP,... as {member: TP} (None when not given)."""
+    text = getattr(args, "member_tp", None)
+    if not text:
+        return None
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        name, _, tp = item.partition("=")
+        if not tp.strip().isdigit() or int(tp) < 1:
+            raise PlacementError(f"--member-tp {text!r}: expected MEMBER=TP,... with a positive TP, e.g. llama3.1-8b=2")
+        out[name.strip()] = int(tp)
+    return out
 
 
 def _host_tier_gib(args: argparse.Namespace) -> float:
@@ -178,7 +195,8 @@ def _build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
             raise PlacementError(f"--cost-model measured times this machine's engine; {args.family} runs on "
                                  "--cost-model aiconfigurator")
         return paper_setup(args.family, args.gpu, args.backend, placement, args.step_table, args.block_tokens,
-                           host_tier_gib_per_gpu=_host_tier_gib(args), saves_overlap=not args.serial_saves)
+                           host_tier_gib_per_gpu=_host_tier_gib(args), saves_overlap=not args.serial_saves,
+                           member_tp=_member_tp(args))
     if args.serial_saves:
         raise PlacementError(f"--serial-saves is for paper-scale families; {args.family}'s measured cost model "
                              "already charges every copy in the step, as its engine makes them")

@@ -156,8 +156,10 @@ def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pag
 
 def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table_path: str | None,
                 block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION,
-                host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU, saves_overlap: bool = True) -> SimSetup:
-    """host_tier_gib_per_gpu: host memory for the KV host tier per GPU of a node (0: no host tier).
+                host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU, saves_overlap: bool = True,
+                member_tp: dict[str, int] | None = None) -> SimSetup:
+    """member_tp: per-member placement, a member's tensor parallelism above the least that holds it.
+    host_tier_gib_per_gpu: host memory for the KV host tier per GPU of a node (0: no host tier).
     saves_overlap: copies of evicted pages to the host tier run beside the step's compute, on the GPU's copy
     stream (TensorRT-LLM's KV cache transfer manager offloads on a stream of its own; vLLM's offloading
     connector likewise), so a step costs max(compute, saves) + loads; False charges them before the step."""
@@ -172,7 +174,7 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
         probe = _cached_table(family, gpu, backend, None) or StepTable.from_dict(
             build_aic_table([(n, m, 1) for n, m in preset], gpu, backend))
         configs = {n: probe.member(n).hf_config for n, _ in preset}
-        tps = _tensor_parallel(configs, probe.gpu_memory_bytes, placement)
+        tps = _with_member_tp(_tensor_parallel(configs, probe.gpu_memory_bytes, placement), member_tp, placement)
         table = _cached_table(family, gpu, backend, tps)
         if table is None:
             table = StepTable.from_dict(build_aic_table([(n, m, tps[n]) for n, m in preset], gpu, backend))
@@ -213,7 +215,7 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
 def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path: str | None,
                   block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION,
                   host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU,
-                  saves_overlap: bool = True) -> tuple[SimSetup, SimSetup]:
+                  saves_overlap: bool = True, member_tp: dict[str, int] | None = None) -> tuple[SimSetup, SimSetup]:
     """pooled:N (fleet.py): the family's systems on N/G colocated nodes of G GPUs each (G: the tensor parallelism
     the whole family needs), the separate deployments on N/M per-member nodes (M: the GPUs one copy of every
     member needs, each at its own tensor parallelism). N must be a multiple of both, so neither has a GPU left."""
@@ -226,7 +228,8 @@ def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path
         build_aic_table([(n, m, 1) for n, m in preset], gpu, backend))
     configs = {n: probe.member(n).hf_config for n, _ in preset}
     group = next(iter(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("colocated")).values()))
-    per_member_tps = _tensor_parallel(configs, probe.gpu_memory_bytes, Placement("per-member"))
+    per_member_tps = _with_member_tp(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("per-member")),
+                                     member_tp, Placement("per-member"))
     per_member = sum(per_member_tps.values())
     if num_gpus % group or num_gpus % per_member:
         need = group * per_member // math.gcd(group, per_member)
@@ -237,7 +240,8 @@ def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path
                   saves_overlap=saves_overlap)
     pooled = paper_setup(family, gpu, backend, Placement("colocated", num_gpus // group), None, **common)
     pooled.member_homes = member_homes(num_gpus // group, per_member_tps)
-    separate = paper_setup(family, gpu, backend, Placement("per-member", num_gpus // per_member), None, **common)
+    separate = paper_setup(family, gpu, backend, Placement("per-member", num_gpus // per_member), None, **common,
+                           member_tp=member_tp)
     pooled.notes.append(f"pooled:{num_gpus}: the family's systems on {num_gpus // group} node(s) of {group} GPU(s) "
                         f"each holding every member; the separate deployments on {num_gpus // per_member} set(s) "
                         f"of per-member GPUs ({per_member} GPUs each)")
@@ -249,6 +253,23 @@ def _tensor_parallel(configs: dict[str, dict], gpu_memory_bytes: int, placement:
         tp = tensor_parallel(sum(weight_bytes(c) for c in configs.values()), gpu_memory_bytes)
         return {n: tp for n in configs}
     return {n: tensor_parallel(weight_bytes(c), gpu_memory_bytes) for n, c in configs.items()}
+
+
+def _with_member_tp(tps: dict[str, int], member_tp: dict[str, int] | None, placement: Placement) -> dict[str, int]:
+    """The least tensor parallelism that holds each member, raised where member_tp asks (per-member placement: a
+    deployment may shard a member wider than it must, for lower latency per token)."""
+    if not member_tp:
+        return tps
+    if placement.kind == "colocated":
+        raise PlacementError("--member-tp sets a member's own GPUs: use --placement per-member or pooled:N")
+    unknown = set(member_tp) - set(tps)
+    if unknown:
+        raise PlacementError(f"--member-tp: {', '.join(sorted(unknown))} is not a member (members: {', '.join(tps)})")
+    for name, tp in member_tp.items():
+        if tp < tps[name] or tp & (tp - 1):
+            raise PlacementError(f"--member-tp {name}={tp}: expected a power of two of at least {tps[name]} (the "
+                                 "least that holds its weights)")
+    return {name: member_tp.get(name, tp) for name, tp in tps.items()}
 
 
 def _table_path(family: str, gpu: str, backend: str, tps: dict[str, int]) -> Path:
