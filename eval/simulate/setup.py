@@ -168,6 +168,8 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
     preset = PRESETS[family]
     notes: list[str] = []
     if table_path:
+        if member_tp:
+            raise PlacementError("--member-tp chooses the step table's tensor parallelism; --step-table names one")
         table = load_table(table_path)
     else:
         # Configs (and GPU memory) first, from any table of this family and GPU, else a tp=1 build: TP depends on them.
