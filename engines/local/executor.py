@@ -144,25 +144,29 @@ class LocalExecutor:
         self.step_costs.observe(ride(plan_forwards(plan), self.last_riders), time.perf_counter() - began)
         return sampled
 
+    def may_ride(self, members: list[str], groups: list[tuple[str, list[int]]] | None = None) -> dict[str, int]:
+        """member -> index, for the batches (members in plan order; groups: their merge_groups, where known) that
+        may ride in their member's drafts' catch-up forward: each with a forward of its own, with drafts_ride."""
+        if not self.drafts_ride:
+            return {}
+        if groups is None:
+            groups = merge_groups([self.models[m].member for m in members], self.nested_pairs)
+        return {members[indices[0]]: indices[0] for _, indices in groups if len(indices) == 1}
+
     def riders_of(self, forwards: Sequence[ForwardShape]) -> set[str]:
         """The members whose own batch a step of these forwards would run in their drafts' catch-up forward, as
-        _execute decides it: a drafting member with a batch of its own that verifies nothing and shares no
-        nested forward with another batch of the step."""
-        if not self.drafts_ride:
-            return set()
+        _execute and run_drafts decide it: a batch that may ride, of a drafting member, verifying nothing itself."""
         drafting = {f.member for f in forwards if f.is_draft}
-        present = [f.member for f in forwards if not f.is_draft]
-        return {f.member for f in forwards if not f.is_draft and f.member in drafting and not f.verifies
-                and not any((f.member, o) in self.nested_pairs or (o, f.member) in self.nested_pairs
-                            for o in present if o != f.member)}
+        batches = [f for f in forwards if not f.is_draft]
+        alone = self.may_ride([f.member for f in batches])
+        return {f.member for f in batches if f.member in alone and f.member in drafting and not f.verifies}
 
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
         groups = merge_groups([self.models[b.member].member for b in batches], self.nested_pairs)
         # a drafting member's own batch with a forward of its own runs in its drafts' catch-up forward
-        alone = ({batches[indices[0]].member: indices[0] for _, indices in groups if len(indices) == 1}
-                 if self.drafts_ride else {})
+        alone = self.may_ride([b.member for b in batches], groups)
         drafted, logits = self.run_drafts(batches, alone)     # request -> its drafts; rider batch -> its logits
         self.last_riders = frozenset(batches[i].member for i in logits)
         rows = batches

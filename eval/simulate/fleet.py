@@ -38,8 +38,9 @@ BALANCE_REL_THRESHOLD = 1.5
 ROUTER_BLOCK_TOKENS = 64            # the router's prefix granularity (it does not know the nodes' block sizes)
 ROUTER_BLOCKS_PER_NODE = 200_000    # bounded approximate tree per node (LRU), like the router's max tree size
 # member homes: a node with more requests than this waiting for admission is congested, and new sessions spill
-# past it. Requests wait a step or two between arrival and admission at any load, so the bar sits above that
-# (Qwen3 1.7B/8B/32B on 3 H200, 400 sessions, SIMULATED: no spill up to 8 sessions/s, 64 of 400 at 128/s).
+# past it. At any load, requests that arrive during a step wait for the next one, so the bar sits above that
+# (Qwen3 1.7B/8B/32B on 3 H200, 400 sessions, 5 seeds, SIMULATED: no spill at 8 sessions/s, 40-66 of 400 at 128/s;
+# docs/BENCHMARKS.md R5).
 SPILL_WAITING = 8
 
 
@@ -157,20 +158,20 @@ class FrontRouter:
         """Where a request on node `source` escalated to `member` continues: that member's least busy home while
         that node is not congested, else the least congested node. The session's later turns stay with `source`,
         where its first turn's member is (their member starts there, as in a deployment with session affinity)."""
-        homes = [i for i, h in enumerate(self.homes or ()) if member in h]
-        node = min(homes, key=lambda i: (waiting[i], loads[i], i))
-        if waiting[node] > SPILL_WAITING:
-            node = min(range(self.num_nodes), key=lambda i: (waiting[i], loads[i], i))
-        if node == source:
-            return node
-        self.decisions["moved"] += 1
+        node, _ = self._home_or_spill([i for i, h in enumerate(self.homes or ()) if member in h], loads, waiting)
+        if node != source:
+            self.decisions["moved"] += 1
         return node
 
     def _route_home(self, node: int | None, homes: list[int], loads: list[int], waiting: list[int]) -> tuple[int, str]:
-        """A session stays on its node, a new one goes to its member's least busy home, while that node is not
-        congested (more than SPILL_WAITING requests waiting for admission); else the least congested node."""
+        """A session stays on its node while that node is not congested; otherwise _home_or_spill."""
         if node is not None and waiting[node] <= SPILL_WAITING:
             return node, "session"
+        return self._home_or_spill(homes, loads, waiting)
+
+    def _home_or_spill(self, homes: list[int], loads: list[int], waiting: list[int]) -> tuple[int, str]:
+        """The least busy of `homes` while it is not congested (more than SPILL_WAITING requests waiting for
+        admission), else the least congested node."""
         home = min(homes, key=lambda i: (waiting[i], loads[i], i))
         if waiting[home] <= SPILL_WAITING:
             return home, "home"
