@@ -14,7 +14,8 @@ from orchestrator.core.engine_core import SchedulerFactory
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
-SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec", "no_affinity",
+SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec",
+           "baseline_elastic_spec", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
            "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec", "mfs_separate_drafts")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
@@ -42,10 +43,13 @@ DEPLOYMENTS = {
 # Speculation is a system's own switch: MFS and its ablations run as configured (speculation.enabled), mfs_no_spec
 # without it; the separate deployments run without it, and baseline_spec is their speculating counterpart (each
 # larger member's server with its own copy of the smallest member as draft: its weights out of that server's
-# memory, eval/simulate/setup.py; its pages from that server's slice; a draft cache only it reads). It is set
-# after every other override: a --set cannot turn it on for the plain baselines.
+# memory, eval/simulate/setup.py; its pages from that server's slice; a draft cache only it reads), and
+# baseline_elastic_spec the same servers on one elastic pool (the draft copies' weights out of that pool). It is
+# set after every other override: a --set cannot turn it on for the plain baselines.
 SPECULATION_SWITCH = {"mfs_no_spec": False, "baseline": False, "baseline_elastic": False, "baseline_per_turn": False,
-                      "baseline_legacy": False, "baseline_spec": True}
+                      "baseline_legacy": False, "baseline_spec": True, "baseline_elastic_spec": True}
+# Baselines on one elastic pool (kvcached-style: every deployment maps KV pages from it as it needs them).
+ELASTIC_BASELINES = ("baseline_elastic", "baseline_elastic_spec")
 # Baselines on a static split of the pool (baseline_elastic draws from one elastic pool instead).
 SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy", "baseline_spec")
 
@@ -116,7 +120,7 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base.update(static_deployments(baseline_split or split))
     if name in ("baseline_per_turn", "baseline_legacy"):
         base["router.sticky_sessions"] = False      # every turn routed on its complexity alone
-    if name == "baseline_elastic":
+    if name in ELASTIC_BASELINES:
         base.update(DEPLOYMENTS)
     elif name == "baseline_legacy":
         base.update({"pool.disk_tier_mb": 0.0, **SINGLE_SERVER_POLICIES})

@@ -11,7 +11,7 @@ from eval.systems import DEPLOYMENTS, SYSTEMS, system_config, system_scheduler
 from orchestrator.core.config import config_to_dict
 
 SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
-FAIR = ("baseline", "baseline_per_turn", "baseline_elastic", "baseline_spec")
+FAIR = ("baseline", "baseline_per_turn", "baseline_elastic", "baseline_spec", "baseline_elastic_spec")
 # One pool against a slice per deployment, one host tier against a part per deployment (separate servers' own
 # host memory, sized as their slices), no KV reuse across members, family-wide routing, warm handovers: the
 # settings in which a fair baseline may differ from MFS. Nothing else.
@@ -44,7 +44,8 @@ def test_a_fair_baseline_differs_from_mfs_only_in_what_mfs_is():
                 found = differing(name, extra, host_tier_mb=host_tier_mb)
                 assert found <= WHAT_MFS_IS, f"{name} differs from mfs in {sorted(found - WHAT_MFS_IS)}"
                 assert found >= set(DEPLOYMENTS), f"{name} is missing part of what separate deployments are"
-    assert not {"comparison.static_split", "comparison.host_tier_parts"} & differing("baseline_elastic")  # one pool, one tier
+    for elastic in ("baseline_elastic", "baseline_elastic_spec"):      # one pool, one tier
+        assert not {"comparison.static_split", "comparison.host_tier_parts"} & differing(elastic)
     assert {"comparison.static_split", "comparison.host_tier_parts"} <= differing("baseline")
 
 
@@ -55,15 +56,18 @@ def test_each_static_deployment_gets_a_host_tier_part_sized_as_its_slice():
 
 
 def test_speculation_is_the_systems_own_switch():
-    """baseline_spec speculates and mfs_no_spec does not, whatever else is set; the plain baselines never do (their
-    speculating counterpart is baseline_spec); MFS as configured."""
+    """baseline_spec and baseline_elastic_spec speculate and mfs_no_spec does not, whatever else is set; the plain
+    baselines never do (their speculating counterparts are baseline_spec and baseline_elastic_spec); MFS as
+    configured."""
     for extra in (None, {"speculation.enabled": True}, {"speculation.enabled": False}):
         enabled = {name: system_config(name, "tiny", 768, SPLIT, extra).speculation.enabled
-                   for name in ("mfs", "mfs_no_spec", "baseline", "baseline_elastic", "baseline_spec")}
-        assert enabled["baseline_spec"] and not enabled["mfs_no_spec"]
+                   for name in ("mfs", "mfs_no_spec", "baseline", "baseline_elastic", "baseline_spec",
+                                "baseline_elastic_spec")}
+        assert enabled["baseline_spec"] and enabled["baseline_elastic_spec"] and not enabled["mfs_no_spec"]
         assert not enabled["baseline"] and not enabled["baseline_elastic"]
         assert enabled["mfs"] is bool(extra and extra["speculation.enabled"])
-    assert system_config("baseline_spec", "tiny", 768, SPLIT).comparison.private_drafts
+    for name in ("baseline_spec", "baseline_elastic_spec"):
+        assert system_config(name, "tiny", 768, SPLIT).comparison.private_drafts
     assert not system_config("mfs", "tiny", 768, SPLIT).comparison.private_drafts
 
 

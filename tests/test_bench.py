@@ -107,11 +107,12 @@ def test_system_knobs():
     assert b.comparison.static_split == SPLIT and not b.comparison.cross_member_sharing
     # only the baselines run as separate deployments (the core's scheduler with eval's deployment policies)
     assert [n for n in SYSTEMS if system_scheduler(n) is not None] == \
-        ["baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec"]
+        ["baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec", "baseline_elastic_spec"]
     searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
     for name in ("baseline", "baseline_per_turn", "baseline_legacy", "baseline_spec"):
         assert system_config(name, "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == searched
     assert cfg["baseline_elastic"].comparison.static_split is None
+    assert cfg["baseline_elastic_spec"].comparison.static_split is None
     assert system_config("no_shared_pool", "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == SPLIT
     # the fair baselines keep MFS's host tier (the config's, or the node's when given); baseline_legacy has none
     assert (b.pool.host_tier_mb, b.pool.disk_tier_mb) == (default.pool.host_tier_mb, 0.0)

@@ -106,6 +106,7 @@ def test_an_elastic_pool_across_per_member_gpus_is_refused(tmp_path):
     from tests.test_simulate import PROMPT as SIM_PROMPT, _tokenizer, small_qwen3_table, trace_of
 
     setup = paper_setup("qwen3", "test_gpu", "trtllm", parse_placement("per-member"), small_qwen3_table(tmp_path))
-    settings = BenchSettings(family="qwen3", systems=("mfs", "baseline_elastic"))
-    with pytest.raises(PlacementError, match="its own GPUs"):
-        system_configs(setup, settings, trace_of([[(SIM_PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
+    for elastic in ("baseline_elastic", "baseline_elastic_spec"):
+        settings = BenchSettings(family="qwen3", systems=("mfs", elastic))
+        with pytest.raises(PlacementError, match=f"{elastic} draw.*its own GPUs"):
+            system_configs(setup, settings, trace_of([[(SIM_PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())

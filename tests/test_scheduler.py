@@ -301,6 +301,20 @@ def test_warmup_prefills_next_member_and_escalation_hits_it():
     assert warm["issued"] == 1 and warm["hit"] == 1
 
 
+def test_no_warmup_for_a_member_this_node_is_not_home_to():
+    """Under member homes an escalation to a member homed elsewhere moves there: a warm-up here is never read."""
+    settings = {"escalation.min_tokens": 4, "escalation.window_tokens": 4, "escalation.warmup_band": [0.0, 1.0],
+                "router.complexity_thresholds": [0.99, 0.995]}
+    target = independent_family().next_larger("s").name
+    issued = {}
+    for homes in (None, frozenset({"s", target}), frozenset({"s"})):
+        h = Harness(family=independent_family(), low_confidence=("s",), **settings)
+        h.scheduler.home_members = homes
+        h.submit("w", PROMPT, max_tokens=8)
+        issued[homes] = h.scheduler.snapshot(h.now)["counters"]["warmups"]["issued"]
+    assert issued == {None: 1, frozenset({"s", target}): 1, frozenset({"s"}): 0}
+
+
 def test_session_ttl_makes_idle_sessions_evict_first():
     def run(ttl):
         h = Harness(**{"pool.num_pages": 72, "pool.session_ttl_s": ttl})

@@ -214,7 +214,11 @@ def test_private_draft_copies_come_out_of_each_larger_servers_memory():
     spec = system_config("baseline_spec", "tiny", 100_000, split)
     assert private_draft_memory(setup, spec) is not None
     assert spec.pool.num_pages == 100_000 - 2 * draft_pages and spec.comparison.static_split == split
-    for name in ("baseline", "mfs_no_spec"):     # no draft copies: their memory as it was
+    # one elastic pool for every server: the copies come out of that pool
+    elastic = system_config("baseline_elastic_spec", "tiny", 100_000, split)
+    assert private_draft_memory(setup, elastic) is not None
+    assert elastic.pool.num_pages == 100_000 - 2 * draft_pages and elastic.comparison.static_split is None
+    for name in ("baseline", "baseline_elastic", "mfs_no_spec"):     # no draft copies: their memory as it was
         config = system_config(name, "tiny", 100_000, split)
         assert private_draft_memory(setup, config) is None and config.pool.num_pages == 100_000
     mfs = system_config("mfs", "tiny", 100_000, split, extra={"speculation.enabled": True})

@@ -33,7 +33,7 @@ from eval.simulate.replay import cost_model_label, run_system, split_pilot_runne
 from eval.simulate.setup import (SimSetup, is_paper_family, measured_model_path, paper_setup, pooled_setups,
                                  private_draft_memory, tiny_setup)
 from eval.simulate.step_table import StepTableError, save_table
-from eval.systems import SPLIT_BASELINES, needs_split, system_config, system_scheduler
+from eval.systems import ELASTIC_BASELINES, SPLIT_BASELINES, needs_split, system_config, system_scheduler
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
                                   trace_digest)
 from eval.simulate import compiled
@@ -257,10 +257,11 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
     extra = _extra(setup, settings)
     split = None
     if setup.split is not None:
-        if "baseline_elastic" in settings.systems:
-            raise PlacementError("baseline_elastic draws every deployment's KV from one pool of co-located engines; "
-                                 "under per-member placement each member's KV lives on its own GPUs, so it is the "
-                                 "baseline: run that")
+        elastic = [n for n in settings.systems if n in ELASTIC_BASELINES]
+        if elastic:
+            raise PlacementError(f"{', '.join(elastic)} draw every deployment's KV from one pool of co-located "
+                                 "engines; under per-member placement each member's KV lives on its own GPUs, so "
+                                 "they are baseline and baseline_spec: run those")
         split = setup.split           # per-member: the GPUs split the memory for every system alike
         extra["comparison.static_split"] = dict(split)
     elif needs_split(settings.systems):     # the bench's own split search, on this deployment's pages
@@ -431,8 +432,8 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         notes.append(f"host KV tier: {setup.host_tier_mb / 1024:g} GiB per node"
                      + (f" ({per_gpu:g} GiB per GPU)" if per_gpu is not None else "")
                      + " for every system that keeps one (the "
-                     "static-split baselines: one part per deployment, sized as its slice; baseline_elastic: one LRU "
-                     "its deployments share); baseline_legacy: "
+                     "static-split baselines: one part per deployment, sized as its slice; the elastic baselines: one "
+                     "LRU their deployments share); baseline_legacy: "
                      + ("the same (--baseline-host-tier)" if settings.baseline_host_tier else "none (its servers' default)")
                      + ("; copies of evicted pages to it run beside the step's compute (the GPU's copy stream; "
                         "--serial-saves charges them before the step)" if setup.cost.saves_overlap

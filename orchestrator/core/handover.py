@@ -41,15 +41,17 @@ class Handover:
         if self.can_escalate(seq):
             seq.monitor = ConfidenceMonitor(self.config.escalation)
 
-    def warm_up(self, seq: Sequence, now_s: float) -> Sequence | None:
+    def warm_up(self, seq: Sequence, now_s: float, home_members: frozenset[str] | None = None) -> Sequence | None:
         """A warm-up prefill of a likely escalation's prompt on the next member while that member (and the
-        whole engine: members share the device) is idle; None when not worth it. The caller queues it."""
+        whole engine: members share the device) is idle; None when not worth it. The caller queues it.
+        home_members: the members this node is home to (None: all); an escalation to any other moves to that
+        member's home, where a warm-up here would not be read."""
         cfg = self.config.escalation
         if not (self.config.comparison.warmup and cfg.enabled and seq.monitor is not None
                 and in_warmup_band(cfg, seq.complexity)):
             return None
         target = escalation_target(self.family, seq.member, pinned=False)
-        if target is None:
+        if target is None or (home_members is not None and target not in home_members):
             return None
         if (self.running.num_on(target) or any(s.member == target for s in self.waiting)
                 or len(self.running) > cfg.warmup_max_running):

@@ -133,7 +133,7 @@ class Scheduler:
         self.waiting.push(seq)
         self.stats.record_route(decision)
         self.events.emit(EventKind.ROUTE, now_s, request.request_id, decision.member, reason=decision.reason)
-        warm = self.handover.warm_up(seq, now_s)
+        warm = self.handover.warm_up(seq, now_s, self.home_members)
         if warm is not None:
             self.lifecycle.register(warm)
             self.waiting.push(warm)
