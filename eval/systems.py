@@ -50,7 +50,7 @@ SPECULATION_SWITCH = {"mfs_no_spec": False, "baseline": False, "baseline_elastic
                       "baseline_legacy": False, "baseline_spec": True, "baseline_elastic_spec": True}
 # Baselines on one elastic pool (kvcached-style: every deployment maps KV pages from it as it needs them).
 ELASTIC_BASELINES = ("baseline_elastic", "baseline_elastic_spec")
-# Baselines on a static split of the pool (baseline_elastic draws from one elastic pool instead).
+# Baselines on a static split of the pool (the elastic baselines draw from one elastic pool instead).
 SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy", "baseline_spec")
 
 

@@ -107,7 +107,8 @@ def test_system_knobs():
     assert b.comparison.static_split == SPLIT and not b.comparison.cross_member_sharing
     # only the baselines run as separate deployments (the core's scheduler with eval's deployment policies)
     assert [n for n in SYSTEMS if system_scheduler(n) is not None] == \
-        ["baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec", "baseline_elastic_spec"]
+        ["baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec",
+         "baseline_elastic_spec"]
     searched = {"tiny-s": 0.1, "tiny-m": 0.2, "tiny-l": 0.7}
     for name in ("baseline", "baseline_per_turn", "baseline_legacy", "baseline_spec"):
         assert system_config(name, "tiny", 256, SPLIT, baseline_split=searched).comparison.static_split == searched

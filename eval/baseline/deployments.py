@@ -19,8 +19,8 @@ The baselines (eval/systems.py) run the core's own Scheduler with these policy o
   pool the core's admission sees every deployment's reserved decode demand: more coordination than separate
   engines on elastic memory have, so that baseline is, if anything, favoured.
 The rest (no KV shared across members, cold handovers, routing blind to other members' caches and load, each
-server drafting with its own draft copy when it speculates: baseline_spec, baseline_elastic_spec) is configuration: eval/systems.py
-DEPLOYMENTS.
+server drafting with its own draft copy when it speculates: baseline_spec, baseline_elastic_spec) is
+configuration: eval/systems.py DEPLOYMENTS.
 """
 from __future__ import annotations
 
