@@ -134,9 +134,7 @@ class SimNode:
     def adequate_member(self, request: Request) -> str:
         """The member this node's router would judge the request is for, before load and affinity (the front
         router's member homes need it)."""
-        complexity = (request.complexity_hint if request.complexity_hint is not None
-                      else self.scheduler.estimator.score(request.prompt_token_ids))
-        return self.scheduler.router.adequate_member(complexity)
+        return self.scheduler.router.adequate_member(self.scheduler.complexity_of(request))
 
     def move_out(self, seq: Sequence) -> None:
         self.core.move_out(seq)

@@ -121,8 +121,7 @@ class Scheduler:
         if self.num_waiting() >= self.config.scheduler.max_queue:
             self.stats.on_request_done(request.pinned_member or "all", "rejected")
             raise QueueFullError(f"queue full ({self.config.scheduler.max_queue} waiting requests)")
-        complexity = (request.complexity_hint if request.complexity_hint is not None
-                      else self.estimator.score(request.prompt_token_ids))
+        complexity = self.complexity_of(request)
         hashes_by_block: dict[int, list[bytes]] = {}
         decision = self.route(request, complexity, hashes_by_block)
         seq = Sequence(request=request, member=decision.member, token_ids=list(request.prompt_token_ids),
@@ -138,6 +137,12 @@ class Scheduler:
             self.lifecycle.register(warm)
             self.waiting.push(warm)
         return decision
+
+    def complexity_of(self, request: Request) -> float:
+        """The request's complexity as routing reads it: the caller's hint, else the estimator's score."""
+        if request.complexity_hint is not None:
+            return request.complexity_hint
+        return self.estimator.score(request.prompt_token_ids)
 
     def moved_out(self) -> list[Sequence]:
         """The escalated requests waiting for a member outside this scheduler's home members (set by a fleet that
