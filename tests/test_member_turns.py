@@ -7,6 +7,7 @@ import pytest
 
 from orchestrator.core.member_turns import MemberTurns
 from orchestrator.core.request_queue import RunningSet
+from orchestrator.core.types import Request, SamplingParams
 from tests.fakes import independent_family
 
 
@@ -37,8 +38,10 @@ def test_the_guard_bounds_every_members_period(slowdown):
 
 
 class _Seq:
-    def __init__(self, member: str, decoding: bool, rid: str) -> None:
+    def __init__(self, member: str, decoding: bool, rid: str, max_tokens: int = 100) -> None:
         self.member, self._decoding, self.request_id = member, decoding, rid
+        self.request = Request(request_id=rid, prompt_token_ids=[1], arrival_s=0.0,
+                               sampling=SamplingParams(max_tokens=max_tokens))
 
     def is_decoding(self) -> bool:
         return self._decoding
@@ -54,8 +57,8 @@ def _running(*seqs) -> RunningSet:
 def test_a_member_steps_at_its_frequency_and_at_once_with_prefill_work():
     policy = turns(10.0, {"s": 1.0, "l": 9.0})
     running = _running(*[_Seq("s", True, f"s{i}") for i in range(10)], *[_Seq("l", True, f"l{i}") for i in range(10)])
-    large_steps = sum(any(q.member == "l" for q in policy.select(running)) for _ in range(9))
-    assert large_steps == 3                          # f = 1/3
+    large_steps = sum(any(q.member == "l" for q in policy.select(running)) for _ in range(10))
+    assert large_steps == 3            # f = 1/3 at first (its realized share of the steps moves it: a test below)
     prefill = _running(_Seq("s", True, "a"), _Seq("l", False, "b"))
     assert {q.member for q in policy.select(prefill)} == {"s", "l"}
     alone = _running(_Seq("l", True, "c"))
@@ -82,3 +85,30 @@ def test_member_turns_are_on_by_default_for_independent_families_only(family_nam
     family = independent_family() if family_name == "independent" else nested_family()
     h = Harness(family=family, **{"scheduler.member_turns": setting})
     assert isinstance(h.scheduler.batches.step_members, MemberTurns) == expect
+
+
+def test_each_request_counts_once_whatever_its_length():
+    """The weights are the members' request rates: twice the requests in flight, each twice as long, is the same
+    rate, so equal costs give equal turns; twice the requests of the same length, twice the weight."""
+    equal = turns(10.0, {"s": 1.0, "l": 1.0})
+    longer = _running(*[_Seq("s", True, f"s{i}", 100) for i in range(10)],
+                      *[_Seq("l", True, f"l{i}", 200) for i in range(20)])
+    assert all(sum(any(q.member == m for q in equal.select(longer)) for _ in range(20)) == 20 for m in "sl")
+    more = _running(*[_Seq("s", True, f"s{i}", 100) for i in range(10)],
+                    *[_Seq("l", True, f"l{i}", 100) for i in range(20)])
+    policy = turns(10.0, {"s": 1.0, "l": 1.0})
+    small_steps = sum(any(q.member == "s" for q in policy.select(more)) for _ in range(10))
+    assert small_steps in (6, 7)                     # f = 1 / sqrt(2) at first
+
+
+def test_a_members_realized_share_of_the_steps_scales_its_requests():
+    """The requests in flight on a member that steps at f are w / f (Little's law): weighted by the share it has
+    taken, a fixed running set settles where f = w / c over the largest such ratio, not sqrt of it."""
+    policy = turns(100.0, {"s": 1.0, "l": 9.0})
+    running = _running(*[_Seq("s", True, f"s{i}") for i in range(10)], *[_Seq("l", True, f"l{i}") for i in range(10)])
+    for _ in range(2000):
+        policy.select(running)
+    assert policy.step_share["s"] == pytest.approx(1.0)
+    assert policy.step_share["l"] == pytest.approx(1 / 9, rel=0.1)
+    large_steps = sum(any(q.member == "l" for q in policy.select(running)) for _ in range(90))
+    assert 8 <= large_steps <= 12

@@ -162,7 +162,8 @@ class SimExecutor:
                 p = value(key, member, position)
                 token = token_id(key, position)
                 if natural and natural.get(key) == position:
-                    token = self._eos[member] if self._eos[member] is not None else token
+                    eos = self._eos[member]
+                    token = eos if eos is not None else token
                 out.append(SampledToken(request_id=request_id, token_id=token, logprob=_log(p), top1_prob=p))
         return out
 

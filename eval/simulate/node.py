@@ -17,6 +17,7 @@ device on its own.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from eval.simulate.clock import EventQueue, VirtualClock
@@ -74,7 +75,7 @@ class SharedDevice:
         self._generation += 1
         now, share, generation = self.clock(), len(self._running), self._generation
         for device, (work_s, _cb) in self._running.items():
-            self.events.push(now + work_s * share, lambda d=device: self._finish(d, generation))
+            self.events.push(now + work_s * share, partial(self._finish, device, generation))
 
     def _finish(self, device: Device, generation: int) -> None:
         if generation != self._generation or device not in self._running:
@@ -129,7 +130,7 @@ class SimNode:
         for device in self.devices:
             if device is not but and not device.busy and self.scheduler.has_work(device.members):
                 device.busy = True
-                self.events.push(self.clock(), lambda device=device: self._start_step(device))
+                self.events.push(self.clock(), partial(self._start_step, device))
 
     def adequate_member(self, request: Request) -> str:
         """The member this node's router would judge the request is for, before load and affinity (the front

@@ -3,11 +3,21 @@
 When every member steps in every step, each token of every member waits for the sum of all the members' forwards,
 so a small member's tokens are held behind the largest member's forward. One scheduler over the family can instead
 let each member step at its own frequency f (a share of the steps; a member with prefill work steps at once, so
-time to first token is not traded): a step then lasts D = sum_i f_i c_i (c_i: member i's forward), member i's
-token period is D / f_i, and the mean over the running requests' token periods, sum_i n_i D / f_i (n_i: requests
-decoding on i), is smallest at f_i proportional to sqrt(n_i / c_i) (a Lagrange condition), the largest member
-stepping every time. Each member's period is bounded by `max_slowdown` x the period of running every member in
-every step (sum_i c_i), its TPOT guard; frequencies below what that bound needs are raised to it.
+time to first token is not traded): a step then lasts D = sum_i f_i c_i (c_i: member i's forward), and member i's
+tokens come every D / f_i. The objective is the mean over requests of their token latency, each request counted
+once (as the headline metric counts them): sum_i w_i D / f_i, where w_i is the rate at which requests arrive at
+member i, is smallest at f_i proportional to sqrt(w_i / c_i) (a Lagrange condition), the largest stepping every
+time. Each member's period is bounded by `max_slowdown` x the period of running every member in every step
+(sum_i c_i), its TPOT guard; frequencies below what that bound needs are raised to it.
+
+The scheduler sees the requests in flight, not arrival rates; Little's law links the two. A request of L tokens
+stays for L / (f_i a_i) steps (a_i: tokens per step, above 1 with speculation), so the requests decoding on i,
+each weighted 1 / L, sum to w_i / (f_i a_i), and w_i / a_i = s_i x sum_r 1 / L_r, where s_i is the share of the
+steps member i has actually taken (a moving average). Counting the requests in flight instead would count a
+member's slowness again: the slower its tokens, the more of its requests are in flight and the more it would step,
+while the requests of the small members, the most numerous, wait (they held pages longer and new requests queued
+for admission: docs/BENCHMARKS.md R4). A request's max_tokens stands for its length (exact when the length is
+fixed; an open length's max_tokens is a bound).
 
 The formulas are scale-free, so relative forward costs suffice: a cost function given by whoever builds the
 scheduler (the executor's own estimate), else weight bytes estimated from the member's shape (a decode forward of
@@ -26,8 +36,10 @@ from orchestrator.core.sequence import Sequence
 # scheduler.member_turns for an independent family: no member's token period more than doubles. SIMULATED (Qwen3
 # 1.7B/8B/32B on one H200, aiconfigurator, seed 0, 0.5 sessions/s: `mfs simulate --family qwen3-large --gpu
 # h200_sxm --sessions 120 --rates 0.5 --systems mfs --set speculation.enabled=false --set scheduler.member_turns=G`):
-# G = 1.5, 2, 3, 5 gave 15.8, 15.3, 15.3, 15.3 ms per token, G = 0 (every member in every step) 22.5
+# G = 1.5, 2, 3, 5 gave 15.2, 14.3, 14.1, 14.0 ms per token, G = 0 (every member in every step) 22.5
 DEFAULT_MEMBER_TURNS = 2.0
+# the moving average of a member's realized share of the steps: about the last 64 steps it had decodes in
+STEP_SHARE_EMA = 1 / 64
 # member, requests decoding on it -> the relative cost of its decode forward
 ForwardCost = Callable[[str, int], float]
 
@@ -48,14 +60,17 @@ class MemberTurns:
         if max_slowdown < 1.0:
             raise ValueError(f"scheduler.member_turns {max_slowdown}: a member's token period can only grow (>= 1)")
         self.max_slowdown = max_slowdown
-        weights = {m.name: shape_weight_bytes(m) for m in family.members}
-        self.cost: ForwardCost = cost or (lambda member, _n: weights[member])
+        shape_bytes: dict[str, float] = {m.name: shape_weight_bytes(m) for m in family.members}
+        self.cost: ForwardCost = cost or (lambda member, _n: shape_bytes[member])
         self.credit: dict[str, float] = {m.name: 0.0 for m in family.members}
+        self.step_share: dict[str, float] = {m.name: 1.0 for m in family.members}
 
-    def frequencies(self, decoding: dict[str, int]) -> dict[str, float]:
-        """Each decoding member's share of the steps (the largest is 1), its period within the guard."""
-        costs = {m: max(self.cost(m, n), 1e-12) for m, n in decoding.items()}
-        raw = {m: math.sqrt(n / costs[m]) for m, n in decoding.items()}
+    def frequencies(self, weights: dict[str, float], batch: dict[str, int] | None = None) -> dict[str, float]:
+        """Each decoding member's share of the steps (the largest is 1), its period within the guard. weights: per
+        member, the rate its requests arrive at (relative); batch: the requests decoding on it (for the cost)."""
+        batch = batch or {}
+        costs = {m: max(self.cost(m, batch.get(m, 0)), 1e-12) for m in weights}
+        raw = {m: math.sqrt(w / costs[m]) for m, w in weights.items()}
         top = max(raw.values())
         freq = {m: r / top for m, r in raw.items()}
         bound = self.max_slowdown * sum(costs.values())      # the longest period a member may see
@@ -79,19 +94,30 @@ class MemberTurns:
         """members: the members this plan may touch (None: all); the others' requests are not considered."""
         candidates = list(running) if members is None else [s for s in running if s.member in members]
         decoding: dict[str, int] = {}
+        per_length: dict[str, float] = {}       # sum over the member's decoding requests of 1 / length
         prefilling: set[str] = set()
         for seq in candidates:
             if seq.is_decoding():
                 decoding[seq.member] = decoding.get(seq.member, 0) + 1
+                length = max(1, seq.request.sampling.max_tokens)
+                per_length[seq.member] = per_length.get(seq.member, 0.0) + 1.0 / length
             else:
                 prefilling.add(seq.member)
         if len(decoding) + len(prefilling - decoding.keys()) <= 1:
+            self._took(decoding, decoding.keys())
             return candidates                   # one member has work: it steps
-        freq = self.frequencies(decoding) if decoding else {}
+        freq = (self.frequencies({m: w * self.step_share[m] for m, w in per_length.items()}, decoding)
+                if decoding else {})
         stepping = set(prefilling)
         for member, f in freq.items():
             self.credit[member] += f
             if self.credit[member] >= 1.0 - 1e-9 or member in prefilling:
                 self.credit[member] = max(0.0, self.credit[member] - 1.0)
                 stepping.add(member)
+        self._took(decoding, stepping)
         return [seq for seq in candidates if seq.member in stepping]
+
+    def _took(self, decoding: Collection[str], stepping: Collection[str]) -> None:
+        """Each member with decodes: whether it stepped, into its realized share of the steps."""
+        for member in decoding:
+            self.step_share[member] += STEP_SHARE_EMA * ((member in stepping) - self.step_share[member])

@@ -69,10 +69,12 @@ class SessionHomes:
 
     def keep(self, decision: RouteDecision, request: Request, holds: Callable[[str, Request], bool]) -> RouteDecision:
         """The session's home instead of the routed member while holds(home, request)."""
-        home = self._homes.get(request.session_id) if request.session_id else None
-        if home is None or home == decision.member or request.pinned_member is not None or not holds(home, request):
+        session = request.session_id
+        home = self._homes.get(session) if session else None
+        if session is None or home is None or home == decision.member or request.pinned_member is not None \
+                or not holds(home, request):
             return decision
-        self._homes.move_to_end(request.session_id)
+        self._homes.move_to_end(session)
         return dataclasses.replace(decision, member=home, reason=f"session kept on {home}; {decision.reason}")
 
     def remember(self, request: Request, member: str) -> None:

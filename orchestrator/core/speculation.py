@@ -126,7 +126,7 @@ class DraftLength:
         """target member -> the tokens its candidates draft this step. margin: how far the estimate may be off,
         relative (a fit of noisy measured steps; 0 for a cost model): drafts must save more than that share of the
         time per token, or none are made (a saving inside the estimate's own error is no evidence)."""
-        targets = sorted({c.seq.member for c in candidates})
+        targets: list[str] = sorted({c.seq.member for c in candidates})
         if estimate is None:
             return dict.fromkeys(targets, self.config.fixed_k)
         ks = dict.fromkeys(targets, 0)
@@ -137,8 +137,10 @@ class DraftLength:
             step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k))
             if step_s is None:
                 return None
-            return step_s / (others + sum(expected_tokens(c.acceptance, min(choice[c.seq.member], c.max_k))
-                                          for c in candidates))
+            drafted = 0.0      # summed as sum() would (mypyc types sum() over floats as int)
+            for c in candidates:
+                drafted += expected_tokens(c.acceptance, min(choice[c.seq.member], c.max_k))
+            return step_s / (others + drafted)
 
         plain = cost(ks)
         if plain is None:
