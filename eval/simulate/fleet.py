@@ -39,7 +39,7 @@ ROUTER_BLOCK_TOKENS = 64            # the router's prefix granularity (it does n
 ROUTER_BLOCKS_PER_NODE = 200_000    # bounded approximate tree per node (LRU), like the router's max tree size
 # member homes: a node with more requests than this waiting for admission is congested, and new sessions spill
 # past it. At any load, requests that arrive during a step wait for the next one, so the bar sits above that
-# (Qwen3 1.7B/8B/32B on 3 H200, 400 sessions, 5 seeds, SIMULATED: no spill at 8 sessions/s, 40-64 of 400 at 128/s;
+# (Qwen3 1.7B/8B/32B on 3 H200, 400 sessions, 5 seeds, SIMULATED: no spill at 8 sessions/s, 40-66 of 400 at 128/s;
 # docs/BENCHMARKS.md R5).
 SPILL_WAITING = 8
 
