@@ -16,8 +16,7 @@ each weighted 1 / L, sum to w_i / (f_i a_i), and w_i / a_i = s_i x sum_r 1 / L_r
 steps member i has actually taken (a moving average). Counting the requests in flight instead would count a
 member's slowness again: the slower its tokens, the more of its requests are in flight and the more it would step,
 while the requests of the small members, the most numerous, wait. A request's max_tokens stands for its length
-(exact when the length is fixed; an open length's max_tokens is a bound). The costs are each member's forward
-alone: that the draft member's own batch rides in a drafting member's step (speculation.drafts_ride) is not priced.
+(exact when the length is fixed; an open length's max_tokens is a bound).
 
 The formulas are scale-free, so relative forward costs suffice: a cost function given by whoever builds the
 scheduler (the executor's own estimate), else weight bytes estimated from the member's shape (a decode forward of
