@@ -41,7 +41,8 @@ def plan_shapes(plan: StepPlan, family: FamilySpec, drafts_ride: bool = True) ->
     nests in a larger member of the same plan (its layers are that member's lower layers) rides in that member's
     forward, only the outermost batch of such a group paying a forward of its own; a batch that starts above layer
     0 (a nested handover) computes its share of the layers; with drafts_ride, ride_catch_ups."""
-    fractions: dict[str, float] = {b.member: layer_fraction(b, family.member(b.member).num_layers) for b in plan.batches if b.chunks}
+    fractions: dict[str, float] = {b.member: layer_fraction(b, family.member(b.member).num_layers)
+                                   for b in plan.batches if b.chunks}
     return forward_batch_shapes(plan_forwards(plan), family, drafts_ride, fractions)
 
 

@@ -35,7 +35,7 @@ from orchestrator.core.sequence import Sequence
 # scheduler.member_turns for an independent family: no member's token period more than doubles. SIMULATED (Qwen3
 # 1.7B/8B/32B on one H200, aiconfigurator, seed 0, 0.5 sessions/s: `mfs simulate --family qwen3-large --gpu
 # h200_sxm --sessions 120 --rates 0.5 --systems mfs --set speculation.enabled=false --set scheduler.member_turns=G`):
-# G = 1.5, 2, 3, 5 gave 15.2, 14.3, 14.1, 14.0 ms per token, G = 0 (every member in every step) 22.5
+# G = 1.5, 2, 3, 5 gave 15.2, 14.3, 14.0, 14.0 ms per token, G = 0 (every member in every step) 22.5
 DEFAULT_MEMBER_TURNS = 2.0
 # the moving average of a member's realized share of the steps: about the last 64 steps it had decodes in
 STEP_SHARE_EMA = 1 / 64
