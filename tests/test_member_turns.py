@@ -112,3 +112,34 @@ def test_a_members_realized_share_of_the_steps_scales_its_requests():
     assert policy.step_share["l"] == pytest.approx(1 / 9, rel=0.1)
     large_steps = sum(any(q.member == "l" for q in policy.select(running)) for _ in range(90))
     assert 8 <= large_steps <= 12
+
+
+def _three_members() -> MemberTurns:
+    from orchestrator.core.family import FamilySpec
+    from tests.fakes import fake_member
+    return FamilySpec(name="indep3", members=(fake_member("s", 0, 2, ("a0", "a1")),
+                                              fake_member("m", 1, 3, ("b0", "b1", "b2")),
+                                              fake_member("l", 2, 4, ("c0", "c1", "c2", "c3"))))
+
+
+@pytest.mark.parametrize("shared_drafts", [False, True])
+def test_drafting_members_join_each_others_steps_at_the_same_frequency(shared_drafts):
+    """With shared drafts, a drafting member (m, l: above the draft member s) with a quarter of its turn joins a
+    step the other takes, so their drafts share the draft forwards: over 400 steps each steps as often as without
+    joining (within one step), and m steps beside l far more often."""
+    costs = {"s": 1.0, "m": 4.0, "l": 16.0}
+    policy = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=shared_drafts)
+    running = _running(*[_Seq(member, True, f"{member}{i}") for member in costs for i in range(10)])
+    steps = [{q.member for q in policy.select(running)} for _ in range(400)]
+    freq = policy.frequencies({m: 10 * policy.step_share[m] / 100 for m in costs})
+    assert 0 < freq["l"] < freq["m"] < 1
+    counts = {m: sum(m in step for step in steps) for m in costs}
+    plain = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member])
+    plain_steps = [{q.member for q in plain.select(running)} for _ in range(400)]
+    expected = {m: sum(m in step for step in plain_steps) for m in costs}
+    together = sum({"m", "l"} <= step for step in steps)
+    if shared_drafts:
+        assert all(abs(counts[m] - expected[m]) <= 1 for m in costs)
+        assert together >= 0.9 * counts["l"]
+    else:
+        assert counts == expected and together < 0.7 * counts["l"]

@@ -9,7 +9,7 @@ from eval.simulate.acceptance import (PUBLISHED_POINTS, acceptance_table, per_to
 from eval.simulate.cost_model import BatchShape, TableCostModel, plan_shapes
 from eval.simulate.executor import SimExecutor
 from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-from orchestrator.core.speculation import Candidate, step_forwards
+from orchestrator.core.speculation import Candidate, Rider, step_forwards
 from orchestrator.core.types import DraftSpec, MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
 from tests.fakes import independent_family
 from tests.test_simulate import FakeCost, library
@@ -162,6 +162,35 @@ def test_the_draft_members_own_batch_rides_in_the_catch_up_forward_on_one_device
     # the drafts run on l's devices before its verify, s's own decodes on s's: l's step waits for the drafts only
     drafts = (2 + 600 / 1000) + (2 + 601 / 1000) + (2 + 602 / 1000)
     assert own_devices.step_s(plan) == pytest.approx((drafts + max(verify, 2 + 350 / 1000)) / 1e3)
+
+
+def test_the_draft_members_own_decodes_riding_every_draft_forward_get_a_token_in_each():
+    """rides_every_draft: a decode of the draft member with ride_tokens n is a row of the first n draft forwards
+    (contexts 300, 301, 302), not of its batch's forward, and gets the stream's next n tokens; the core's
+    description of the step with Riders costs the same."""
+    model = _table_model()
+    family = independent_family()
+    own = [SeqChunk(request_id=RequestId("s0"), token_ids=[5], start_pos=300, block_tables=[[0]], sample=True,
+                    sampling=SamplingParams(temperature=0.0), num_generated=4),
+           SeqChunk(request_id=RequestId("s1"), token_ids=[5], start_pos=400, block_tables=[[0]], sample=True,
+                    sampling=SamplingParams(temperature=0.0))]
+    own[0].ride_tokens = 3
+    plan = StepPlan(batches=[MemberBatch("s", own),
+                             MemberBatch("l", [verify_chunk("a", 500, 3, 3), verify_chunk("b", 700, 9, 3)])])
+    shapes = plan_shapes(plan, family)
+    assert [(s.member, s.draft) for s in shapes] == [("s", True), ("s", True), ("s", True), ("l", False)]
+    # the catch-up carries the rider and s1 (riding the catch-up only); the later draft forwards the rider again
+    assert sorted(shapes[0].decode_contexts) == [300, 400, 500, 700]
+    assert sorted(shapes[1].decode_contexts) == [301, 501, 701] and sorted(shapes[2].decode_contexts) == [302, 502, 702]
+    executor = SimExecutor(family, 64, 1024, model, library(members=("s", "l")), vocab_size=50)
+    tokens = executor.execute(plan)
+    rider = [t.token_id for t in tokens if t.request_id == "s0"]
+    assert rider == [executor.token_id("s0", 4 + i) for i in range(3)]
+    assert [t.request_id for t in tokens][:4] == ["s0", "s0", "s0", "s1"]
+    candidates = [Candidate(c, _Seq(c), 3, 0.7) for c in plan.batches[1].chunks]
+    own[0].ride_tokens = 0              # the policy prices the plan before the rides are set
+    assert executor.estimate_step_s(step_forwards(plan, candidates, {"l": 3}, 4, [Rider(own[0], 10)])) == \
+        pytest.approx(executor.last_step_s)
 
 
 class _Seq:

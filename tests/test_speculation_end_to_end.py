@@ -20,10 +20,10 @@ PROMPTS = [[5, 17, 42, 99, 7, 311, 12, 64], list(range(30, 75)), [9, 9, 9, 120, 
 COMPLEXITY = {"tiny-m": 0.5, "tiny-l": 0.95}       # routed there (escalation off): a pinned request never drafts
 
 
-def _tiny_core(speculate: bool, measured: bool = False) -> EngineCore:
+def _tiny_core(speculate: bool, measured: bool = False, rides: bool = False) -> EngineCore:
     config = load_config(overrides={"family": "tiny", "pool.num_pages": 512, "pool.host_tier_mb": 0,
                                     "escalation.enabled": False, "speculation.enabled": speculate,
-                                    "speculation.fixed_k": 3})
+                                    "speculation.fixed_k": 3, "speculation.rides_every_draft": rides})
     ticks = itertools.count()
     core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
                             make_executor=local_executor_factory(config))
@@ -84,21 +84,24 @@ def test_with_the_measured_draft_length_greedy_tokens_are_still_those_without_sp
     assert core.pool.num_used_pages() == 0
 
 
-def _mixed(speculate: bool) -> tuple[dict, EngineCore, list[int]]:
+def _mixed(speculate: bool, rides: bool = False, max_tokens: int = 20,
+           stop: tuple[int, ...] = ()) -> tuple[dict, EngineCore, list[int]]:
     """Requests on tiny-s and on tiny-l in the same steps, the members run as separate forwards (as an independent
     family's do: no nested merge); returns the tokens, the core, and per step how many batches rode in the drafts'
     catch-up forward."""
-    core = _tiny_core(speculate)
+    core = _tiny_core(speculate, rides=rides)
     executor = core.executor
     executor.nested_pairs = set()
     rode: list[int] = []
     run_drafts, execute = executor.run_drafts, executor.execute
     core.riders = []            # per step: (the riders the step-cost estimate expects, the batches that rode)
+    core.ridden = []            # per step: request -> tokens it took riding the draft forwards
 
     def spy(batches, riders=None):
-        drafted, logits = run_drafts(batches, riders)
+        drafted, logits, ridden = run_drafts(batches, riders)
         rode.append(len(logits))
-        return drafted, logits
+        core.ridden.append({rid: len(tokens) for rid, tokens in ridden.items()})
+        return drafted, logits, ridden
 
     def spy_execute(plan):
         expected = executor.riders_of(plan_forwards(plan))
@@ -112,7 +115,8 @@ def _mixed(speculate: bool) -> tuple[dict, EngineCore, list[int]]:
         rid = f"r{i}"
         outputs[rid] = []
         request = Request(request_id=RequestId(rid), prompt_token_ids=prompt,
-                          sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                  stop_token_ids=tuple(stop)),
                           arrival_s=0.0, complexity_hint=complexity)
         core.add_request(request, lambda out, rid=rid: outputs[rid].extend(out.new_token_ids))
     drain(core, 500)
@@ -131,3 +135,44 @@ def test_the_draft_members_own_batch_rides_in_the_drafts_catch_up_forward_and_ke
     assert all(expected == actual for expected, actual in core.riders) and any(a for _, a in core.riders)
     assert core.snapshot()["counters"]["drafted_tokens"]["tiny-s->tiny-l"] > 0
     assert core.pool.num_used_pages() == 0
+
+
+@pytest.mark.parametrize("max_tokens", [20, 13])
+def test_the_draft_members_own_decodes_ride_every_draft_forward_and_keep_their_tokens(max_tokens):
+    """With rides_every_draft, tiny-s's own requests decode a token in each of the k draft forwards the engine runs
+    for tiny-l's request (k tokens in the step, no forward of their own): every request's tokens are still those
+    without speculation, to the last one (13: a ride cut short by max_tokens), and every page returns."""
+    plain, _, _ = _mixed(False, max_tokens=max_tokens)
+    speculated, core, _ = _mixed(True, rides=True, max_tokens=max_tokens)
+    assert speculated == plain and all(len(tokens) == max_tokens for tokens in plain.values())
+    rides = [n for step in core.ridden for rid, n in step.items()]
+    assert rides and max(rides) == 3 and {rid for step in core.ridden for rid in step} == {"r0", "r2"}
+    assert core.snapshot()["counters"]["ride_tokens"]["tiny-s"] == sum(rides)
+    # the measured step-cost fit prices a step as the engine runs it
+    assert all(expected == actual for expected, actual in core.riders)
+    assert core.pool.num_used_pages() == 0
+
+
+def test_a_ride_ends_where_plain_decoding_would_stop_on_a_stop_token():
+    """A stop token among a ride's tokens ends the request where plain decoding ends it (the ride's later forwards
+    leave it out), and its pages return."""
+    free, _, _ = _mixed(False, max_tokens=30)
+    stop = free["r0"][7]
+    plain, _, _ = _mixed(False, max_tokens=30, stop=(stop,))
+    speculated, core, _ = _mixed(True, rides=True, max_tokens=30, stop=(stop,))
+    assert speculated == plain and len(plain["r0"]) <= 8
+    assert core.pool.num_used_pages() == 0
+
+
+
+@pytest.mark.parametrize("family_name,setting,expect", [("independent", None, True), ("independent", False, False),
+                                                        ("nested", None, False), ("nested", True, True)])
+def test_rides_are_on_by_default_for_separate_weights_only(family_name, setting, expect):
+    """rides_every_draft unset: a family of separate weights rides; a nested family's draft member has its batch
+    merged into its host's forward instead, so it rides only when set."""
+    from tests.fakes import independent_family, nested_family
+    from tests.test_scheduler import Harness
+
+    family = independent_family() if family_name == "independent" else nested_family()
+    h = Harness(family=family, **{"speculation.enabled": True, "speculation.rides_every_draft": setting})
+    assert h.scheduler.speculation.rides is expect

@@ -18,7 +18,7 @@ from engines.local.malloc_tuning import tune_malloc
 from engines.local.model import PagedCausalLM
 from engines.local.paged_decode import PagedDecodeKernel
 from engines.local.sampler import Sampler
-from engines.local.speculation import Drafts, accept, check_draft, draft, verify_rows
+from engines.local.speculation import Drafts, accept, check_draft, check_ride, draft, verify_rows
 from engines.local.step_costs import MeasuredStepCosts, ride
 
 
@@ -167,8 +167,12 @@ class LocalExecutor:
         groups = merge_groups([self.models[b.member].member for b in batches], self.nested_pairs)
         # a drafting member's own batch with a forward of its own runs in its drafts' catch-up forward
         alone = self.may_ride([b.member for b in batches], groups)
-        drafted, logits = self.run_drafts(batches, alone)     # request -> its drafts; rider batch -> its logits
+        # request -> its drafts; rider batch -> its logits; request -> the tokens it took riding the draft forwards
+        drafted, logits, rode = self.run_drafts(batches, alone)
         self.last_riders = frozenset(batches[i].member for i in logits)
+        whole = batches
+        if rode:                                                  # chunks that rode are done: no rows of their own
+            batches = [MemberBatch(b.member, [c for c in b.chunks if not c.ride_tokens]) for b in batches]
         rows = batches
         if drafted:                                               # a drafting chunk becomes its k + 1 verify rows
             rows = [MemberBatch(b.member, [r for c in b.chunks for r in (
@@ -177,6 +181,10 @@ class LocalExecutor:
             if len(indices) == 1 and indices[0] in logits:
                 continue                                          # it rode in its drafts' catch-up forward
             chunks = [c for i in indices for c in rows[i].chunks]
+            if not chunks:
+                for i in indices:
+                    logits[i] = torch.empty(0)
+                continue                                          # every chunk rode the draft forwards
             exits = [self.models[rows[i].member].member.num_layers for i in indices for _ in rows[i].chunks]
             merged = self._forward(self.models[host], chunks, exits)
             row = 0
@@ -188,21 +196,30 @@ class LocalExecutor:
         for i, batch in enumerate(batches):
             eos = self.models[batch.member].member.eos_token_ids
             if drafted and any(c.draft is not None for c in batch.chunks):
-                sampled.extend(self._sample_verifying(batch, logits[i], drafted))
+                tokens = self._sample_verifying(batch, logits[i], drafted)
             else:
-                sampled.extend(self.sampler.sample(logits[i], [c for c in batch.chunks if c.sample], eos))
+                tokens = self.sampler.sample(logits[i], [c for c in batch.chunks if c.sample], eos)
+            if rode and len(batch.chunks) < len(whole[i].chunks):
+                tokens = _in_chunk_order(whole[i], tokens, rode)
+            sampled.extend(tokens)
         return sampled
 
     def run_drafts(self, batches: list[MemberBatch], riders: dict[str, int] | None = None,
-                   ) -> tuple[dict[RequestId, Drafts], dict[int, torch.Tensor]]:
+                   ) -> tuple[dict[RequestId, Drafts], dict[int, torch.Tensor], dict[RequestId, list[SampledToken]]]:
         """The drafts of every chunk with a DraftSpec, batched per drafting member (and the target's EOS ids,
         which min_tokens bans). riders: member -> index of its batch in `batches` that may ride in that member's
         catch-up forward (one read of its weights, not two: only one engine running the whole family can); the
-        second value gives each batch that rode its logits [sampling rows, vocab]."""
+        second value gives each batch that rode its logits [sampling rows, vocab]. A member's chunks with
+        ride_tokens ride its draft forwards (engines/local/speculation.py); the third value gives their tokens."""
         jobs: dict[tuple[str, tuple[int, ...]], list[SeqChunk]] = {}
+        decoders: dict[str, list[SeqChunk]] = {}
         for batch in batches:
             target = self.models[batch.member]
             for chunk in batch.chunks:
+                if chunk.ride_tokens and chunk.draft is None:
+                    check_ride(chunk, target.config.num_layers)
+                    decoders.setdefault(batch.member, []).append(chunk)
+                    continue
                 if chunk.draft is None:
                     continue
                 drafter = self.models.get(chunk.draft.member)
@@ -211,19 +228,28 @@ class LocalExecutor:
                                      f"{batch.member!r} (not a member of this family with its vocabulary)")
                 check_draft(chunk, drafter.config.num_layers)
                 jobs.setdefault((chunk.draft.member, tuple(target.member.eos_token_ids)), []).append(chunk)
+        for member in decoders:
+            if not any(m == member for m, _ in jobs):
+                jobs[(member, ())] = []         # decodes ride forwards of their own member even with no draft
         drafted: dict[RequestId, Drafts] = {}
         rode: dict[int, torch.Tensor] = {}
+        ridden: dict[RequestId, list[SampledToken]] = {}
         for (member, eos), chunks in jobs.items():
             model = self.models[member]
             rider = (riders or {}).get(member)
             if rider is not None and (rider in rode or any(c.draft is not None for c in batches[rider].chunks)):
                 rider = None                    # one job a member carries it; a drafting batch verifies later
-            got, logits = draft(model, lambda m, rows: self._forward(m, rows, [m.config.num_layers] * len(rows)),
-                                self.sampler, chunks, eos, batches[rider].chunks if rider is not None else ())
+            own = [c for c in batches[rider].chunks if not c.ride_tokens] if rider is not None else []
+            if rider is not None and not own:
+                rider = None                    # every chunk of the batch rides every forward
+            got, logits, tokens = draft(
+                model, lambda m, rows: self._forward(m, rows, [m.config.num_layers] * len(rows)), self.sampler,
+                chunks, eos, own, decoders.pop(member, ()))
             drafted.update(got)
+            ridden.update(tokens)
             if rider is not None and logits is not None:
                 rode[rider] = logits
-        return drafted, rode
+        return drafted, rode, ridden
 
     def _sample_verifying(self, batch: MemberBatch, logits: torch.Tensor,
                           drafted: dict[RequestId, Drafts]) -> list[SampledToken]:
@@ -284,3 +310,17 @@ class LocalExecutor:
         self.sampler.release(request_ids)
         for model in self.models.values():
             model.forget(request_ids)
+
+
+def _in_chunk_order(batch: MemberBatch, tokens: list[SampledToken],
+                    rode: dict[RequestId, list[SampledToken]]) -> list[SampledToken]:
+    """A batch's tokens in its chunk order: those sampled from its forward (`tokens`, grouped by request) and those
+    of the chunks that rode the draft forwards, each in its chunk's place."""
+    by_request: dict[RequestId, list[SampledToken]] = {}
+    for token in tokens:
+        by_request.setdefault(token.request_id, []).append(token)
+    out: list[SampledToken] = []
+    for chunk in batch.chunks:
+        got = rode.get(chunk.request_id) if chunk.ride_tokens else None
+        out.extend(got if got is not None else by_request.get(chunk.request_id, ()))
+    return out

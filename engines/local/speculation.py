@@ -10,6 +10,9 @@ Per step, for every drafting chunk (batched over the requests drafting with the 
    reads the keys of rows 0..j (and nothing past its own position) through the ordinary paged decode path;
 3. `accept` keeps the drafts the rule allows and appends one token of the target's (the correction, or the bonus
    when all k are kept), 1 to k + 1 SampledTokens, num_drafted = k on the first.
+A decode chunk of the drafting member itself with ride_tokens = n (the core's rides_every_draft) rides the draft
+forwards: a row of each of its first n, sampled as plain decoding samples it at that position, so it gets n tokens
+for no forward of its own (`draft`'s riders; it leaves early where plain decoding would stop).
 K/V the target and the draft wrote past the accepted length is garbage: the core never counts it as computed, and
 a later step overwrites it.
 
@@ -71,35 +74,59 @@ def check_draft(chunk: SeqChunk, draft_layers: int) -> None:
         raise ValueError(f"chunk {chunk.request_id}: draft by {spec.member}: {problem}")
 
 
+def check_ride(chunk: SeqChunk, num_layers: int) -> None:
+    """The contract's shape of a chunk riding its member's draft forwards (SeqChunk.ride_tokens); ValueError
+    otherwise."""
+    problem = None
+    if chunk.draft is not None:
+        problem = "a riding chunk drafts nothing itself"
+    elif not chunk.sample or len(chunk.token_ids) != 1 or chunk.start_layer != 0:
+        problem = "a riding chunk is a sampling one-token decode from layer 0"
+    elif len(chunk.block_tables) != num_layers:
+        problem = f"{len(chunk.block_tables)} block tables for {num_layers} layers"
+    if problem is not None:
+        raise ValueError(f"chunk {chunk.request_id}: riding {chunk.ride_tokens} draft forwards: {problem}")
+
+
 def _greedy(chunk: SeqChunk) -> bool:
     return chunk.sampling.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 def draft(model: PagedCausalLM, run: Callable[[PagedCausalLM, list[SeqChunk]], torch.Tensor], sampler: Sampler,
           chunks: Sequence[SeqChunk], eos_token_ids: Sequence[int],
-          riders: Sequence[SeqChunk] = ()) -> tuple[dict[RequestId, Drafts], torch.Tensor | None]:
+          riders: Sequence[SeqChunk] = (), decoders: Sequence[SeqChunk] = (),
+          ) -> tuple[dict[RequestId, Drafts], torch.Tensor | None, dict[RequestId, list[SampledToken]]]:
     """The drafts of every chunk drafting with `model`: one catch-up forward over all of them, then one
     one-token forward per further position (a chunk leaves after its own k). run(model, chunks) is the
     executor's forward (logits of each sampling chunk's last row). riders: the drafting member's own batch in the
     step, run in the catch-up forward (one read of its weights for both); their logits come back as the second
-    value (None without riders), to be sampled as that batch's."""
+    value (None without riders), to be sampled as that batch's. decoders: the drafting member's chunks with
+    ride_tokens, a row in each of their first ride_tokens forwards (ride_decodes); their tokens are the third value."""
     drafts = {c.request_id: Drafts() for c in chunks}
     rows = [SeqChunk(request_id=c.request_id, token_ids=list(c.draft.token_ids), start_pos=c.draft.start_pos,
                      block_tables=c.draft.block_tables, sample=True, sampling=c.sampling,
                      num_generated=c.num_generated) for c in chunks]
     active = list(chunks)
     rider_logits = None
-    for step in range(max(c.draft.num_tokens for c in chunks)):
+    decoding = RideDecodes(sampler, decoders, model.member.eos_token_ids, model.member.context_tokens)
+    steps = max([c.draft.num_tokens for c in chunks] + [c.ride_tokens for c in decoders])
+    for step in range(steps):
         if step > 0:
             active = [c for c in active if c.draft.num_tokens > step]
             rows = [SeqChunk(request_id=c.request_id, token_ids=[drafts[c.request_id].tokens[-1]],
                              start_pos=c.start_pos + step, block_tables=c.draft.block_tables, sample=True,
                              sampling=c.sampling, num_generated=c.num_generated + step) for c in active]
-        if step == 0 and riders:
-            logits = run(model, rows + list(riders))
-            logits, rider_logits = logits[:len(rows)], logits[len(rows):]
-        else:
-            logits = run(model, rows)
+        ride = decoding.rows(step)
+        extra = list(riders) if step == 0 else []
+        if not rows and not ride and not extra:
+            continue                                  # every rider stopped early, no draft left this far
+        logits = run(model, rows + ride + extra)
+        if extra:
+            rider_logits = logits[len(rows) + len(ride):]
+        decoding.sample(logits[len(rows):len(rows) + len(ride)], ride)
+        logits = logits[:len(rows)]
+        if not rows:
+            continue
         logits = logits.float()
         processed = sampler.adjust(logits, rows, eos_token_ids)
         chosen = processed.argmax(dim=-1)
@@ -115,7 +142,39 @@ def draft(model: PagedCausalLM, run: Callable[[PagedCausalLM, list[SeqChunk]], t
             tokens.append(token)
             if chunk.sampling.penalized:              # the next draft step's penalties count it
                 sampler.record(chunk.request_id, chunk.num_generated, tokens)
-    return drafts, rider_logits
+    return drafts, rider_logits, decoding.tokens
+
+
+class RideDecodes:
+    """The drafting member's own decodes riding its draft forwards: per forward the rows of those still going,
+    each sampled as plain decoding samples it at that position; a decode leaves after its ride_tokens or where
+    plain decoding would stop it."""
+
+    def __init__(self, sampler: Sampler, chunks: Sequence[SeqChunk], eos_token_ids: Sequence[int],
+                 context_tokens: int) -> None:
+        self.sampler, self.eos, self.context = sampler, eos_token_ids, context_tokens
+        self.going = list(chunks)
+        self.tokens: dict[RequestId, list[SampledToken]] = {c.request_id: [] for c in chunks}
+
+    def rows(self, step: int) -> list[SeqChunk]:
+        self.going = [c for c in self.going if c.ride_tokens > step]
+        rows = []
+        for c in self.going:
+            got = self.tokens[c.request_id]
+            rows.append(c if step == 0 else replace(c, token_ids=[got[-1].token_id], start_pos=c.start_pos + step,
+                                                    num_generated=c.num_generated + step, ride_tokens=0))
+        return rows
+
+    def sample(self, logits: torch.Tensor, rows: list[SeqChunk]) -> None:
+        if not rows:
+            return
+        stopped = set()
+        for row, token in zip(rows, self.sampler.sample(logits, rows, self.eos)):
+            self.tokens[row.request_id].append(token)
+            if _stops(row, token.token_id, self.eos, self.context):
+                stopped.add(row.request_id)
+        if stopped:
+            self.going = [c for c in self.going if c.request_id not in stopped]
 
 
 def verify_rows(chunk: SeqChunk, drafted: Sequence[int]) -> list[SeqChunk]:
@@ -159,12 +218,18 @@ def accept(sampler: Sampler, logits: torch.Tensor, rows: list[SeqChunk], drafts:
 def _length_until_stop(chunk: SeqChunk, emitted: list[int], eos_token_ids: Sequence[int], context_tokens: int) -> int:
     """How many of `emitted` the request keeps: up to and including the first after which plain decoding would
     stop it (as orchestrator/core/sequence.py's stop_reason decides)."""
-    params = chunk.sampling
     for j, token in enumerate(emitted):
-        generated = chunk.num_generated + j + 1
-        if generated >= params.min_tokens and (token in params.stop_token_ids
-                                               or (not params.ignore_eos and token in eos_token_ids)):
-            return j + 1
-        if generated >= params.max_tokens or chunk.start_pos + j + 2 >= context_tokens:
+        if _stops(replace(chunk, start_pos=chunk.start_pos + j, num_generated=chunk.num_generated + j), token,
+                  eos_token_ids, context_tokens):
             return j + 1
     return len(emitted)
+
+
+def _stops(chunk: SeqChunk, token: int, eos_token_ids: Sequence[int], context_tokens: int) -> bool:
+    """Whether plain decoding stops the request after sampling `token` in `chunk` (sequence.py's stop_reason)."""
+    params = chunk.sampling
+    generated = chunk.num_generated + 1
+    if generated >= params.min_tokens and (token in params.stop_token_ids
+                                           or (not params.ignore_eos and token in eos_token_ids)):
+        return True
+    return generated >= params.max_tokens or chunk.start_pos + 2 >= context_tokens

@@ -15,7 +15,9 @@ recorded library (confidence.py). A chunk with a draft (speculation) gets the sa
 verify accepts: each draft is kept with its pair's per-token acceptance (acceptance.py), drawn from a hash of the
 request key and the position (the same draws in every system), until the first rejection, then the target's
 token; its cost is the draft member's forwards before the step plus the verify's rows in the target's batch
-(cost_model.plan_shapes), and the executor prices a step the core asks about the same way (estimate_step_s).
+(cost_model.plan_shapes), and the executor prices a step the core asks about the same way (estimate_step_s). A
+decode of the draft member riding its draft forwards (SeqChunk.ride_tokens) gets the stream's next ride_tokens
+tokens, its rows priced in those forwards.
 Page contents are not simulated: read_page returns one shared block of
 page_bytes zeros, so the host tier's byte accounting is exact while holding no real memory per page.
 """
@@ -159,6 +161,9 @@ class SimExecutor:
                 if chunk.draft is not None:
                     out.extend(self._verify(member, chunk, key, position))
                     continue
+                if chunk.ride_tokens:
+                    out.extend(self._stream(member, chunk, key, position, chunk.ride_tokens))
+                    continue
                 p = value(key, member, position)
                 token = token_id(key, position)
                 if natural and natural.get(key) == position:
@@ -177,17 +182,23 @@ class SimExecutor:
         accepted = 0
         while accepted < k and acceptance_draw(key, position + accepted) < acceptance:
             accepted += 1
+        return self._stream(member, chunk, key, position, accepted + 1, drafted=k)
+
+    def _stream(self, member: MemberName, chunk: SeqChunk, key: str, position: int, count: int,
+                drafted: int = 0) -> list[SampledToken]:
+        """`count` of the stream's tokens from `position` (a verify's, or a rider's: one per draft forward), ending
+        at the reply's EOS; the first says how many were drafted."""
         eos, natural = self._eos[member], self.natural_lengths
         stops = not chunk.sampling.ignore_eos
         tokens = []
-        for i in range(accepted + 1):
+        for i in range(count):
             at = position + i
             p = self.confidences.value(key, member, at)
             token = self.token_id(key, at)
             if natural and natural.get(key) == at and eos is not None:
                 token = eos
             tokens.append(SampledToken(request_id=chunk.request_id, token_id=token, logprob=_log(p), top1_prob=p,
-                                       num_drafted=k if i == 0 else 0))
+                                       num_drafted=drafted if i == 0 else 0))
             if stops and token == eos:
                 break
         return tokens

@@ -120,6 +120,12 @@ class SpeculationConfig:
     # on one device, the draft member's own batch in a step runs in its drafts' catch-up forward (one read of its
     # weights for both; only an engine running the whole family can); false: a forward of its own
     drafts_ride: bool = True
+    # with drafts_ride, the draft member's own decodes ride every draft forward of the step, not only the catch-up:
+    # a token per forward, so k in a step that drafts k (as many decode steps of that member for no read of its
+    # weights of their own); the draft length counts those tokens. Off: one token per step, in the catch-up. None:
+    # on for a family of separate weights, off for a nested one (its draft member's batch merges into its host's
+    # forward)
+    rides_every_draft: bool | None = None
     # prior per-token acceptance of each "draft->target" pair, before any verify is observed
     acceptance: dict[str, float] = field(default_factory=dict)
     default_acceptance: float = 0.7       # the prior of a pair the table does not name

@@ -122,6 +122,7 @@ class Stats:
         self._drafted_tokens: dict[str, int] = {}      # "draft->target" -> tokens drafted (speculation)
         self._accepted_tokens: dict[str, int] = {}     # "draft->target" -> drafted tokens the target accepted
         self._draft_length_steps: dict[int, int] = {}  # k chosen -> member batches (with a request able to draft)
+        self._ride_tokens: dict[str, int] = {}         # member -> tokens its decodes took riding draft forwards
         self._routes: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUTES)
 
     def on_request_done(self, member: str, outcome: str) -> None:
@@ -191,6 +192,11 @@ class Stats:
             self._drafted_tokens[pair] = self._drafted_tokens.get(pair, 0) + drafted_tokens
             self._accepted_tokens[pair] = self._accepted_tokens.get(pair, 0) + accepted_tokens
 
+    def on_ride(self, member: str, tokens: int) -> None:
+        """A decode of the draft member rode its draft forwards (speculation.rides_every_draft) for `tokens` tokens."""
+        with self._lock:
+            self._ride_tokens[member] = self._ride_tokens.get(member, 0) + tokens
+
     def on_draft_length(self, k: int) -> None:
         """A member's batch in a step, with some request able to draft, drafts k tokens (0: none)."""
         with self._lock:
@@ -238,6 +244,8 @@ class Stats:
                 "accepted_draft_tokens": {**_draft_pairs(members), **self._accepted_tokens},
                 "draft_length_steps": {str(k): n for k, n in sorted(self._draft_length_steps.items())},
             }
+            if self._ride_tokens:           # only where decodes ride (a counter appears once it counts)
+                counters["ride_tokens"] = dict(self._ride_tokens)
             waits = {m: list(self._queue_wait_s.get(m, ())) for m in _union(members, self._queue_wait_s)}
             routes = [{**r, "scores": dict(r["scores"]), "matched_prefix_tokens": dict(r["matched_prefix_tokens"])}
                       for r in self._routes]

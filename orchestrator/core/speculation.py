@@ -92,6 +92,13 @@ class AcceptanceEstimates:
         entry[1] = entry[1] * self.DECAY + num_accepted + rejected
 
 
+class Rider(NamedTuple):
+    """A decode chunk of the step's draft member that may ride every draft forward (rides_every_draft)."""
+
+    chunk: SeqChunk
+    max_tokens: int           # the most it may decode this step (its remaining tokens, its context)
+
+
 class Candidate(NamedTuple):
     """A decode chunk of a request with a draft, as the draft-length policy weighs it."""
 
@@ -122,24 +129,30 @@ class DraftLength:
         self.config = config
 
     def choose(self, plan: StepPlan, candidates: list[Candidate], estimate: StepCost | None,
-               margin: float = 0.0) -> dict[str, int]:
+               margin: float = 0.0, riders: Seq[Rider] = ()) -> dict[str, int]:
         """target member -> the tokens its candidates draft this step. margin: how far the estimate may be off,
         relative (a fit of noisy measured steps; 0 for a cost model): drafts must save more than that share of the
-        time per token, or none are made (a saving inside the estimate's own error is no evidence)."""
+        time per token, or none are made (a saving inside the estimate's own error is no evidence). riders: the
+        draft member's decodes that ride every draft forward, each yielding a token per forward (at least one)."""
         targets: list[str] = sorted({c.seq.member for c in candidates})
         if estimate is None:
             return dict.fromkeys(targets, self.config.fixed_k)
         ks = dict.fromkeys(targets, 0)
         num_chunks = sum(len(batch.chunks) for batch in plan.batches)
-        others = num_chunks - len(candidates)
+        others = num_chunks - len(candidates) - len(riders)
 
         def cost(choice: dict[str, int]) -> float | None:
-            step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k))
+            step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k, riders))
             if step_s is None:
                 return None
             drafted = 0.0      # summed as sum() would (mypyc types sum() over floats as int)
+            forwards = 0
             for c in candidates:
-                drafted += expected_tokens(c.acceptance, min(choice[c.seq.member], c.max_k))
+                k_c = min(choice[c.seq.member], c.max_k)
+                drafted += expected_tokens(c.acceptance, k_c)
+                forwards = max(forwards, k_c)
+            for rider in riders:
+                drafted += ride_tokens(forwards, rider.max_tokens)
             return step_s / (others + drafted)
 
         plain = cost(ks)
@@ -168,12 +181,20 @@ class DraftLength:
         return ks
 
 
-def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int], max_rows: int) -> list[ForwardShape]:
+def ride_tokens(forwards: int, max_tokens: int) -> int:
+    """Tokens a rider decodes in a step of `forwards` draft forwards: one per forward, within its own bound; with
+    fewer than two it rides nothing (one token, in its batch or the catch-up, as without rides)."""
+    tokens = min(forwards, max_tokens)
+    return tokens if tokens >= 2 else 1
+
+
+def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int], max_rows: int,
+                  riders: Seq[Rider] = ()) -> list[ForwardShape]:
     """The forwards of `plan` if every candidate drafted min(its member's k in ks, its max_k) tokens: the draft
     forwards first (the first one catches each draft up to its request's last token, the k - 1 others decode one
-    drafted token each), then each member batch with the candidates' chunks as verifies of k + 1 rows. A catch-up
-    longer than a verify (a draft's first step after admission) counts as max_rows + 1 rows: it is paid once, not
-    per step."""
+    drafted token each; riders decode a token in each, out of their batch's forward), then each member batch with
+    the candidates' chunks as verifies of k + 1 rows. A catch-up longer than a verify (a draft's first step after
+    admission) counts as max_rows + 1 rows: it is paid once, not per step."""
     by_chunk = {id(c.chunk): min(ks.get(c.seq.member, 0), c.max_k) for c in candidates}
     drafts: dict[str, list[tuple[int, int, int, int]]] = {}
     for c in candidates:
@@ -185,13 +206,23 @@ def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int
         last = len(c.seq.token_ids) - 1
         rows = min(last + 1 - draft.num_computed_tokens, max_rows + 1)
         drafts.setdefault(draft.member, []).append((rows, last + 1 - rows, last, k_r))
-    return _draft_forwards(drafts) + _batch_forwards(plan, lambda chunk: by_chunk.get(id(chunk), 0))
+    riding: set[int] = set()
+    if riders and drafts:
+        forwards = max(by_chunk.values())
+        drafter = next(iter(drafts))        # the family's smallest member drafts for every request
+        for rider in riders:
+            n = ride_tokens(forwards, rider.max_tokens)
+            if n >= 2:
+                riding.add(id(rider.chunk))
+                drafts[drafter].append((1, rider.chunk.start_pos, rider.chunk.start_pos, n))
+    return _draft_forwards(drafts) + _batch_forwards(plan, lambda chunk: by_chunk.get(id(chunk), 0), riding)
 
 
 def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
     """The forwards of a planned step as its DraftSpecs set them (what an executor that measures its steps fits
     its step-cost estimate on): the same shapes step_forwards prices, from the plan itself."""
     drafts: dict[str, list[tuple[int, int, int, int]]] = {}
+    riding: set[int] = set()
     for batch in plan.batches:
         for chunk in batch.chunks:
             spec = chunk.draft
@@ -199,8 +230,11 @@ def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
                 rows = len(spec.token_ids)
                 drafts.setdefault(spec.member, []).append(
                     (rows, spec.start_pos, spec.start_pos + rows - 1, spec.num_tokens))
+            elif chunk.ride_tokens:
+                riding.add(id(chunk))
+                drafts.setdefault(batch.member, []).append((1, chunk.start_pos, chunk.start_pos, chunk.ride_tokens))
     return _draft_forwards(drafts) + _batch_forwards(
-        plan, lambda chunk: chunk.draft.num_tokens if chunk.draft is not None else 0)
+        plan, lambda chunk: chunk.draft.num_tokens if chunk.draft is not None else 0, riding)
 
 
 def _draft_forwards(drafts: dict[str, list[tuple[int, int, int, int]]]) -> list[ForwardShape]:
@@ -218,14 +252,18 @@ def _draft_forwards(drafts: dict[str, list[tuple[int, int, int, int]]]) -> list[
     return forwards
 
 
-def _batch_forwards(plan: StepPlan, drafts_of: Callable[[SeqChunk], int]) -> list[ForwardShape]:
-    """Each member batch's forward, a chunk with k drafts as a verify of k + 1 rows."""
+def _batch_forwards(plan: StepPlan, drafts_of: Callable[[SeqChunk], int],
+                    riding: set[int] | None = None) -> list[ForwardShape]:
+    """Each member batch's forward, a chunk with k drafts as a verify of k + 1 rows; riding (chunk ids): chunks
+    computed in the draft forwards instead (a batch left with none has no forward)."""
     forwards: list[ForwardShape] = []
     for batch in plan.batches:
         decodes: list[int] = []
         verifies: list[tuple[int, int]] = []
         prefills: list[tuple[int, int]] = []
         for chunk in batch.chunks:
+            if riding and id(chunk) in riding:
+                continue
             k_r = drafts_of(chunk)
             n = len(chunk.token_ids)
             if k_r > 0:
@@ -234,7 +272,7 @@ def _batch_forwards(plan: StepPlan, drafts_of: Callable[[SeqChunk], int]) -> lis
                 decodes.append(chunk.start_pos)
             else:
                 prefills.append((n, chunk.start_pos))
-        if batch.chunks:
+        if decodes or verifies or prefills:
             forwards.append(ForwardShape(batch.member, tuple(decodes), tuple(verifies), tuple(prefills)))
     return forwards
 
@@ -249,6 +287,12 @@ class Speculation:
         self.stats = parts.stats
         self.settings = parts.config.speculation
         self.private = parts.config.comparison.private_drafts
+        # the draft member's own decodes ride every draft forward: only where its batch rides at all, and its drafts
+        # are its own (a separate server's draft copy is not its small member)
+        rides = self.settings.rides_every_draft
+        if rides is None:
+            rides = not parts.family.is_nested()
+        self.rides = rides and self.settings.drafts_ride and not self.private
         self.partitioned = parts.config.comparison.static_split is not None
         self.acceptance = AcceptanceEstimates(self.settings)
         self.length = DraftLength(self.settings)
@@ -328,7 +372,8 @@ class Speculation:
         if not candidates:
             return
         margin = self.estimate_error() if self.estimate_error is not None else 0.0
-        ks = self.length.choose(plan, candidates, self.estimate, margin)
+        riders = self._riders(plan, candidates) if self.rides else []
+        ks = self.length.choose(plan, candidates, self.estimate, margin, riders)
         for k in ks.values():
             self.stats.on_draft_length(k)
         if not any(ks.values()):
@@ -351,14 +396,56 @@ class Speculation:
             chunk.draft = DraftSpec(member=draft.member, num_tokens=k_r,
                                     token_ids=seq.token_ids[draft.num_computed_tokens:],
                                     start_pos=draft.num_computed_tokens, block_tables=tables)
+        if riders:
+            forwards = max((c.draft.num_tokens for b in plan.batches for c in b.chunks if c.draft is not None),
+                           default=0)
+            self._ride(riders, forwards)
         running.changed()       # tables grew
+
+    def _riders(self, plan: StepPlan, candidates: list[Candidate]) -> list[Rider]:
+        """The draft member's decode chunks in the plan that may ride its draft forwards: what it would draft for
+        (draftable sampling, not pinned, not a warm-up), with at least two tokens to go."""
+        drafters = {c.seq.draft.member for c in candidates if c.seq.draft is not None}
+        riders: list[Rider] = []
+        for batch in plan.batches:
+            if batch.member not in drafters:
+                continue
+            for chunk in batch.chunks:
+                if not chunk.sample or len(chunk.token_ids) != 1 or chunk.start_layer != 0:
+                    continue
+                seq = self.running.get(chunk.request_id)
+                if (seq is None or not seq.is_decoding() or seq.is_warmup or seq.request.pinned_member is not None
+                        or not draftable(seq.request.sampling)):
+                    continue
+                n = len(seq.token_ids)
+                most = min(seq.request.sampling.max_tokens - seq.num_generated, self._contexts[seq.member] - n)
+                if most >= 2:
+                    riders.append(Rider(chunk, most))
+        return riders
+
+    def _ride(self, riders: list[Rider], forwards: int) -> None:
+        """Gives each rider its tokens for a step of `forwards` draft forwards and grows its table to hold them (a
+        rider whose pages do not stretch that far decodes one token, as usual)."""
+        for rider in riders:
+            tokens = ride_tokens(forwards, rider.max_tokens)
+            chunk = rider.chunk
+            seq = self.running.get(chunk.request_id)
+            if tokens < 2 or seq is None or seq.kv is None:
+                continue
+            end = chunk.start_pos + tokens
+            if not self.kv.grow(seq.kv, end):
+                continue
+            chunk.block_tables, residual_out = seq.kv.tables_upto(-(-end // seq.kv.tokens_per_block))
+            if chunk.residual_table_out is not None:
+                chunk.residual_table_out = residual_out
+            chunk.ride_tokens = tokens
 
     def verified(self, plan: StepPlan, sampled: list[SampledToken]) -> dict[RequestId, int] | None:
         """Before the step's tokens go into their requests: per drafting request, the drafts its member accepted
         (the tokens it got back, less the one every verify gives), counted per pair (stats, the acceptance
         estimate) and per request. None when the step drafted nothing."""
         drafted = [(chunk, batch.member) for batch in plan.batches for chunk in batch.chunks
-                   if chunk.draft is not None]
+                   if chunk.draft is not None or chunk.ride_tokens]
         if not drafted:
             return None
         returned = dict.fromkeys((chunk.request_id for chunk, _ in drafted), 0)
@@ -367,6 +454,11 @@ class Speculation:
                 returned[token.request_id] += 1
         accepted: dict[RequestId, int] = {}
         for chunk, target in drafted:
+            if chunk.draft is None:             # a rider: its tokens after the first, as a verify's accepted ones
+                if returned[chunk.request_id]:
+                    accepted[chunk.request_id] = returned[chunk.request_id] - 1
+                    self.stats.on_ride(target, returned[chunk.request_id])
+                continue
             draft = chunk.draft
             assert draft is not None
             got = returned[chunk.request_id]
@@ -391,8 +483,8 @@ class Speculation:
         for batch in plan.batches:
             for chunk in batch.chunks:
                 spec = chunk.draft
-                n = accepted.get(chunk.request_id) if spec is not None else None
-                if spec is None or n is None:
+                n = accepted.get(chunk.request_id) if spec is not None or chunk.ride_tokens else None
+                if n is None:
                     continue
                 seq = self.running.get(chunk.request_id)
                 if seq is None or seq.kv is None:
@@ -402,7 +494,7 @@ class Speculation:
                     seq.num_computed_tokens = computed
                 register(seq.kv, seq.hashes, seq.num_computed_tokens)
                 draft = seq.draft
-                if draft is None:
+                if draft is None or spec is None:
                     continue
                 draft.num_computed_tokens = min(computed, spec.start_pos + len(spec.token_ids) + spec.num_tokens - 1)
                 register(draft.kv, self._draft_hashes(seq, draft), draft.num_computed_tokens)

@@ -162,6 +162,10 @@ class SeqChunk:
     # A decode chunk whose member verifies k drafted tokens: token_ids == [last], sample=True, and block_tables
     # cover positions [0, start_pos + 1 + k) (k + 1 verify rows). docs/ARCHITECTURE.md, Speculation.
     draft: DraftSpec | None = None
+    # A decode chunk of the member drafting in this step that rides its draft forwards (speculation.rides_every_draft):
+    # it decodes this many tokens, one per forward, and no forward of its member's batch computes it; token_ids ==
+    # [last], sample=True, block_tables cover positions [0, start_pos + ride_tokens). 0: one token, as usual.
+    ride_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -67,6 +67,9 @@ class EngineStatsCollector(Collector):
                        ["draft", "target"], _pairs(counters.get("drafted_tokens", {})))
         yield _counter("mfs_speculation_accepted_tokens", "drafted tokens the larger member accepted",
                        ["draft", "target"], _pairs(counters.get("accepted_draft_tokens", {})))
+        yield _counter("mfs_speculation_ride_tokens",
+                       "tokens the draft member's own decodes took riding its draft forwards", ["member"],
+                       _flat(counters.get("ride_tokens", {})))
         yield _counter("mfs_speculation_draft_length_steps",
                        "member batches that could draft, by the tokens drafted (0: none)", ["k"],
                        _flat(counters.get("draft_length_steps", {})))
