@@ -101,7 +101,7 @@ def draft(model: PagedCausalLM, run: Callable[[PagedCausalLM, list[SeqChunk]], t
     executor's forward (logits of each sampling chunk's last row). riders: the drafting member's own batch in the
     step, run in the catch-up forward (one read of its weights for both); their logits come back as the second
     value (None without riders), to be sampled as that batch's. decoders: the drafting member's chunks with
-    ride_tokens, a row in each of their first ride_tokens forwards (ride_decodes); their tokens are the third value."""
+    ride_tokens, a row in each of their first ride_tokens forwards (RideDecodes); their tokens are the third value."""
     drafts = {c.request_id: Drafts() for c in chunks}
     rows = [SeqChunk(request_id=c.request_id, token_ids=list(c.draft.token_ids), start_pos=c.draft.start_pos,
                      block_tables=c.draft.block_tables, sample=True, sampling=c.sampling,
@@ -171,7 +171,7 @@ class RideDecodes:
         stopped = set()
         for row, token in zip(rows, self.sampler.sample(logits, rows, self.eos)):
             self.tokens[row.request_id].append(token)
-            if _stops(row, token.token_id, self.eos, self.context):
+            if _stops(row, 0, token.token_id, self.eos, self.context):
                 stopped.add(row.request_id)
         if stopped:
             self.going = [c for c in self.going if c.request_id not in stopped]
@@ -219,17 +219,17 @@ def _length_until_stop(chunk: SeqChunk, emitted: list[int], eos_token_ids: Seque
     """How many of `emitted` the request keeps: up to and including the first after which plain decoding would
     stop it (as orchestrator/core/sequence.py's stop_reason decides)."""
     for j, token in enumerate(emitted):
-        if _stops(replace(chunk, start_pos=chunk.start_pos + j, num_generated=chunk.num_generated + j), token,
-                  eos_token_ids, context_tokens):
+        if _stops(chunk, j, token, eos_token_ids, context_tokens):
             return j + 1
     return len(emitted)
 
 
-def _stops(chunk: SeqChunk, token: int, eos_token_ids: Sequence[int], context_tokens: int) -> bool:
-    """Whether plain decoding stops the request after sampling `token` in `chunk` (sequence.py's stop_reason)."""
+def _stops(chunk: SeqChunk, j: int, token: int, eos_token_ids: Sequence[int], context_tokens: int) -> bool:
+    """Whether plain decoding stops the request after sampling `token` as the chunk's row j (generation step
+    num_generated + j, position start_pos + j), as sequence.py's stop_reason decides."""
     params = chunk.sampling
-    generated = chunk.num_generated + 1
+    generated = chunk.num_generated + j + 1
     if generated >= params.min_tokens and (token in params.stop_token_ids
                                            or (not params.ignore_eos and token in eos_token_ids)):
         return True
-    return generated >= params.max_tokens or chunk.start_pos + 2 >= context_tokens
+    return generated >= params.max_tokens or chunk.start_pos + j + 2 >= context_tokens
