@@ -17,7 +17,8 @@ from orchestrator.core.kv_layout import KVLayout
 SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec",
            "baseline_elastic_spec", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
-           "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec", "mfs_separate_drafts")
+           "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec", "mfs_separate_drafts",
+           "mfs_turns_by_weights")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
 # mfs_no_spec: speculation (worth nothing where MFS runs without it: the tiny family's default); mfs_separate_drafts:
@@ -133,6 +134,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base["comparison.use_affinity"] = False
     elif name == "mfs_every_member":           # every member steps in every step (no member turns)
         base["scheduler.member_turns"] = 0.0
+    elif name == "mfs_turns_by_weights":       # member turns price each member's forward by its weight bytes
+        base["scheduler.member_turn_costs"] = "weights"
     elif name == "mfs_separate_drafts":        # the draft member's own batch in a forward of its own
         base["speculation.drafts_ride"] = False
     elif name == "mfs_per_turn":               # every turn routed afresh (sessions not kept on their first member)

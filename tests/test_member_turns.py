@@ -40,6 +40,7 @@ def test_the_guard_bounds_every_members_period(slowdown):
 class _Seq:
     def __init__(self, member: str, decoding: bool, rid: str, max_tokens: int = 100) -> None:
         self.member, self._decoding, self.request_id = member, decoding, rid
+        self.num_computed_tokens = 300 if member == "l" else 100
         self.request = Request(request_id=rid, prompt_token_ids=[1], arrival_s=0.0,
                                sampling=SamplingParams(max_tokens=max_tokens))
 
@@ -143,3 +144,51 @@ def test_drafting_members_join_each_others_steps_at_the_same_frequency(shared_dr
         assert together >= 0.9 * counts["l"]
     else:
         assert counts == expected and together < 0.7 * counts["l"]
+
+
+def test_the_executors_estimate_prices_the_forwards_and_the_cost_function_stands_in_until_it_has_one():
+    """scheduler.member_turn_costs = step_costs: each decoding member's forward is priced by the executor's estimate
+    at its batch and mean context (here l's forward is 9x s's, unlike the cost function's 1:1, so l steps at 1/3);
+    while the estimate has no figure for a member, the cost function prices every member (seconds and cost-function
+    units do not mix)."""
+    asked: list[tuple[str, tuple[int, ...]]] = []
+    known = {"s": 1e-3, "l": 9e-3}
+
+    def estimate(forwards):
+        (forward,) = forwards
+        asked.append((forward.member, forward.decode_contexts))
+        return known.get(forward.member)
+
+    running = _running(*[_Seq("s", True, f"s{i}") for i in range(10)], *[_Seq("l", True, f"l{i}") for i in range(10)])
+    policy = turns(10.0, {"s": 1.0, "l": 1.0})
+    policy.use_step_cost(estimate)
+    large_steps = sum(any(q.member == "l" for q in policy.select(running)) for _ in range(10))
+    assert large_steps == 3            # f = 1/3 at first, as test_a_member_steps_at_its_frequency... prices it
+    assert ("s", (100,) * 10) in asked and ("l", (300,) * 10) in asked
+    del known["l"]
+    fallback = turns(10.0, {"s": 1.0, "l": 1.0})
+    fallback.use_step_cost(estimate)
+    assert all(any(q.member == "l" for q in fallback.select(running)) for _ in range(10))  # 1:1: every step
+
+
+@pytest.mark.parametrize("setting,wired", [("weights", False), ("step_costs", True)])
+def test_the_scheduler_hands_its_step_cost_to_member_turns_only_when_configured(setting, wired):
+    from tests.test_scheduler import Harness
+
+    h = Harness(family=independent_family(), **{"scheduler.member_turn_costs": setting})
+
+    def estimate(forwards):
+        return 1e-3
+
+    h.scheduler.use_step_cost(estimate)
+    assert h.scheduler.speculation.estimate is estimate
+    assert (h.scheduler.batches.step_members.estimate is estimate) == wired
+
+
+def test_member_turn_costs_must_name_a_pricing():
+    from orchestrator.core.config import ConfigError, MFSConfig
+
+    config = MFSConfig()
+    config.scheduler.member_turn_costs = "bytes"
+    with pytest.raises(ConfigError, match="member_turn_costs"):
+        config.validate()

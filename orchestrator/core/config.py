@@ -56,6 +56,9 @@ class SchedulerConfig:
     # frequency, a member's token period at most this many times that of stepping every member; 0: every member
     # steps in every step; None: 2 for independent families, 0 for nested ones (their forwards share layers)
     member_turns: float | None = None
+    # what prices each member's forward in those frequencies: step_costs (the executor's estimate at the member's
+    # batch and context; weight bytes until it has one) or weights (bytes from the member's shape)
+    member_turn_costs: str = "step_costs"
 
 
 @dataclass(slots=True)
@@ -222,6 +225,8 @@ class MFSConfig:
         compare = self.comparison
         _check(sched.member_turns is None or sched.member_turns == 0 or sched.member_turns >= 1,
                "scheduler.member_turns", f"must be 0 (off), at least 1, or null (got {sched.member_turns})")
+        _check(sched.member_turn_costs in ("weights", "step_costs"), "scheduler.member_turn_costs",
+               f"must be weights or step_costs (got {sched.member_turn_costs!r})")
         _check(compare.decode_reservation in ("peak", "block", "guaranteed_no_evict"), "comparison.decode_reservation",
                f"must be peak, block or guaranteed_no_evict, got {compare.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",

@@ -183,13 +183,13 @@ class EngineCore:
 
     def attach_executor(self, executor: StepExecutor) -> None:
         """The executor the steps run on; its `step_costs` (an engine_api.StepCostEstimator), where it offers one,
-        prices speculation's draft length."""
+        prices speculation's draft length (and member turns' forwards, scheduler.member_turn_costs)."""
         self.executor = executor
         step_costs = getattr(executor, "step_costs", None)
         if step_costs is None:
-            self.scheduler.speculation.use_step_cost(None)
+            self.scheduler.use_step_cost(None)
         else:
-            self.scheduler.speculation.use_step_cost(step_costs.estimate_step_s, step_costs.estimate_error)
+            self.scheduler.use_step_cost(step_costs.estimate_step_s, step_costs.estimate_error)
 
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: Request, sink: Sink) -> RouteDecision:

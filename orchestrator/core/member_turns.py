@@ -18,9 +18,11 @@ member's slowness again: the slower its tokens, the more of its requests are in 
 while the requests of the small members, the most numerous, wait. A request's max_tokens stands for its length
 (exact when the length is fixed; an open length's max_tokens is a bound).
 
-The formulas are scale-free, so relative forward costs suffice: a cost function given by whoever builds the
-scheduler (the executor's own estimate), else weight bytes estimated from the member's shape (a decode forward of
-a small batch reads every weight once). A deterministic credit per member (credit += f each step; the member
+The formulas are scale-free, so relative forward costs suffice: weight bytes estimated from the member's shape (a
+decode forward of a small batch reads every weight once), a cost function given by whoever builds the policy, or,
+with scheduler.member_turn_costs = step_costs, the executor's own estimate of each member's decode forward at the
+batch and context it has (its cost model in simulation, a real engine's fit of its measured steps), which also
+prices what a forward costs beyond reading its weights (a small member's forward is dearer than its bytes say). A deterministic credit per member (credit += f each step; the member
 steps when it reaches 1) turns the frequencies into steps.
 
 With speculation, every member above the draft member verifies drafts, and the drafts of all the members stepping
@@ -38,15 +40,17 @@ from collections.abc import Callable, Collection, Iterable
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.sequence import Sequence
+from orchestrator.core.speculation import StepCost
+from orchestrator.core.types import ForwardShape, MemberName
 
 # scheduler.member_turns for an independent family: no member's token period more than doubles. SIMULATED (Qwen3
 # 1.7B/8B/32B on one H200, aiconfigurator, seed 0, 0.5 sessions/s: `mfs simulate --family qwen3-large --gpu
 # h200_sxm --sessions 120 --rates 0.5 --systems mfs --set speculation.enabled=false --set scheduler.member_turns=G`):
-# G = 1.5, 2, 3, 5 gave 15.2, 14.3, 14.0, 14.0 ms per token, G = 0 (every member in every step) 22.5
+# G = 1.5, 2, 3, 5 gave 15.6, 14.6, 14.2, 14.1 ms per token, G = 0 (every member in every step) 22.5
 DEFAULT_MEMBER_TURNS = 2.0
 # a drafting member joins another's drafting step once it has a quarter of its turn: SIMULATED (the 400-session
-# trace at 6 sessions/s, seed 0, rides_every_draft): joining at 0.5, 0.25, 0.1 gave 15.32, 15.17, 15.33 ms per
-# token against 15.59 without
+# trace at 6 sessions/s, seed 0, rides_every_draft): joining at 0.5, 0.25, 0.1 gave 14.98, 15.06, 14.98 ms per
+# token against 15.12 without (the three within one seed's noise)
 JOIN_CREDIT = 0.25
 # the moving average of a member's realized share of the steps: about the last 64 steps it had decodes in
 STEP_SHARE_EMA = 1 / 64
@@ -78,12 +82,22 @@ class MemberTurns:
         self.cost: ForwardCost = cost or (lambda member, _n: shape_bytes[member])
         self.credit: dict[str, float] = {m.name: 0.0 for m in family.members}
         self.step_share: dict[str, float] = {m.name: 1.0 for m in family.members}
+        self.estimate: StepCost | None = None
 
-    def frequencies(self, weights: dict[str, float], batch: dict[str, int] | None = None) -> dict[str, float]:
+    def use_step_cost(self, estimate: StepCost | None) -> None:
+        """The executor's step-cost estimate prices each member's decode forward from now on (None: the cost
+        function again)."""
+        self.estimate = estimate
+
+    def frequencies(self, weights: dict[str, float], batch: dict[str, int] | None = None,
+                    costs: dict[str, float] | None = None) -> dict[str, float]:
         """Each decoding member's share of the steps (the largest is 1), its period within the guard. weights: per
-        member, the rate its requests arrive at (relative); batch: the requests decoding on it (for the cost)."""
+        member, the rate its requests arrive at (relative); batch: the requests decoding on it (for the cost);
+        costs: per member, its forward's cost (None: the cost function's)."""
         batch = batch or {}
-        costs = {m: max(self.cost(m, batch.get(m, 0)), 1e-12) for m in weights}
+        if costs is None:
+            costs = {m: self.cost(m, batch.get(m, 0)) for m in weights}
+        costs = {m: max(costs[m], 1e-12) for m in weights}
         raw = {m: math.sqrt(w / costs[m]) for m, w in weights.items()}
         top = max(raw.values())
         freq = {m: r / top for m, r in raw.items()}
@@ -120,7 +134,8 @@ class MemberTurns:
         if len(decoding) + len(prefilling - decoding.keys()) <= 1:
             self._took(decoding, decoding.keys())
             return candidates                   # one member has work: it steps
-        freq = (self.frequencies({m: w * self.step_share[m] for m, w in per_length.items()}, decoding)
+        costs = self._estimated_costs(candidates, decoding) if self.estimate is not None and decoding else None
+        freq = (self.frequencies({m: w * self.step_share[m] for m, w in per_length.items()}, decoding, costs)
                 if decoding else {})
         stepping = set(prefilling)
         for member, f in freq.items():
@@ -136,6 +151,25 @@ class MemberTurns:
                     stepping.add(member)
         self._took(decoding, stepping)
         return [seq for seq in candidates if seq.member in stepping]
+
+    def _estimated_costs(self, candidates: list[Sequence], decoding: dict[str, int]) -> dict[str, float] | None:
+        """Per decoding member, the estimate of its decode forward: its requests at their mean context. None when
+        the estimate has no figure for one of them (an engine still measuring its first steps): seconds and bytes
+        do not mix."""
+        estimate = self.estimate
+        assert estimate is not None
+        context: dict[str, int] = {}
+        for seq in candidates:
+            if seq.is_decoding():
+                context[seq.member] = context.get(seq.member, 0) + seq.num_computed_tokens
+        costs: dict[str, float] = {}
+        for member, n in decoding.items():
+            mean_context = context[member] // n
+            cost = estimate([ForwardShape(MemberName(member), (mean_context,) * n, (), ())])
+            if cost is None:
+                return None
+            costs[member] = cost
+        return costs
 
     def _took(self, decoding: Collection[str], stepping: Collection[str]) -> None:
         """Each member with decodes: whether it stepped, into its realized share of the steps."""

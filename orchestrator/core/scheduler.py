@@ -9,7 +9,7 @@ MFS's defaults, or eval's independent deployments). Pure: no torch, no I/O, the 
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from orchestrator.core.admission import Admission, RunningCap
@@ -32,7 +32,7 @@ from orchestrator.core.reservation import RESERVATIONS
 from orchestrator.core.router import MemberLoad, Router, SessionHomes
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.snapshot import pages_state
-from orchestrator.core.speculation import Speculation
+from orchestrator.core.speculation import Speculation, StepCost
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
@@ -99,6 +99,14 @@ class Scheduler:
         # own step at their own pace), and the time of its last busy one
         self._step_cost_s: dict[str, float] = {}
         self._last_busy_schedule_s: dict[str, float] = {}
+
+    def use_step_cost(self, estimate: StepCost | None, error: Callable[[], float] | None = None) -> None:
+        """The executor's step-cost estimate (None: none): speculation's draft length, and member turns' forward
+        costs where scheduler.member_turn_costs is step_costs."""
+        self.speculation.use_step_cost(estimate, error)
+        turns = self.batches.step_members
+        if isinstance(turns, MemberTurns) and self.config.scheduler.member_turn_costs == "step_costs":
+            turns.use_step_cost(estimate)
 
     # ------------------------------------------------------------------ intake
     def num_waiting(self) -> int:
