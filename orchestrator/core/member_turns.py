@@ -22,8 +22,9 @@ The formulas are scale-free, so relative forward costs suffice: weight bytes est
 decode forward of a small batch reads every weight once), a cost function given by whoever builds the policy, or,
 with scheduler.member_turn_costs = step_costs, the executor's own estimate of each member's decode forward at the
 batch and context it has (its cost model in simulation, a real engine's fit of its measured steps), which also
-prices what a forward costs beyond reading its weights (a small member's forward is dearer than its bytes say). A deterministic credit per member (credit += f each step; the member
-steps when it reaches 1) turns the frequencies into steps.
+prices what a forward costs beyond reading its weights (a small member's forward is dearer than its bytes say).
+A deterministic credit per member (credit += f each step; the member steps when it reaches 1) turns the
+frequencies into steps.
 
 With speculation, every member above the draft member verifies drafts, and the drafts of all the members stepping
 together run in one set of draft forwards (speculation.py): their fixed cost, the draft member's weights read once
@@ -123,18 +124,22 @@ class MemberTurns:
         candidates = list(running) if members is None else [s for s in running if s.member in members]
         decoding: dict[str, int] = {}
         per_length: dict[str, float] = {}       # sum over the member's decoding requests of 1 / length
+        context: dict[str, int] = {}            # sum over the member's decoding requests of their context
         prefilling: set[str] = set()
+        priced = self.estimate is not None
         for seq in candidates:
             if seq.is_decoding():
                 decoding[seq.member] = decoding.get(seq.member, 0) + 1
                 length = max(1, seq.request.sampling.max_tokens)
                 per_length[seq.member] = per_length.get(seq.member, 0.0) + 1.0 / length
+                if priced:
+                    context[seq.member] = context.get(seq.member, 0) + seq.num_computed_tokens
             else:
                 prefilling.add(seq.member)
         if len(decoding) + len(prefilling - decoding.keys()) <= 1:
             self._took(decoding, decoding.keys())
             return candidates                   # one member has work: it steps
-        costs = self._estimated_costs(candidates, decoding) if self.estimate is not None and decoding else None
+        costs = self._estimated_costs(decoding, context) if priced and decoding else None
         freq = (self.frequencies({m: w * self.step_share[m] for m, w in per_length.items()}, decoding, costs)
                 if decoding else {})
         stepping = set(prefilling)
@@ -152,16 +157,12 @@ class MemberTurns:
         self._took(decoding, stepping)
         return [seq for seq in candidates if seq.member in stepping]
 
-    def _estimated_costs(self, candidates: list[Sequence], decoding: dict[str, int]) -> dict[str, float] | None:
-        """Per decoding member, the estimate of its decode forward: its requests at their mean context. None when
-        the estimate has no figure for one of them (an engine still measuring its first steps): seconds and bytes
-        do not mix."""
+    def _estimated_costs(self, decoding: dict[str, int], context: dict[str, int]) -> dict[str, float] | None:
+        """Per decoding member (decoding: its requests; context: their contexts summed), the estimate of its decode
+        forward: its requests at their mean context. None when the estimate has no figure for one of them (an
+        engine still measuring its first steps): seconds and bytes do not mix."""
         estimate = self.estimate
         assert estimate is not None
-        context: dict[str, int] = {}
-        for seq in candidates:
-            if seq.is_decoding():
-                context[seq.member] = context.get(seq.member, 0) + seq.num_computed_tokens
         costs: dict[str, float] = {}
         for member, n in decoding.items():
             mean_context = context[member] // n
