@@ -18,7 +18,7 @@ SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline
            "baseline_elastic_spec", "no_affinity",
            "no_family_routing", "no_shared_pool", "no_tiers", "no_warmup", "no_warm_handover", "no_layer_sharing",
            "mfs_single_server_policies", "mfs_per_turn", "mfs_every_member", "mfs_no_spec", "mfs_separate_drafts",
-           "mfs_turns_by_weights")
+           "mfs_turns_by_weights", "mfs_draft_member_every_step")
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
 # mfs_no_spec: speculation (worth nothing where MFS runs without it: the tiny family's default); mfs_separate_drafts:
@@ -136,6 +136,8 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
         base["scheduler.member_turns"] = 0.0
     elif name == "mfs_turns_by_weights":       # member turns price each member's forward by its weight bytes
         base["scheduler.member_turn_costs"] = "weights"
+    elif name == "mfs_draft_member_every_step":  # the riding draft member steps whenever it has decodes
+        base["scheduler.draft_member_every_step"] = True
     elif name == "mfs_separate_drafts":        # the draft member's own batch in a forward of its own
         base["speculation.drafts_ride"] = False
     elif name == "mfs_per_turn":               # every turn routed afresh (sessions not kept on their first member)

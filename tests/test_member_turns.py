@@ -192,3 +192,35 @@ def test_member_turn_costs_must_name_a_pricing():
     config.scheduler.member_turn_costs = "bytes"
     with pytest.raises(ConfigError, match="member_turn_costs"):
         config.validate()
+
+
+def test_a_riding_draft_member_steps_whenever_it_decodes_and_the_turns_are_the_others():
+    """riding_draft_member: the draft member s steps in every step it has decodes, even where its turn alone would
+    be rarer (few requests, a dear forward here), and m and l share the steps as they would without s."""
+    costs = {"s": 4.0, "m": 4.0, "l": 16.0}
+    running = _running(*[_Seq("s", True, "s0")], *[_Seq(member, True, f"{member}{i}") for member in "ml"
+                                                     for i in range(10)])
+    taking_turns = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=True)
+    assert sum(any(q.member == "s" for q in taking_turns.select(running)) for _ in range(100)) < 50
+    policy = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=True,
+                         riding_draft_member=True)
+    steps = [{q.member for q in policy.select(running)} for _ in range(400)]
+    assert all("s" in step for step in steps)
+    alone = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=True)
+    without_s = _running(*[_Seq(member, True, f"{member}{i}") for member in "ml" for i in range(10)])
+    expected = [{q.member for q in alone.select(without_s)} for _ in range(400)]
+    assert [step - {"s"} for step in steps] == expected
+    assert sum("m" in step for step in steps) == 400          # the top of the others steps every step
+
+
+@pytest.mark.parametrize("setting,speculation,private,expect", [
+    (True, True, False, True), (False, True, False, False), (True, False, False, False), (True, True, True, False)])
+def test_the_draft_member_steps_every_step_only_where_it_rides_the_shared_drafts(setting, speculation, private,
+                                                                                  expect):
+    from tests.test_scheduler import Harness
+    h = Harness(family=independent_family(), **{"scheduler.draft_member_every_step": setting,
+                                                "speculation.enabled": speculation,
+                                                "comparison.private_drafts": private})
+    policy = h.scheduler.batches.step_members
+    assert isinstance(policy, MemberTurns)
+    assert (policy.riding_member == independent_family().members[0].name) == expect

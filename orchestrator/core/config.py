@@ -59,6 +59,10 @@ class SchedulerConfig:
     # what prices each member's forward in those frequencies: step_costs (the executor's estimate at the member's
     # batch and context; weight bytes until it has one) or weights (bytes from the member's shape)
     member_turn_costs: str = "step_costs"
+    # with speculation whose draft member's decodes ride every draft forward (speculation.rides_every_draft), that
+    # member steps in every step it has decodes and the frequencies are the other members' (member_turns.py);
+    # false: it takes turns like any member (docs/BENCHMARKS.md: what each is worth)
+    draft_member_every_step: bool = False
 
 
 @dataclass(slots=True)

@@ -31,7 +31,14 @@ together run in one set of draft forwards (speculation.py): their fixed cost, th
 per forward, is paid once per step that drafts, not once per drafting member. So a drafting member whose credit has
 reached JOIN_CREDIT joins a step another drafting member takes, paying its turn in advance (its credit goes below 0
 and it waits the longer for its next): its frequency over time is unchanged, its steps fall where drafts are made
-anyway. Pure: no clock, no I/O.
+anyway.
+
+Where the draft member's own decodes also ride every draft forward (speculation.rides_every_draft), they take a
+token in each of a drafting step's k draft forwards without a read of its weights of their own, so its tokens come
+at the pace of the drafting members' steps, not at its own frequency. With scheduler.draft_member_every_step it
+then stands outside the frequency model (riding_draft_member): it steps in every step it has decodes, and the
+others' frequencies are computed among themselves, so the drafting member with the most work per forward steps
+every step and the draft member's requests always ride. Pure: no clock, no I/O.
 """
 from __future__ import annotations
 
@@ -72,13 +79,16 @@ class MemberTurns:
     """StepMembers (batching.py): every member with prefill work, and each decoding member at its frequency."""
 
     def __init__(self, family: FamilySpec, max_slowdown: float, cost: ForwardCost | None = None,
-                 shared_drafts: bool = False) -> None:
+                 shared_drafts: bool = False, riding_draft_member: bool = False) -> None:
         """shared_drafts: the members above the draft member draft with it in shared forwards (speculation on, one
-        draft member for the family): they join each other's steps (JOIN_CREDIT)."""
+        draft member for the family): they join each other's steps (JOIN_CREDIT). riding_draft_member (with
+        shared_drafts): the draft member's decodes ride every draft forward, so it steps whenever it has decodes and
+        the frequencies are the other members'."""
         if max_slowdown < 1.0:
             raise ValueError(f"scheduler.member_turns {max_slowdown}: a member's token period can only grow (>= 1)")
         self.max_slowdown = max_slowdown
         self.draft_member = family.members[0].name if shared_drafts else None
+        self.riding_member = self.draft_member if riding_draft_member else None
         shape_bytes: dict[str, float] = {m.name: shape_weight_bytes(m) for m in family.members}
         self.cost: ForwardCost = cost or (lambda member, _n: shape_bytes[member])
         self.credit: dict[str, float] = {m.name: 0.0 for m in family.members}
@@ -139,10 +149,14 @@ class MemberTurns:
         if len(decoding) + len(prefilling - decoding.keys()) <= 1:
             self._took(decoding, decoding.keys())
             return candidates                   # one member has work: it steps
-        costs = self._estimated_costs(decoding, context) if priced and decoding else None
-        freq = (self.frequencies({m: w * self.step_share[m] for m, w in per_length.items()}, decoding, costs)
-                if decoding else {})
         stepping = set(prefilling)
+        riding = self.riding_member
+        if riding is not None and riding in decoding:
+            stepping.add(riding)                # it steps every step; the frequencies are the others'
+            del per_length[riding]
+        costs = self._estimated_costs(decoding, context, per_length) if priced and per_length else None
+        freq = (self.frequencies({m: w * self.step_share[m] for m, w in per_length.items()}, decoding, costs)
+                if per_length else {})
         for member, f in freq.items():
             self.credit[member] += f
             if self.credit[member] >= 1.0 - 1e-9 or member in prefilling:
@@ -157,14 +171,16 @@ class MemberTurns:
         self._took(decoding, stepping)
         return [seq for seq in candidates if seq.member in stepping]
 
-    def _estimated_costs(self, decoding: dict[str, int], context: dict[str, int]) -> dict[str, float] | None:
-        """Per decoding member (decoding: its requests; context: their contexts summed), the estimate of its decode
-        forward: its requests at their mean context. None when the estimate has no figure for one of them (an
+    def _estimated_costs(self, decoding: dict[str, int], context: dict[str, int],
+                         members: Collection[str]) -> dict[str, float] | None:
+        """Per member of `members` (decoding: its requests; context: their contexts summed), the estimate of its
+        decode forward: its requests at their mean context. None when the estimate has no figure for one of them (an
         engine still measuring its first steps): seconds and bytes do not mix."""
         estimate = self.estimate
         assert estimate is not None
         costs: dict[str, float] = {}
-        for member, n in decoding.items():
+        for member in members:
+            n = decoding[member]
             mean_context = context[member] // n
             cost = estimate([ForwardShape(MemberName(member), (mean_context,) * n, (), ())])
             if cost is None:

@@ -90,7 +90,8 @@ class Scheduler:
         if step_members is None and turns:
             # targets' drafts share the draft member's forwards when their member batches share a step
             shared_drafts = config.speculation.enabled and not config.comparison.private_drafts
-            step_members = MemberTurns(family, turns, shared_drafts=shared_drafts)
+            riding = shared_drafts and self.speculation.rides and config.scheduler.draft_member_every_step
+            step_members = MemberTurns(family, turns, shared_drafts=shared_drafts, riding_draft_member=riding)
         self.batches = BatchFormer(config.scheduler, self.stats, step_members)
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
