@@ -198,17 +198,20 @@ def test_a_riding_draft_member_steps_whenever_it_decodes_and_the_turns_are_the_o
     """riding_draft_member: the draft member s steps in every step it has decodes, even where its turn alone would
     be rarer (few requests, a dear forward here), and m and l share the steps as they would without s."""
     costs = {"s": 4.0, "m": 4.0, "l": 16.0}
-    running = _running(*[_Seq("s", True, "s0")], *[_Seq(member, True, f"{member}{i}") for member in "ml"
-                                                     for i in range(10)])
-    taking_turns = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=True)
+
+    def policy(riding: bool) -> MemberTurns:
+        return MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=True,
+                           riding_draft_member=riding)
+
+    without_s = [_Seq(member, True, f"{member}{i}") for member in "ml" for i in range(10)]
+    running = _running(_Seq("s", True, "s0"), *without_s)
+    taking_turns = policy(riding=False)
     assert sum(any(q.member == "s" for q in taking_turns.select(running)) for _ in range(100)) < 50
-    policy = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=True,
-                         riding_draft_member=True)
-    steps = [{q.member for q in policy.select(running)} for _ in range(400)]
+    riding = policy(riding=True)
+    steps = [{q.member for q in riding.select(running)} for _ in range(400)]
     assert all("s" in step for step in steps)
-    alone = MemberTurns(_three_members(), 10.0, cost=lambda member, _n: costs[member], shared_drafts=True)
-    without_s = _running(*[_Seq(member, True, f"{member}{i}") for member in "ml" for i in range(10)])
-    expected = [{q.member for q in alone.select(without_s)} for _ in range(400)]
+    alone, others = policy(riding=False), _running(*without_s)
+    expected = [{q.member for q in alone.select(others)} for _ in range(400)]
     assert [step - {"s"} for step in steps] == expected
     assert sum("m" in step for step in steps) == 400          # the top of the others steps every step
 
