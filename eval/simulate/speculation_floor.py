@@ -91,22 +91,23 @@ def needed(result: dict[str, Any], member: str, target: float, system: str = "mf
             raise ValueError(f"the result has no per_request rows for {name!r} (one `mfs simulate --rate R` run "
                              "with --out keeps them)")
 
-    def token_latency(row: dict[str, Any]) -> float:
-        return row["e2e_s"] / max(row["output_tokens"], 1)
+    def served(rows: list[dict[str, Any]]) -> list[tuple[float, bool]]:
+        """(token latency, reached `member`) of the requests the headline counts (metrics.RequestRecord.ok)."""
+        return [(r["e2e_s"] / r["output_tokens"], member in r["members"]) for r in rows
+                if r.get("error") is None and r.get("e2e_s") is not None and r["output_tokens"] > 0]
 
-    ours = [r for r in systems[system]["per_request"] if not r.get("error")]
-    base = [r for r in systems["baseline"]["per_request"] if not r.get("error")]
-    baseline_mean = sum(map(token_latency, base)) / len(base)
-    reached = [r for r in ours if member in r["members"]]
-    others = sum(token_latency(r) for r in ours if member not in r["members"])
+    ours, base = served(systems[system]["per_request"]), served(systems["baseline"]["per_request"])
+    baseline_mean = sum(latency for latency, _ in base) / len(base)
+    reached = [latency for latency, hit in ours if hit]
+    others = sum(latency for latency, hit in ours if not hit)
     if not reached:
         raise ValueError(f"no request of {system!r} reached {member!r}")
     # mean over all = (others + len(reached) * x) / len(ours) = (1 - target) * baseline_mean
     allowed = ((1 - target) * baseline_mean * len(ours) - others) / len(reached)
     return {"system": system, "member": member, "target": target, "baseline_mean_ms": baseline_mean * 1e3,
-            "system_mean_ms": (others + sum(map(token_latency, reached))) / len(ours) * 1e3,
+            "system_mean_ms": (others + sum(reached)) / len(ours) * 1e3,
             "requests": len(ours), "reached_member": len(reached),
-            "member_requests_mean_ms": sum(map(token_latency, reached)) / len(reached) * 1e3,
+            "member_requests_mean_ms": sum(reached) / len(reached) * 1e3,
             "member_requests_needed_ms": allowed * 1e3}
 
 
