@@ -183,8 +183,9 @@ def pages_rule(family: FamilySpec, config: MFSConfig):
 
 
 def proportional_split(family: FamilySpec) -> dict[str, float]:
-    """The operator's default: each deployment's slice proportional to its member's weight bytes."""
-    sizes = member_weight_bytes(family)
+    """The operator's default: each deployment's slice proportional to its member's weight bytes (a drafts_only
+    member has no deployment)."""
+    sizes = {m: n for m, n in member_weight_bytes(family).items() if m in family.serving_names}
     total = sum(sizes.values())
     fractions = {m: n / total for m, n in sizes.items()}
     largest = max(fractions, key=fractions.get)
@@ -207,7 +208,7 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     from orchestrator.core.router import Router
 
     router = Router(family, config.router)
-    names = family.member_names
+    names = family.serving_names
     weight = {m: 0.0 for m in names}
     counts = {m: 0 for m in names}
     for request in requests:
@@ -221,10 +222,10 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     # no_shared_pool ablation does), plus the decode reserve; half a page over so rounding never bites.
     pages_for_tokens, tokens_per_block = pages_rule(family, config)
     floor = {}
-    for m in family.members:
-        reserve = config.comparison.decode_reserve_blocks * tokens_per_block(m.name)
-        pages = pages_for_tokens(m.name, longest + reserve)
-        floor[m.name] = max(MIN_SPLIT_FRACTION, (pages + 0.5) / num_pages)
+    for m in names:
+        reserve = config.comparison.decode_reserve_blocks * tokens_per_block(m)
+        pages = pages_for_tokens(m, longest + reserve)
+        floor[m] = max(MIN_SPLIT_FRACTION, (pages + 0.5) / num_pages)
     fractions, notes = apply_floors(share, floor)
     if sum(floor.values()) > 1.0:
         notes.append(f"traffic split (no_shared_pool, --baseline-split traffic): kv pages ({num_pages}) cannot "

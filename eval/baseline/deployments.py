@@ -54,7 +54,8 @@ class Deployments:
                              "and elastic ones none (one pool)")
         self.family = family
         self.kv = kv
-        self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        self.names = family.serving_names       # one deployment per member requests go to
+        self.capacity_pages: dict[str, int] = {m: pool.num_available_pages_total(m) for m in self.names}
         self.member_cap = config.scheduler.max_running_requests
         self._turn = -1                 # index of the deployment that ran the last step
         self.num_reroutes = 0
@@ -70,7 +71,7 @@ class Deployments:
     def placement(self, routed: str, request: Request) -> str | None:
         """The routed member if it holds the request, else the smallest larger member that does, else the
         largest smaller one; None when no deployment can."""
-        names = list(self.family.member_names)
+        names = self.names
         index = names.index(routed)
         for name in [*names[index:], *reversed(names[:index])]:
             if self.holds(name, request):
@@ -81,10 +82,10 @@ class Deployments:
         if request.pinned_member is not None:
             check_fits(self.family, self.kv, self.capacity_pages, request)
             return
-        if not any(self.holds(name, request) for name in self.family.member_names):
+        if not any(self.holds(name, request) for name in self.names):
             needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
             sizes = ", ".join(f"{n} {self.kv.pages_for_tokens(n, needed_tokens)}/{self.capacity_pages[n]}"
-                              for n in self.family.member_names)
+                              for n in self.names)
             raise InvalidRequestError(f"no deployment can hold the request ({needed_tokens} tokens; pages "
                                       f"needed/slice: {sizes})", param="max_tokens")
 
@@ -116,7 +117,7 @@ class Deployments:
         when the plan is for those alone), in admission order; the others' requests keep their pages and wait
         for their turn. Deployments on devices of their own each get plans of their own (members: that one),
         so they never wait for each other."""
-        names = list(self.family.member_names)
+        names = self.names
         busy = {s.member for s in running if members is None or s.member in members}
         if not busy:
             return []

@@ -70,10 +70,10 @@ def fixed_split(mode: str, family: FamilySpec) -> dict[str, float] | None:
     if mode in SPLIT_MODES:
         return None
     fractions = fixed_fractions(mode)
-    if set(fractions) != set(family.member_names):
+    if set(fractions) != set(family.serving_names):
         raise SplitError(f"baseline split {mode!r} names {sorted(fractions)}; the family {family.name} has "
-                         f"{list(family.member_names)}")
-    return {m: fractions[m] for m in family.member_names}
+                         f"{list(family.serving_names)} (a deployment each)")
+    return {m: fractions[m] for m in family.serving_names}
 
 
 def split_mode_label(mode: str) -> str:
@@ -208,9 +208,9 @@ def shortlisted(settings, family: FamilySpec, pilot: Trace, at: tuple[float, ...
 
     router = Router(family, config.router)
     layout = KVLayout.for_config(family, config)       # the scheduler's own pages rule for the baseline's config
-    simulator = SplitSimulator(family.member_names, pages_rule(layout, family, config), config.num_arena_pages(),
+    simulator = SplitSimulator(family.serving_names, pages_rule(layout, family, config), config.num_arena_pages(),
                                metrics["solo_decode_step_s"],
-                               {m: layout.tokens_per_block(m) for m in family.member_names},
+                               {m: layout.tokens_per_block(m) for m in family.serving_names},
                                max_running=config.scheduler.max_running_requests,
                                max_batch_tokens=config.scheduler.max_batch_tokens,
                                prefill_chunk_tokens=config.scheduler.prefill_chunk_tokens,

@@ -167,10 +167,10 @@ def mixed_in_phases(trace: Trace, settings: BenchSettings, family: FamilySpec) -
     """The trace with the settings' shifting mix (--mix-phases), on the router's own band of the largest member."""
     if not settings.mix_phases:
         return trace
-    if len(family.members) < 2:
-        raise ValueError("--mix-phases shifts traffic between members: the family has one")
+    if len(family.serving_names) < 2:
+        raise ValueError("--mix-phases shifts traffic between members: the family has one to route to")
     thresholds = load_config(overrides=settings.extra_overrides or None).router.complexity_thresholds
-    return with_mix_phases(trace, settings.mix_phases, largest_member_bound(thresholds, len(family.members)),
+    return with_mix_phases(trace, settings.mix_phases, largest_member_bound(thresholds, len(family.serving_names)),
                            settings.seed)
 
 

@@ -101,7 +101,7 @@ def acceptance_table(family: str, member_names: list[str], override: float | Non
             raise ValueError(f"--acceptance {override}: a per-token acceptance is in [0, 1)")
         chosen = Acceptance(override, override, f"--acceptance {override:g}")
         return AcceptanceTable({p: chosen for p in pairs}, chosen)
-    if family in ("qwen3", "qwen3-large", "llama3.1"):
+    if family in ("qwen3", "qwen3-large", "llama3.1", "llama3.1-draft1b"):
         published = Acceptance(published_acceptance(0.0), published_acceptance(1.0), PUBLISHED_SOURCE)
         notes = ["every pair of this family gets the published Qwen3-1.7B -> Qwen3-32B figure (no figure for the "
                  "pair itself is at hand)"]

@@ -22,6 +22,9 @@ import sys
 from pathlib import Path
 
 DEFAULT_VENV_PYTHON = Path.home() / ".cache" / "mfs" / "aiconfigurator-venv" / "bin" / "python"
+# HF configs (architecture only, no weights) of models aiconfigurator-core 0.12.0 carries none for, as published on
+# the Hugging Face hub: data/hf_configs/<org>--<name>/config.json; aiconfigurator prices them from their shapes
+SHIPPED_HF_CONFIGS = Path(__file__).resolve().parent / "data" / "hf_configs"
 DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 PREFILL_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -68,19 +71,32 @@ def _system_memory_bytes(gpu: str) -> int:
     return int(data["gpu"]["mem_capacity"])
 
 
+def _model_path(model: str) -> str:
+    """What aiconfigurator compiles: its own config of the model id, else the shipped config's folder."""
+    import aiconfigurator_core
+
+    own = Path(aiconfigurator_core.__file__).parent / "model_configs" / f"{model.replace('/', '--')}_config.json"
+    shipped = SHIPPED_HF_CONFIGS / model.replace("/", "--")
+    if own.is_file() or not (shipped / "config.json").is_file():
+        return model
+    return str(shipped)
+
+
 def _hf_config(model: str) -> dict:
     import aiconfigurator_core
 
     path = Path(aiconfigurator_core.__file__).parent / "model_configs" / f"{model.replace('/', '--')}_config.json"
     if not path.is_file():
-        raise SystemExit(f"aiconfigurator has no model config for {model!r} ({path.name} missing)")
+        path = SHIPPED_HF_CONFIGS / model.replace("/", "--") / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"aiconfigurator has no model config for {model!r} (and {path} is not shipped)")
     return json.loads(path.read_text())
 
 
 def _member_table(model: str, gpu: str, backend: str, tp: int) -> dict:
     from aiconfigurator_core.sdk.engine import EngineHandle
 
-    handle = EngineHandle.compile(model, gpu, backend, tp_size=tp)
+    handle = EngineHandle.compile(_model_path(model), gpu, backend, tp_size=tp)
     decode = [[handle.decode_step_latency(b, c, 1) for c in CONTEXT] for b in DECODE_BATCH]
     prefill = [[handle.predict_prefill_latency(1, p + t, p) for p in PREFIX] for t in PREFILL_TOKENS]
     overlaps = []

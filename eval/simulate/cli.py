@@ -30,8 +30,8 @@ from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, 
 from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.published_quality import BENCHMARK
 from eval.simulate.replay import cost_model_label, run_system, split_pilot_runner, stats_interval_for
-from eval.simulate.setup import (SimSetup, is_paper_family, measured_model_path, paper_setup, pooled_setups,
-                                 private_draft_memory, tiny_setup)
+from eval.simulate.setup import (SimSetup, drafter_memory, is_paper_family, measured_model_path, paper_setup,
+                                 pooled_setups, private_draft_memory, tiny_setup)
 from eval.simulate.step_table import StepTableError, save_table
 from eval.systems import ELASTIC_BASELINES, SPLIT_BASELINES, needs_split, system_config, system_scheduler
 from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
@@ -244,9 +244,14 @@ def _extra(setup: SimSetup, settings: BenchSettings) -> dict[str, Any]:
 
 
 def _draft_copies(setup: SimSetup, configs: dict, names) -> list[str]:
-    """Private draft copies out of each speculating separate deployment's memory (setup.private_draft_memory)."""
+    """Separate deployments' memory: no drafts_only member's weights on co-located GPUs (setup.drafter_memory), and
+    each speculating one's private draft copies out of it (setup.private_draft_memory)."""
     notes = []
     for name in names:
+        if system_scheduler(name) is not None:
+            note = drafter_memory(setup, configs[name])
+            if note is not None:
+                notes.append(f"{name}: {note}")
         note = private_draft_memory(setup, configs[name])
         if note is not None:
             notes.append(f"{name}: {note}")
@@ -279,7 +284,7 @@ def system_configs(setup: SimSetup, settings: BenchSettings, trace: Trace, token
         # too: the same number of sequences in flight, not a third of it.
         for name, config in configs.items():
             if system_scheduler(name) is None:
-                config.scheduler.max_running_requests *= len(setup.member_names)
+                config.scheduler.max_running_requests *= len(setup.family.serving_names)   # the deployments
     setup.notes.extend(_draft_copies(setup, configs, configs))
     return configs, split
 
@@ -296,6 +301,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
     def config_on(fractions: dict[str, float]):
         config = system_config(system, settings.family, setup.num_pages, fractions, extra,
                                host_tier_mb=setup.host_tier_mb, baseline_host_tier=settings.baseline_host_tier)
+        drafter_memory(setup, config)
         private_draft_memory(setup, config)
         return config
 
@@ -310,6 +316,7 @@ def search_baseline_split(setup: SimSetup, settings: BenchSettings, trace: Trace
             configs[name] = system_config(name, settings.family, setup.num_pages, chosen, extra,
                                           host_tier_mb=setup.host_tier_mb,
                                           baseline_host_tier=settings.baseline_host_tier)
+            drafter_memory(setup, configs[name])
             private_draft_memory(setup, configs[name])
     return {"baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": chosen, **about}
 
@@ -366,11 +373,13 @@ def _run_forked(configs: dict, setups: dict, args: tuple, jobs: int) -> dict[str
 
 def load_confidences(args: argparse.Namespace, settings: BenchSettings, setup: SimSetup, tiny):
     """The recorded tiny-family confidences, or the stated parametric model (the paper-scale default)."""
+    # one probability per member requests go to but the largest (a drafts_only member never escalates)
+    routed = setup.family.serving_names if setup.family is not None else setup.member_names
     text = args.escalation_model or ("recorded" if not is_paper_family(args.family)
-                                     else default_model_text(setup.member_names))
+                                     else default_model_text(routed))
     if text != "recorded":
         min_tokens = load_config(overrides=settings.extra_overrides or None).escalation.min_tokens
-        return parse_model(text, setup.member_names, min_tokens, settings.seed)
+        return parse_model(text, routed, min_tokens, settings.seed)
     confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
     confidences.map_members(setup.member_names, tiny.member_names)
     return confidences

@@ -21,7 +21,13 @@ PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen3": (("qwen3-0.6b", "Qwen/Qwen3-0.6B"), ("qwen3-1.7b", "Qwen/Qwen3-1.7B"), ("qwen3-8b", "Qwen/Qwen3-8B")),
     "qwen3-large": (("qwen3-1.7b", "Qwen/Qwen3-1.7B"), ("qwen3-8b", "Qwen/Qwen3-8B"), ("qwen3-32b", "Qwen/Qwen3-32B")),
     "llama3.1": (("llama3.1-8b", "meta-llama/Meta-Llama-3.1-8B"), ("llama3.1-70b", "meta-llama/Meta-Llama-3.1-70B")),
+    # the same two members served, with the family's 1B resident to draft for both (no request goes to it)
+    "llama3.1-draft1b": (("llama3.2-1b", "meta-llama/Llama-3.2-1B"), ("llama3.1-8b", "meta-llama/Meta-Llama-3.1-8B"),
+                         ("llama3.1-70b", "meta-llama/Meta-Llama-3.1-70B")),
 }
+# family -> its drafts_only member (MemberSpec.drafts_only): resident to draft, routed no request, no deployment of
+# its own among the separate deployments
+DRAFTS_ONLY: dict[str, str] = {"llama3.1-draft1b": "llama3.2-1b"}
 KV_DTYPE_BYTES = 2                  # bf16 KV cache (TensorRT-LLM's default for bf16 models)
 DEFAULT_BLOCK_TOKENS = 32           # TensorRT-LLM KvCacheConfig.tokens_per_block default
 FREE_GPU_MEMORY_FRACTION = 0.9      # TensorRT-LLM KvCacheConfig.free_gpu_memory_fraction default
@@ -56,7 +62,8 @@ def tensor_parallel(weights: int, gpu_memory_bytes: int) -> int:
 
 
 def paper_family(name: str, members: list[tuple[str, dict[str, Any]]]) -> FamilySpec:
-    """FamilySpec for (member name, HF config) pairs, small to large, with the shipped tokenizer."""
+    """FamilySpec for (member name, HF config) pairs, small to large, with the shipped tokenizer (and the preset's
+    drafts_only member marked so)."""
     tiny = load_family("tiny")
     tokenizer_member = tiny.members[0]
     specs = []
@@ -73,7 +80,8 @@ def paper_family(name: str, members: list[tuple[str, dict[str, Any]]]) -> Family
             layer_lineages=lineages, tokenizer_hash=tokenizer_member.tokenizer_hash,
             eos_token_ids=tokenizer_member.eos_token_ids,
             # its checkpoint_dir is the shipped tokenizer's: the weights the baseline's operator split reads are these
-            serving={"weight_bytes": weight_bytes(hf)}))
+            serving={"weight_bytes": weight_bytes(hf), **({"drafts_only": True} if DRAFTS_ONLY.get(name) == member
+                                                          else {})}))
     return FamilySpec(name=name, members=tuple(specs))
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from eval.simulate.acceptance import AcceptanceTable
 from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
-from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, FREE_GPU_MEMORY_FRACTION, HOST_TIER_GIB_PER_GPU, PRESETS,
-                                    DeviceMemory, page_bytes_for, paper_family, tensor_parallel)
+from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, DRAFTS_ONLY, FREE_GPU_MEMORY_FRACTION,
+                                    HOST_TIER_GIB_PER_GPU, PRESETS, DeviceMemory, page_bytes_for, paper_family,
+                                    tensor_parallel)
 from eval.simulate.fleet import Placement, PlacementError, member_homes
 from eval.simulate.step_table import StepTable, StepTableError, load_table, save_table
 from eval.weights import member_weight_bytes, weight_bytes
@@ -109,6 +110,18 @@ def private_draft_memory(setup: SimSetup, config: MFSConfig) -> str | None:
             f"copies): {pages} pages each out of their KV memory")
 
 
+def drafter_memory(setup: SimSetup, config: MFSConfig) -> str | None:
+    """Gives separate deployments sharing the family's GPUs (colocated placement) back the memory of a drafts_only
+    member's weights: they hold no server of it (a speculating one takes its own copy, private_draft_memory). Paper-
+    scale families only. Returns what it did."""
+    drafter = next((m for m in setup.family.members if m.drafts_only), None) if setup.family is not None else None
+    if drafter is None or setup.placement.kind != "colocated":
+        return None
+    pages = int(int(drafter.serving["weight_bytes"]) * setup.free_fraction) // setup.page_bytes
+    config.pool.num_pages += pages
+    return f"no server of {drafter.name} (drafts_only): its weights' {pages} pages are KV memory here"
+
+
 def load_cost_model(path: str | Path, name: str) -> CostModel:
     """An mfs-step-table/1 grid or an mfs-step-fit/1 linear model, by the file's format."""
     import json
@@ -176,7 +189,8 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
         probe = _cached_table(family, gpu, backend, None) or StepTable.from_dict(
             build_aic_table([(n, m, 1) for n, m in preset], gpu, backend))
         configs = {n: probe.member(n).hf_config for n, _ in preset}
-        tps = _with_member_tp(_tensor_parallel(configs, probe.gpu_memory_bytes, placement), member_tp, placement)
+        tps = _drafter_tp(family, _with_member_tp(_tensor_parallel(configs, probe.gpu_memory_bytes, placement),
+                                                  member_tp, placement))
         table = _cached_table(family, gpu, backend, tps)
         if table is None:
             table = StepTable.from_dict(build_aic_table([(n, m, tps[n]) for n, m in preset], gpu, backend))
@@ -196,14 +210,16 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
         memory = {"device": device.to_dict()}
         num_pages = device.num_pages
     else:
+        # one deployment per member requests go to: a drafts_only member has no server of its own (each
+        # speculating deployment holds its own copy, private_draft_memory)
         devices = {n: DeviceMemory(table.member(n).tp, gpu_mem * table.member(n).tp, weights[n], free_fraction,
-                                   page_bytes) for n, _ in preset}
+                                   page_bytes) for n in spec.serving_names}
         memory = {n: d.to_dict() for n, d in devices.items()}
         num_pages = sum(d.num_pages for d in devices.values())
         split = {n: d.num_pages / num_pages for n, d in devices.items()}
     overrides = {**GPU_SCHEDULER, "pool.page_bytes": page_bytes}
     gpus_per_node = (table.member(preset[0][0]).tp if placement.kind == "colocated"
-                     else sum(table.member(n).tp for n, _ in preset))
+                     else sum(table.member(n).tp for n in spec.serving_names))
     host_tier_gib = host_tier_gib_per_gpu * gpus_per_node
     return SimSetup(family_name=family, family=spec, member_names=spec.member_names, free_fraction=free_fraction,
                     cost=TableCostModel(table, "aiconfigurator", saves_overlap), placement=placement, num_pages=num_pages,
@@ -232,6 +248,8 @@ def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path
     group = next(iter(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("colocated")).values()))
     per_member_tps = _with_member_tp(_tensor_parallel(configs, probe.gpu_memory_bytes, Placement("per-member")),
                                      member_tp, Placement("per-member"))
+    drafter = DRAFTS_ONLY.get(family)       # no deployment of its own: it takes no GPUs among the per-member ones
+    per_member_tps = {n: tp for n, tp in per_member_tps.items() if n != drafter}
     per_member = sum(per_member_tps.values())
     if num_gpus % group or num_gpus % per_member:
         need = group * per_member // math.gcd(group, per_member)
@@ -255,6 +273,16 @@ def _tensor_parallel(configs: dict[str, dict], gpu_memory_bytes: int, placement:
         tp = tensor_parallel(sum(weight_bytes(c) for c in configs.values()), gpu_memory_bytes)
         return {n: tp for n in configs}
     return {n: tensor_parallel(weight_bytes(c), gpu_memory_bytes) for n, c in configs.items()}
+
+
+def _drafter_tp(family: str, tps: dict[str, int]) -> dict[str, int]:
+    """A drafts_only member runs on its targets' GPUs (it has none of its own): at the widest deployment's tensor
+    parallelism, its cheapest draft forward on this table's prices (the separate deployments' draft copies run on
+    their targets' GPUs; one TP per member in a table, so a narrower deployment's copy is priced as cheap)."""
+    drafter = DRAFTS_ONLY.get(family)
+    if drafter is None or drafter not in tps:
+        return tps
+    return {**tps, drafter: max(tp for name, tp in tps.items() if name != drafter)}
 
 
 def _with_member_tp(tps: dict[str, int], member_tp: dict[str, int] | None, placement: Placement) -> dict[str, int]:

@@ -88,11 +88,21 @@ def build_tiers(config: MFSConfig, family: FamilySpec) -> TieredStore | None:
     host = None
     if pool.host_tier_mb > 0:
         capacity = int(pool.host_tier_mb * 2**20)
-        host = (member_host_tier(capacity, config.comparison.host_tier_parts, {m.name: (*m.layer_lineages, m.residual_lineage())
-                                                                  for m in family.members})
+        host = (member_host_tier(capacity, config.comparison.host_tier_parts, host_tier_lineages(family))
                 if config.comparison.host_tier_parts else HostTier(capacity))
     disk = DiskTier(Path(pool.disk_dir), int(pool.disk_tier_mb * 2**20)) if pool.disk_tier_mb > 0 else None
     return TieredStore(host, disk) if host is not None or disk is not None else None
+
+
+def host_tier_lineages(family: FamilySpec) -> dict[str, tuple[str, ...]]:
+    """Each deployment's lineages, for a host tier in per-member parts. A drafts_only member has no deployment: its
+    pages are the speculating deployments' draft copies, kept in the largest one's part (a lineage has one part)."""
+    lineages = {m.name: (*m.layer_lineages, m.residual_lineage()) for m in family.members if not m.drafts_only}
+    largest = family.serving_names[-1]
+    for m in family.members:
+        if m.drafts_only:
+            lineages[largest] = (*lineages[largest], *m.layer_lineages, m.residual_lineage())
+    return lineages
 
 
 def serving_family(config: MFSConfig) -> FamilySpec:

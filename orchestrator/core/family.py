@@ -63,6 +63,12 @@ class MemberSpec:
     def residual_lineage(self) -> str:
         return self.layer_lineages[-1] + ":residual"
 
+    @property
+    def drafts_only(self) -> bool:
+        """Resident only to draft for the larger members (family.yaml `drafts_only: true`): no request is routed
+        to it, and separate deployments have no server of it (each speculating one keeps its own copy)."""
+        return self.serving.get("drafts_only", False) is True
+
 
 @dataclass(frozen=True, slots=True)
 class FamilySpec:
@@ -75,6 +81,15 @@ class FamilySpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {m.name: m for m in self.members})
+        for m in self.members:
+            flag = m.serving.get("drafts_only", False)
+            if not isinstance(flag, bool):
+                raise FamilyError(f"member {m.name}: drafts_only must be true or false, got {flag!r}")
+            if flag and m.index != 0:
+                raise FamilyError(f"member {m.name}: only the smallest member may be drafts_only (the smallest "
+                                  "member drafts for the larger ones)")
+        if self.members and not self.serving_names:
+            raise FamilyError(f"family {self.name}: every member is drafts_only; requests need a member to go to")
 
     def member(self, name: str) -> MemberSpec:
         return self._by_name[name]
@@ -82,6 +97,11 @@ class FamilySpec:
     @property
     def member_names(self) -> list[str]:
         return [m.name for m in self.members]
+
+    @property
+    def serving_names(self) -> list[str]:
+        """The members requests are routed to, small to large: every member but a drafts_only one."""
+        return [m.name for m in self.members if not m.drafts_only]
 
     def next_larger(self, name: str) -> MemberSpec | None:
         index = self.member(name).index

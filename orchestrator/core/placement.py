@@ -18,7 +18,7 @@ from orchestrator.core.types import Request, RouteDecision
 def check_fits(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str, int], request: Request) -> None:
     """Every member the request may run on (escalation included) can hold it whole; else InvalidRequestError."""
     needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-    candidates = [request.pinned_member] if request.pinned_member else family.member_names
+    candidates = [request.pinned_member] if request.pinned_member else family.serving_names
     for name in candidates:
         member = family.member(name)
         if len(request.prompt_token_ids) >= member.context_tokens:

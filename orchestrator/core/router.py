@@ -136,7 +136,7 @@ class Router:
         self.fit = fit or FitPenalties()
         self.use_affinity = use_affinity
         self.use_load = use_load
-        self._names: tuple[str, ...] = tuple(family.member_names)
+        self._names: tuple[str, ...] = tuple(family.serving_names)    # a drafts_only member takes no request
         self._num_members = len(self._names)
         self._thresholds = tuple(config.complexity_thresholds)
         # Nested family: a smaller member already reuses the larger one's lower-layer pages, so pulling
@@ -208,6 +208,9 @@ class Router:
 
         downgraded_from = None
         if request.pinned_member is not None:
+            if request.pinned_member not in scores and request.pinned_member in self.family.member_names:
+                raise ValueError(f"member {request.pinned_member!r} of family {self.family.name!r} only drafts for "
+                                 f"the larger members; requests go to {', '.join(names)}")
             if request.pinned_member not in scores:
                 raise ValueError(f"pinned member {request.pinned_member!r} is not in family "
                                  f"{self.family.name!r} (members: {', '.join(names)})")

@@ -126,8 +126,10 @@ class Scheduler:
             raise InvalidRequestError(f"duplicate request id {request.request_id}", param="request_id")
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        if request.pinned_member is not None and request.pinned_member not in self.family.member_names:
-            raise InvalidRequestError(f"unknown member {request.pinned_member}", param="model")
+        if request.pinned_member is not None and request.pinned_member not in self.family.serving_names:
+            why = "only drafts" if request.pinned_member in self.family.member_names else "is unknown"
+            raise InvalidRequestError(f"member {request.pinned_member} {why}; requests go to "
+                                      f"{', '.join(self.family.serving_names)}", param="model")
         self.placement.check_fits(request)
         if self.num_waiting() >= self.config.scheduler.max_queue:
             self.stats.on_request_done(request.pinned_member or "all", "rejected")
@@ -198,7 +200,7 @@ class Scheduler:
         matched: dict[str, int] = {}
         by_block_size = {} if by_block_size is None else by_block_size
         if self.config.comparison.use_affinity and request.pinned_member is None:
-            for name in self.family.member_names:
+            for name in self.family.serving_names:
                 size = self.kv.tokens_per_block(name)
                 if size not in by_block_size:
                     by_block_size[size] = self.kv.block_hashes(name, request.prompt_token_ids, request.cache_salt)

@@ -69,9 +69,10 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
 def _model(body: dict, family: FamilySpec) -> tuple[str, MemberName | None]:
     """The model asked for (the family by default) and the member it pins, if it names one."""
     model = _opt(body, "model", str) or family.name
-    if model != family.name and model not in family.member_names:
-        raise ModelNotFoundError(f"model {model!r} does not exist; use {family.name!r} or one of "
-                                 f"{', '.join(family.member_names)}", "model")
+    if model != family.name and model not in family.serving_names:
+        why = "only drafts for the larger members" if model in family.member_names else "does not exist"
+        raise ModelNotFoundError(f"model {model!r} {why}; use {family.name!r} or one of "
+                                 f"{', '.join(family.serving_names)}", "model")
     return model, (MemberName(model) if model != family.name else None)
 
 
@@ -355,7 +356,7 @@ def usage_chunk(parsed: ParsedRequest, model: str, usage_dict: dict) -> dict[str
 
 
 def models_list(family: FamilySpec, created_s: int) -> dict[str, Any]:
-    ids = [family.name, *family.member_names]
+    ids = [family.name, *family.serving_names]        # a drafts_only member is no model to ask for
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": created_s, "owned_by": "mfs",
          "root": name, "parent": None if name == family.name else family.name,

@@ -197,8 +197,9 @@ class TritonServing:
 
     def _route(self, request: Request) -> RouteDecision | None:
         if request.pinned_member is not None:
-            if request.pinned_member not in self.member_names:
-                raise ModelNotFoundError(f"no member {request.pinned_member!r} in family {self.family_name}")
+            if request.pinned_member not in self.family.serving_names:
+                raise ModelNotFoundError(f"no member {request.pinned_member!r} to serve requests in family "
+                                         f"{self.family_name}")
             return None
         complexity = request.complexity_hint
         if complexity is None:
