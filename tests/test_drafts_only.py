@@ -106,16 +106,24 @@ def test_a_simulated_family_with_a_drafter_drafts_with_it_and_deploys_only_what_
     assert not any(systems["baseline"]["counters"].get("drafted_tokens", {}).values())
 
 
-def test_family_yaml_marks_the_drafter(tmp_path):
-    """`drafts_only: true` on the smallest member in family.yaml; on any other member it is refused by name."""
-    from orchestrator.core.family import SHIPPED_FAMILIES_DIR, load_family
+def tiny_with_drafter(directory):
+    """The shipped tiny family with tiny-s marked drafts_only (family.yaml; checkpoints linked); the manifest text."""
+    from orchestrator.core.family import SHIPPED_FAMILIES_DIR
 
     shipped = SHIPPED_FAMILIES_DIR / "tiny"
     for member in ("tiny-s", "tiny-m", "tiny-l"):
-        (tmp_path / member).symlink_to(shipped / member)
+        (directory / member).symlink_to(shipped / member)
     manifest = (shipped / "family.yaml").read_text()
-    (tmp_path / "family.yaml").write_text(manifest.replace("    checkpoint: tiny-s\n",
-                                                           "    checkpoint: tiny-s\n    drafts_only: true\n"))
+    (directory / "family.yaml").write_text(manifest.replace("    checkpoint: tiny-s\n",
+                                                            "    checkpoint: tiny-s\n    drafts_only: true\n"))
+    return manifest
+
+
+def test_family_yaml_marks_the_drafter(tmp_path):
+    """`drafts_only: true` on the smallest member in family.yaml; on any other member it is refused by name."""
+    from orchestrator.core.family import load_family
+
+    manifest = tiny_with_drafter(tmp_path)
     family = load_family(tmp_path)
     assert family.member("tiny-s").drafts_only and family.serving_names == ["tiny-m", "tiny-l"]
     (tmp_path / "family.yaml").write_text(manifest.replace("    checkpoint: tiny-m\n",
@@ -140,3 +148,38 @@ def test_deployments_sharing_the_familys_gpus_get_the_drafters_memory_back(tmp_p
     drafter = int(weights["llama3.2-1b"] * 2**30 * 0.9) // page_bytes
     assert pages["baseline"] - pages["mfs"] == pytest.approx(drafter, rel=0.01)
     assert pages["baseline"] - pages["baseline_spec"] == pytest.approx(2 * drafter, rel=0.01)
+
+
+def test_the_local_engine_serves_with_a_drafter_that_takes_no_request(tmp_path):
+    """Real core and local engine (tiny family, CPU): a request the plain family routes to tiny-s goes to tiny-m,
+    drafted for by tiny-s; its greedy tokens are tiny-m's without speculation, and every page comes back."""
+    import itertools
+
+    from orchestrator.core.config import load_config
+    from orchestrator.core.engine_core import EngineCore, drain
+    from orchestrator.serve.local_engine import local_executor_factory
+    from orchestrator.serve.tokenizer import family_estimator
+
+    tiny_with_drafter(tmp_path)
+
+    def serve(family: str, speculate: bool, complexity: float) -> tuple[list[int], EngineCore]:
+        config = load_config(overrides={"family": family, "pool.num_pages": 512, "pool.host_tier_mb": 0,
+                                        "escalation.enabled": False, "speculation.enabled": speculate,
+                                        "speculation.fixed_k": 3})
+        ticks = itertools.count()
+        core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
+                                make_executor=local_executor_factory(config))
+        core.scheduler.speculation.use_step_cost(None)          # the fixed k: every verify path runs
+        tokens: list[int] = []
+        core.add_request(Request(request_id=RequestId("r"), prompt_token_ids=[5, 17, 42, 99, 7, 311, 12, 64],
+                                 sampling=SamplingParams(max_tokens=24, ignore_eos=True), arrival_s=0.0,
+                                 complexity_hint=complexity), lambda out: tokens.extend(out.new_token_ids))
+        drain(core, 500)
+        return tokens, core
+
+    plain, _ = serve("tiny", False, 0.5)                          # tiny-m, no speculation
+    drafted, core = serve(str(tmp_path), True, 0.1)                # the plain family's tiny-s band
+    assert drafted == plain and len(plain) == 24
+    counters = core.snapshot()["counters"]
+    assert counters["drafted_tokens"]["tiny-s->tiny-m"] > 0
+    assert core.pool.num_used_pages() == 0
