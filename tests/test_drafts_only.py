@@ -183,3 +183,15 @@ def test_the_local_engine_serves_with_a_drafter_that_takes_no_request(tmp_path):
     counters = core.snapshot()["counters"]
     assert counters["drafted_tokens"]["tiny-s->tiny-m"] > 0
     assert core.pool.num_used_pages() == 0
+
+
+def test_the_triton_path_refuses_a_drafter_it_could_not_use(tmp_path):
+    """Triton's engines do not speculate here: a drafts_only member would hold GPU memory and do nothing."""
+    from orchestrator.core.config import load_config
+    from orchestrator.core.family import load_family
+    from orchestrator.serve.triton_serving import TritonServing
+
+    tiny_with_drafter(tmp_path)
+    config = load_config(overrides={"family": str(tmp_path), "engine.kind": "triton"})
+    with pytest.raises(FamilyError, match="tiny-s is drafts_only, but the Triton engine path does not speculate"):
+        TritonServing(config, family=load_family(tmp_path), url="127.0.0.1:1")

@@ -22,7 +22,7 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import EngineUnavailableError, ModelNotFoundError, QueueFullError
 from orchestrator.core.escalation import ConfidenceMonitor, can_escalate, handover_target
 from orchestrator.core.events import Stats
-from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.core.family import FamilyError, FamilySpec, load_family
 from orchestrator.core.router import MemberLoad, Router, SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, RequestOutput, RouteDecision
@@ -63,6 +63,10 @@ class TritonServing:
                  probe_interval_s: float = PROBE_INTERVAL_S):
         self.config = config
         self.family = family or load_family(config.family)
+        drafters = [m.name for m in self.family.members if m.drafts_only]
+        if drafters:     # Triton's engines do not speculate here: such a member would hold GPU memory for nothing
+            raise FamilyError(f"member {drafters[0]} is drafts_only, but the Triton engine path does not speculate: "
+                              "serve this family with the local engine (engine.kind: local), or drop drafts_only")
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)   # the server's edge uses it
