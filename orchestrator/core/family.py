@@ -78,9 +78,12 @@ class FamilySpec:
 
     # name -> member, built once: member() is called per token and per request on the scheduling path
     _by_name: dict[str, MemberSpec] = field(default=None, init=False, repr=False, compare=False)
+    # the members requests go to, built once: routing, placement and admission read it per request
+    _serving: list[str] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {m.name: m for m in self.members})
+        object.__setattr__(self, "_serving", [m.name for m in self.members if not m.drafts_only])
         for m in self.members:
             flag = m.serving.get("drafts_only", False)
             if not isinstance(flag, bool):
@@ -100,8 +103,9 @@ class FamilySpec:
 
     @property
     def serving_names(self) -> list[str]:
-        """The members requests are routed to, small to large: every member but a drafts_only one."""
-        return [m.name for m in self.members if not m.drafts_only]
+        """The members requests are routed to, small to large: every member but a drafts_only one (shared: do not
+        modify)."""
+        return self._serving
 
     def next_larger(self, name: str) -> MemberSpec | None:
         index = self.member(name).index
