@@ -104,6 +104,8 @@ def test_a_simulated_family_with_a_drafter_drafts_with_it_and_deploys_only_what_
         assert set(drafted) == {"llama3.2-1b->llama3.1-8b", "llama3.2-1b->llama3.1-70b"}
         assert sum(drafted.values()) > 0
     assert not any(systems["baseline"]["counters"].get("drafted_tokens", {}).values())
+    # escalation pairs are among the members that serve: the drafter is never escalated from
+    assert set(systems["mfs"]["counters"]["escalations"]) == {"llama3.1-8b->llama3.1-70b"}
 
 
 def tiny_with_drafter(directory):

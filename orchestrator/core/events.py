@@ -213,12 +213,16 @@ class Stats:
                 self._downgrades[pair] = self._downgrades.get(pair, 0) + 1
 
     def snapshot(self, *, time_s: float, family: str, members: Sequence[str], pages: Mapping[str, Any],
-                 queue_depth: int, running: Mapping[str, int], waiting: Mapping[str, int]) -> dict[str, Any]:
+                 queue_depth: int, running: Mapping[str, int], waiting: Mapping[str, int],
+                 serving: Sequence[str] | None = None) -> dict[str, Any]:
         """The 'Stats snapshot' of docs/ARCHITECTURE.md: JSON-able, zeros for every member and tier.
 
         pages: {"total", "page_bytes", "by_state": {...}, "by_member": {...}}; missing entries read 0.
+        serving: the members requests are served by (FamilySpec.serving_names; default: members): escalation pairs
+        are zero-filled among them only (a drafts_only member is never escalated from).
         """
         members = list(members)
+        serving = list(serving) if serving is not None else members
         with self._lock:
             counters = {
                 "requests": {m: {**_zeros(OUTCOMES), **self._requests.get(m, {})}
@@ -227,7 +231,7 @@ class Stats:
                                         for m in _union(members, self._prefix_query_tokens)},
                 "prefix_hit_tokens": {m: {**_zeros(HIT_TIERS), **self._prefix_hit_tokens.get(m, {})}
                                       for m in _union(members, self._prefix_hit_tokens)},
-                "escalations": {**{f"{a}->{b}": 0 for i, a in enumerate(members) for b in members[i + 1:]},
+                "escalations": {**{f"{a}->{b}": 0 for i, a in enumerate(serving) for b in serving[i + 1:]},
                                 **self._escalations},
                 "escalations_refused": self._escalations_refused,
                 "preemptions": self._preemptions,

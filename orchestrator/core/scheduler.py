@@ -368,7 +368,8 @@ class Scheduler:
         return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
                                    pages=self._pages_state(), queue_depth=self.num_waiting(),
                                    running={n: l.num_running for n, l in loads.items()},
-                                   waiting={n: l.num_waiting for n, l in loads.items()})
+                                   waiting={n: l.num_waiting for n, l in loads.items()},
+                                   serving=self.family.serving_names)
 
     def _pages_state(self) -> dict:
         return pages_state(self.family, self.pool, self.tiers, self.config.pool.page_bytes)
