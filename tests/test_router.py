@@ -208,6 +208,24 @@ def test_load_moves_a_borderline_request_and_says_why(router):
     assert "tiny-m is loaded" in decision.reason
 
 
+def test_load_sends_no_request_up_a_size_in_an_independent_family_unless_configured():
+    """router.load_in_score: on by default for a nested family (above), off for an independent one, where the
+    loaded adequate member keeps the request (a larger member's tokens cost more of the device they share)."""
+    from tests.fakes import independent_family
+
+    family = independent_family()
+    small, large = family.member_names
+    config = RouterConfig()
+    busy = MemberLoad(4, 0, config.load_saturation_tokens - 1, 0)
+    loads = {small: busy, large: IDLE}
+    kept = _route(Router(family, config), _request(), 0.2, loads=loads)
+    assert kept.member == small
+    assert all(c["load"] == 0.0 for c in kept.components.values())
+    moved = _route(Router(family, RouterConfig(load_in_score=True)), _request(), 0.2, loads=loads)
+    assert moved.member == large and f"{small} is loaded" in moved.reason
+    assert Router(FAMILY, RouterConfig(load_in_score=False)).load_in_score is False
+
+
 def test_ties_go_to_the_smaller_member():
     # Equal fit penalties both ways make tiny-s and tiny-l tie around an adequate tiny-m that is loaded.
     config = RouterConfig()

@@ -92,6 +92,12 @@ class RouterConfig:
     # turn scores higher only because its context grew, and a larger member costs every token more), off for
     # nested ones (a smaller member reuses the larger one's lower layers, so moving is cheap)
     sticky_sessions: bool | None = None
+    # the load part of the score (the profile's load weight x load_fraction). It is at most one step of the fit's
+    # penalty below the adequate member, so what it does is send a request to a larger member while the adequate
+    # one is loaded. None: on for nested families (a smaller member's rows ride in the larger one's forward), off
+    # for independent ones (a larger member's tokens take more of the device it shares than the wait they avoid,
+    # and the reply is not the one its complexity asked for); load still acts through the downgrade rules
+    load_in_score: bool | None = None
     load_saturation_tokens: int = 4096    # queued+running tokens at which a member counts as saturated
     # whole-device routing (docs/CONFIG.md)
     delay_saturation_s: float = 1.0       # expected wait at which a member's load term is full

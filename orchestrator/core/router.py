@@ -112,8 +112,10 @@ class Router:
       pressure        config.pressure_weight * pool_pressure * pages_per_token / the largest pages_per_token
                       (a full pool makes page-hungry members dearer)
     Affinity and session are 0 when use_affinity is False, load and pressure when use_load is False
-    (comparison switches). components[member] holds the weighted contributions (load and pressure are negative), so
-    they sum to scores[member]. The highest total wins, ties go to the smaller member.
+    (comparison switches); load alone is 0 when router.load_in_score is off (the default for an independent
+    family: what the load part does is send a request up a size, config.py). components[member] holds the
+    weighted contributions (load and pressure are negative), so they sum to scores[member]. The highest total
+    wins, ties go to the smaller member.
     Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation), or
     busy (it already runs config.downgrade_running requests, or its expected delay is at least
     config.downgrade_delay_s) moves to the largest smaller member that is neither saturated nor expected to wait that long,
@@ -125,7 +127,7 @@ class Router:
     """
 
     __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus", "use_affinity",
-                 "use_load")
+                 "use_load", "load_in_score")
 
     def __init__(self, family: FamilySpec, config: RouterConfig, fit: FitPenalties | None = None, *,
                  use_affinity: bool = True, use_load: bool = True) -> None:
@@ -143,6 +145,7 @@ class Router:
         # a follow-up turn to the session's last (often larger) member buys little and costs its step time.
         self.session_bonus = (config.session_bonus if config.session_bonus is not None
                               else 0.0 if family.is_nested() else SESSION_BONUS_INDEPENDENT)
+        self.load_in_score = config.load_in_score if config.load_in_score is not None else family.is_nested()
 
     def adequate_index(self, complexity: float) -> int:
         """Index of the smallest member whose complexity band holds `complexity` (thresholds are lower bounds)."""
@@ -188,9 +191,10 @@ class Router:
                     session_part = self.session_bonus
             if use_load:
                 load = loads.get(name, _IDLE)
-                fraction = max((load.running_tokens + load.queued_tokens) / saturation_tokens,
-                               load.expected_delay_s / config.delay_saturation_s)
-                load_part = -weights.load * min(1.0, fraction)
+                if self.load_in_score:
+                    fraction = max((load.running_tokens + load.queued_tokens) / saturation_tokens,
+                                   load.expected_delay_s / config.delay_saturation_s)
+                    load_part = -weights.load * min(1.0, fraction)
                 pressure_part = -config.pressure_weight * load.pool_pressure * load.pages_per_token / max_ppt
             total = complexity_part + affinity_part + session_part + load_part + pressure_part
             scores[name] = total
