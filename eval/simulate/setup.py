@@ -114,7 +114,7 @@ def drafter_memory(setup: SimSetup, config: MFSConfig) -> str | None:
     """Gives separate deployments sharing the family's GPUs (colocated placement) back the memory of a drafts_only
     member's weights: they hold no server of it (a speculating one takes its own copy, private_draft_memory). Paper-
     scale families only. Returns what it did."""
-    drafter = next((m for m in setup.family.members if m.drafts_only), None) if setup.family is not None else None
+    drafter = setup.family.drafter if setup.family is not None else None
     if drafter is None or setup.placement.kind != "colocated":
         return None
     pages = int(int(drafter.serving["weight_bytes"]) * setup.free_fraction) // setup.page_bytes

@@ -98,10 +98,10 @@ def host_tier_lineages(family: FamilySpec) -> dict[str, tuple[str, ...]]:
     """Each deployment's lineages, for a host tier in per-member parts. A drafts_only member has no deployment: its
     pages are the speculating deployments' draft copies, kept in the largest one's part (a lineage has one part)."""
     lineages = {m.name: (*m.layer_lineages, m.residual_lineage()) for m in family.members if not m.drafts_only}
-    largest = family.serving_names[-1]
-    for m in family.members:
-        if m.drafts_only:
-            lineages[largest] = (*lineages[largest], *m.layer_lineages, m.residual_lineage())
+    drafter = family.drafter
+    if drafter is not None:
+        largest = family.serving_names[-1]
+        lineages[largest] = (*lineages[largest], *drafter.layer_lineages, drafter.residual_lineage())
     return lineages
 
 

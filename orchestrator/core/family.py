@@ -102,6 +102,11 @@ class FamilySpec:
         return [m.name for m in self.members]
 
     @property
+    def drafter(self) -> MemberSpec | None:
+        """The drafts_only member, if the family has one (only the smallest member may be)."""
+        return self.members[0] if self.members and self.members[0].drafts_only else None
+
+    @property
     def serving_names(self) -> list[str]:
         """The members requests are routed to, small to large: every member but a drafts_only one (shared: do not
         modify)."""

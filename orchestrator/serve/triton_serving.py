@@ -63,9 +63,9 @@ class TritonServing:
                  probe_interval_s: float = PROBE_INTERVAL_S):
         self.config = config
         self.family = family or load_family(config.family)
-        drafters = [m.name for m in self.family.members if m.drafts_only]
-        if drafters:     # Triton's engines do not speculate here: such a member would hold GPU memory for nothing
-            raise FamilyError(f"member {drafters[0]} is drafts_only, but the Triton engine path does not speculate: "
+        drafter = self.family.drafter
+        if drafter is not None:     # Triton's engines do not speculate here: it would idle in GPU memory
+            raise FamilyError(f"member {drafter.name} is drafts_only, but the Triton engine path does not speculate: "
                               "serve this family with the local engine (engine.kind: local), or drop drafts_only")
         self.family_name = self.family.name
         self.member_names = self.family.member_names
