@@ -37,6 +37,7 @@ COST_BATCH = (1, 4, 16)
 COST_CONTEXT = 128
 REPEATS = 5
 ARENA_PAGES = 4096
+LONG_ARENA_PAGES = 32768              # --long-prompts: 20 requests of ~1,000 tokens, target and draft pages
 COSTS_NOTE = (f"costs: wall-clock medians of {REPEATS} runs after a warm-up, decodes at {COST_CONTEXT} tokens of "
               "context; verify_ms = step_ms - draft_ms. Timed while other work may have shared the machine: "
               "re-measure them alone (--costs) before using them as figures")
@@ -61,6 +62,8 @@ class Decode:
     finished: bool = False
     dropped: int = 0                # tokens the engine returned after the request's stop
     verified: list[tuple[int, int, bool]] = field(default_factory=list)   # (k, tokens returned, ended there)
+    window: int = 0                 # the draft's attention window (DraftSpec.window; 0: none)
+    sink_tokens: int = 0
 
     @property
     def generated(self) -> list[int]:
@@ -103,7 +106,8 @@ class SpeculativeRun:
         if k > 0:
             self._grow(d.draft_tables, d.drafter, start + k)
             draft = DraftSpec(member=d.drafter, num_tokens=k, token_ids=sequence[d.draft_done:],
-                              start_pos=d.draft_done, block_tables=d.draft_tables)
+                              start_pos=d.draft_done, block_tables=d.draft_tables, window=d.window,
+                              sink_tokens=d.sink_tokens)
         self._grow(d.tables, d.target, start + 1 + k)
         return SeqChunk(request_id=RequestId(d.request_id), token_ids=[sequence[-1]], start_pos=start,
                         block_tables=d.tables, sample=True, sampling=d.sampling, num_generated=len(d.tokens),
@@ -167,6 +171,28 @@ def workload_prompts(tokenizer_hash: str, count: int = 10, max_tokens: int = 256
     return [p[-max_tokens:] for p in prompts[:count]]
 
 
+def long_prompts(family, count: int = 10, min_tokens: int = 512, max_tokens: int = 896,
+                 seed: int = 0) -> list[list[int]]:
+    """Long contexts: the latest turn of at least min_tokens (ShareGPT's own earlier replies as history) of each
+    of the first `count` multi-turn sessions of a trace that has one, its last max_tokens tokens at most (what a
+    draft window is measured on: the quick trace's first turns are short)."""
+    from eval.bench.workloads import WorkloadSpec, build_trace
+    from orchestrator.serve.tokenizer import FamilyTokenizer
+
+    context = min(m.context_tokens for m in family.members)
+    spec = WorkloadSpec(name="multiturn", num_sessions=8 * count, seed=seed, context_tokens=context,
+                        max_prompt_tokens=context, max_turns=16, history="dataset", conversation_pool=40 * count)
+    trace = build_trace(spec, FamilyTokenizer(family.members[0].checkpoint_dir))
+    prompts = []
+    for session in trace.sessions:
+        longest = max(session.turns, key=lambda turn: len(turn.prompt_token_ids)).prompt_token_ids
+        if len(longest) >= min_tokens:
+            prompts.append(longest[-max_tokens:])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
 def acceptance_stats(decodes: list[Decode]) -> dict[str, Any]:
     """Per-token acceptance over the verify steps that did not end their request (a stop cuts the tokens a
     step returns): accepted drafts / drafts the target judged (all accepted ones, plus one per step that
@@ -192,21 +218,25 @@ def draft_pairs(family) -> list[tuple[str, str]]:
 
 
 def measure_acceptance(executor, family, prompts: list[list[int]], k: int = DRAFT_TOKENS,
-                       new_tokens: int = NEW_TOKENS, temperatures=TEMPERATURES, seed: int = 0) -> list[dict]:
+                       new_tokens: int = NEW_TOKENS, temperatures=TEMPERATURES, seed: int = 0,
+                       window: int = 0, sink_tokens: int = 4) -> list[dict]:
     """Every pair and temperature: each prompt decoded new_tokens with drafts of k tokens (unseeded sampling
-    from fixed per-request streams, so the table is reproducible)."""
+    from fixed per-request streams, so the table is reproducible); window: the drafts' attention window
+    (speculation.draft_window, 0: none) past sink_tokens sinks."""
     rows = []
     for drafter, target in draft_pairs(family):
         for temperature in temperatures:
             decodes = [Decode(f"{drafter}>{target}@{temperature}/{i}", prompt, target,
-                              SamplingParams(max_tokens=new_tokens, temperature=temperature), drafter, k)
+                              SamplingParams(max_tokens=new_tokens, temperature=temperature), drafter, k,
+                              window=window, sink_tokens=sink_tokens if window else 0)
                        for i, prompt in enumerate(prompts)]
             for i, d in enumerate(decodes):
                 executor.sampler.start_stream(RequestId(d.request_id), seed * 1000 + i)
             SpeculativeRun(executor, decodes).run()
             executor.release([RequestId(d.request_id) for d in decodes])
             rows.append({"draft": drafter, "target": target, "temperature": temperature, "k": k,
-                         "prompts": len(prompts), **acceptance_stats(decodes)})
+                         "prompts": len(prompts), **({"draft_window": window, "draft_sink_tokens": sink_tokens}
+                                                     if window else {}), **acceptance_stats(decodes)})
     return rows
 
 
@@ -305,20 +335,24 @@ def build_executor(family, device: str, dtype: str, page_bytes: int = 16384, num
 
 
 def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float32", costs: bool = False,
-            prompts: int = 10, new_tokens: int = NEW_TOKENS, ks=COST_K, batches=COST_BATCH) -> dict[str, Any]:
+            prompts: int = 10, new_tokens: int = NEW_TOKENS, ks=COST_K, batches=COST_BATCH,
+            draft_windows: tuple[int, ...] = (0,), long: bool = False) -> dict[str, Any]:
     from orchestrator.core.family import load_family
 
     family = load_family(family_name)
-    executor = build_executor(family, device, dtype)
+    executor = build_executor(family, device, dtype, num_pages=LONG_ARENA_PAGES if long else ARENA_PAGES)
     started = time.perf_counter()
-    texts = workload_prompts(family.members[0].tokenizer_hash, prompts)
+    texts = long_prompts(family, prompts) if long else workload_prompts(family.members[0].tokenizer_hash, prompts)
+    source = (f"the latest turn of at least 512 tokens of ShareGPT multi-turn sessions ({len(texts)} prompts, last "
+              "896 tokens at most)" if long else
+              f"first turns of {TRACE.relative_to(TRACE.parents[3])} ({len(texts)} prompts, last 256 tokens at most)")
     table: dict[str, Any] = {
         "format": TABLE_FORMAT,
         "source": f"measured: local engine, {family.name} family, {dtype}, {device} "
                   f"({platform.machine()}), {time.strftime('%Y-%m-%d')}",
-        "workload": f"first turns of {TRACE.relative_to(TRACE.parents[3])} ({len(texts)} prompts, last "
-                    f"256 tokens at most), {new_tokens} new tokens each (fewer where EOS ends the reply)",
-        "acceptance": measure_acceptance(executor, family, texts, new_tokens=new_tokens),
+        "workload": f"{source}, {new_tokens} new tokens each (fewer where EOS ends the reply)",
+        "acceptance": [row for window in draft_windows
+                       for row in measure_acceptance(executor, family, texts, new_tokens=new_tokens, window=window)],
         "costs": measure_costs(executor, family, ks, batches) if costs else None,
         "notes": [f"acceptance: k = {DRAFT_TOKENS} drafts a step; per_token_acceptance = accepted drafts / drafts "
                   "judged (the accepted ones plus the first rejected of each step); by_position: the share of "
@@ -329,10 +363,11 @@ def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float3
 
 
 def print_table(table: dict[str, Any]) -> None:
-    print(f"{'draft':>8} {'target':>8} {'temp':>5} {'accept':>7} {'tok/step':>8}  by position")
+    print(f"{'draft':>8} {'target':>8} {'window':>6} {'temp':>5} {'accept':>7} {'tok/step':>8}  by position")
     for row in table["acceptance"]:
-        print(f"{row['draft']:>8} {row['target']:>8} {row['temperature']:>5} {row['per_token_acceptance']:>7} "
-              f"{row['tokens_per_step']:>8}  {row['by_position']}")
+        window = row.get("draft_window") or "-"
+        print(f"{row['draft']:>8} {row['target']:>8} {window:>6} {row['temperature']:>5} "
+              f"{row['per_token_acceptance']:>7} {row['tokens_per_step']:>8}  {row['by_position']}")
     if table["costs"]:
         print(f"\n{'draft':>8} {'target':>8} {'k':>2} {'batch':>5} {'draft ms':>9} {'verify ms':>9} {'step ms':>8} "
               f"{'plain ms':>8} {'ride ms':>8} {'apart ms':>8}")
@@ -358,10 +393,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--cost-k", default=",".join(map(str, COST_K)), help="drafted tokens timed (comma list)")
     parser.add_argument("--cost-batch", default=",".join(map(str, COST_BATCH)), help="batch sizes timed (comma list)")
+    parser.add_argument("--draft-window", default="0", metavar="W[,W...]",
+                        help="acceptance of drafts that attend to 4 sink tokens and their last W positions only "
+                             "(speculation.draft_window; 0: every position), one table row set per W")
+    parser.add_argument("--long-prompts", action="store_true",
+                        help="long contexts (512-896 tokens of multi-turn ShareGPT sessions) instead of the quick "
+                             "trace's first turns (13-237 tokens): where a draft window hides most of the context")
     parser.add_argument("--out", default="eval/simulate/tables/tiny_speculation.json")
     args = parser.parse_args(argv)
+    try:
+        windows = _ints(args.draft_window)
+    except ValueError:
+        windows = ()
+    if not windows or min(windows) < 0:
+        parser.error(f"--draft-window {args.draft_window!r}: windows are comma-separated integers >= 0")
     table = measure(args.family, args.device, args.dtype, args.costs, args.prompts, args.new_tokens,
-                    ks=_ints(args.cost_k), batches=_ints(args.cost_batch))
+                    ks=_ints(args.cost_k), batches=_ints(args.cost_batch), draft_windows=windows,
+                    long=args.long_prompts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
     print_table(table)

@@ -21,7 +21,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.sequence import DraftState, Sequence
 from orchestrator.core.types import (DraftSpec, ForwardShape, MemberName, RequestId, SampledToken, SamplingParams,
-                                     SeqChunk, StepPlan)
+                                     SeqChunk, StepPlan, attended_keys)
 
 # A draft's catch-up of at most this many tokens is a verify's rows (its request's KV read once, the rows through
 # the weights); a longer one (a draft's first step after admission) a prefill chunk.
@@ -142,7 +142,8 @@ class DraftLength:
         others = num_chunks - len(candidates) - len(riders)
 
         def cost(choice: dict[str, int]) -> float | None:
-            step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k, riders))
+            step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k, riders,
+                                            self.config.draft_window, self.config.draft_sink_tokens))
             if step_s is None:
                 return None
             drafted = 0.0      # summed as sum() would (mypyc types sum() over floats as int)
@@ -181,6 +182,21 @@ class DraftLength:
         return ks
 
 
+class DraftEntry(NamedTuple):
+    """One request's rows in its draft member's forwards of a step (a draft, or a rider's decodes)."""
+
+    rows: int                 # catch-up rows
+    before: int               # tokens before them
+    last: int                 # the last catch-up row's position
+    k: int                    # forwards it takes a row of (its drafts, a rider's tokens)
+    window: int = 0           # the draft's attention window (DraftSpec.window; 0: none)
+    sink_tokens: int = 0
+
+    def context(self, position: int) -> int:
+        """Tokens a row at `position` reads (a windowed draft reads no more than its window)."""
+        return attended_keys(position, self.window, self.sink_tokens)
+
+
 def ride_tokens(forwards: int, max_tokens: int) -> int:
     """Tokens a rider decodes in a step of `forwards` draft forwards: one per forward, within its own bound; with
     fewer than two it rides nothing (one token, in its batch or the catch-up, as without rides)."""
@@ -189,14 +205,15 @@ def ride_tokens(forwards: int, max_tokens: int) -> int:
 
 
 def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int], max_rows: int,
-                  riders: Seq[Rider] = ()) -> list[ForwardShape]:
+                  riders: Seq[Rider] = (), window: int = 0, sink_tokens: int = 0) -> list[ForwardShape]:
     """The forwards of `plan` if every candidate drafted min(its member's k in ks, its max_k) tokens: the draft
     forwards first (the first one catches each draft up to its request's last token, the k - 1 others decode one
     drafted token each; riders decode a token in each, out of their batch's forward), then each member batch with
     the candidates' chunks as verifies of k + 1 rows. A catch-up longer than a verify (a draft's first step after
-    admission) counts as max_rows + 1 rows: it is paid once, not per step."""
+    admission) counts as max_rows + 1 rows: it is paid once, not per step. window, sink_tokens: the drafts'
+    attention window (speculation.draft_window)."""
     by_chunk = {id(c.chunk): min(ks.get(c.seq.member, 0), c.max_k) for c in candidates}
-    drafts: dict[str, list[tuple[int, int, int, int]]] = {}
+    drafts: dict[str, list[DraftEntry]] = {}
     for c in candidates:
         k_r = by_chunk[id(c.chunk)]
         if k_r <= 0:
@@ -205,7 +222,7 @@ def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int
         assert draft is not None        # a candidate has a draft
         last = len(c.seq.token_ids) - 1
         rows = min(last + 1 - draft.num_computed_tokens, max_rows + 1)
-        drafts.setdefault(draft.member, []).append((rows, last + 1 - rows, last, k_r))
+        drafts.setdefault(draft.member, []).append(DraftEntry(rows, last + 1 - rows, last, k_r, window, sink_tokens))
     riding: set[int] = set()
     if riders and drafts:
         forwards = max(by_chunk.values())
@@ -214,40 +231,43 @@ def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int
             n = ride_tokens(forwards, rider.max_tokens)
             if n >= 2:
                 riding.add(id(rider.chunk))
-                drafts[drafter].append((1, rider.chunk.start_pos, rider.chunk.start_pos, n))
+                drafts[drafter].append(DraftEntry(1, rider.chunk.start_pos, rider.chunk.start_pos, n))
     return _draft_forwards(drafts) + _batch_forwards(plan, lambda chunk: by_chunk.get(id(chunk), 0), riding)
 
 
 def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
     """The forwards of a planned step as its DraftSpecs set them (what an executor that measures its steps fits
     its step-cost estimate on): the same shapes step_forwards prices, from the plan itself."""
-    drafts: dict[str, list[tuple[int, int, int, int]]] = {}
+    drafts: dict[str, list[DraftEntry]] = {}
     riding: set[int] = set()
     for batch in plan.batches:
         for chunk in batch.chunks:
             spec = chunk.draft
             if spec is not None:
                 rows = len(spec.token_ids)
-                drafts.setdefault(spec.member, []).append(
-                    (rows, spec.start_pos, spec.start_pos + rows - 1, spec.num_tokens))
+                drafts.setdefault(spec.member, []).append(DraftEntry(
+                    rows, spec.start_pos, spec.start_pos + rows - 1, spec.num_tokens, spec.window, spec.sink_tokens))
             elif chunk.ride_tokens:
                 riding.add(id(chunk))
-                drafts.setdefault(batch.member, []).append((1, chunk.start_pos, chunk.start_pos, chunk.ride_tokens))
+                drafts.setdefault(batch.member, []).append(
+                    DraftEntry(1, chunk.start_pos, chunk.start_pos, chunk.ride_tokens))
     return _draft_forwards(drafts) + _batch_forwards(
         plan, lambda chunk: chunk.draft.num_tokens if chunk.draft is not None else 0, riding)
 
 
-def _draft_forwards(drafts: dict[str, list[tuple[int, int, int, int]]]) -> list[ForwardShape]:
-    """Per draft member, from its requests' (catch-up rows, tokens before them, last position, k): the catch-up
-    forward (one row a decode, up to CATCH_UP_VERIFY_ROWS a verify's rows, more a prefill chunk), then one forward
-    per further drafted token."""
+def _draft_forwards(drafts: dict[str, list[DraftEntry]]) -> list[ForwardShape]:
+    """Per draft member, from its requests' entries: the catch-up forward (one row a decode, up to
+    CATCH_UP_VERIFY_ROWS a verify's rows, more a prefill chunk), then one forward per further drafted token; each
+    row at the context it reads (a windowed draft's, at most its window)."""
     forwards: list[ForwardShape] = []
     for member, entries in drafts.items():
-        forwards.append(ForwardShape(MemberName(member), tuple(b for r, b, _, _ in entries if r == 1),
-                                     tuple((r, b) for r, b, _, _ in entries if 1 < r <= CATCH_UP_VERIFY_ROWS),
-                                     tuple((r, b) for r, b, _, _ in entries if r > CATCH_UP_VERIFY_ROWS), True))
-        for j in range(1, max(k_r for _, _, _, k_r in entries)):
-            contexts = tuple(last + j for _, _, last, k_r in entries if k_r > j)
+        forwards.append(ForwardShape(MemberName(member), tuple(e.context(e.before) for e in entries if e.rows == 1),
+                                     tuple((e.rows, e.context(e.before)) for e in entries
+                                           if 1 < e.rows <= CATCH_UP_VERIFY_ROWS),
+                                     tuple((e.rows, e.context(e.before)) for e in entries
+                                           if e.rows > CATCH_UP_VERIFY_ROWS), True))
+        for j in range(1, max(e.k for e in entries)):
+            contexts = tuple(e.context(e.last + j) for e in entries if e.k > j)
             forwards.append(ForwardShape(MemberName(member), contexts, (), (), True))
     return forwards
 
@@ -395,7 +415,9 @@ class Speculation:
             tables, _ = draft.kv.tables_upto(-(-(n + k_r - 1) // draft.kv.tokens_per_block))
             chunk.draft = DraftSpec(member=draft.member, num_tokens=k_r,
                                     token_ids=seq.token_ids[draft.num_computed_tokens:],
-                                    start_pos=draft.num_computed_tokens, block_tables=tables)
+                                    start_pos=draft.num_computed_tokens, block_tables=tables,
+                                    window=self.settings.draft_window,
+                                    sink_tokens=self.settings.draft_sink_tokens)
         if riders:
             forwards = max((c.draft.num_tokens for b in plan.batches for c in b.chunks if c.draft is not None),
                            default=0)

@@ -133,6 +133,22 @@ class DraftSpec:
     start_pos: int                     # position of token_ids[0]
     block_tables: list[list[PageId]]   # the draft member's pages for this request, one list per draft layer,
                                        # covering positions [0, start_pos + len(token_ids) + num_tokens - 1)
+    # the draft's attention window (speculation.draft_window): each draft row attends to positions [0, sink_tokens)
+    # and its last `window` positions (its own included); 0: to every position before it
+    window: int = 0
+    sink_tokens: int = 0
+
+    def attended(self, context: int) -> int:
+        """Keys a draft row after `context` tokens reads (its own position's not counted, as a decode's context)."""
+        return attended_keys(context, self.window, self.sink_tokens)
+
+
+def attended_keys(context: int, window: int, sink_tokens: int) -> int:
+    """Of `context` tokens before a row, how many a window of `window` (the row's own key included; 0: no window)
+    past `sink_tokens` sink positions lets it read."""
+    if window <= 0:
+        return context
+    return min(context, sink_tokens + window - 1)
 
 
 @dataclass(slots=True)
@@ -166,6 +182,10 @@ class SeqChunk:
     # it decodes this many tokens, one per forward, and no forward of its member's batch computes it; token_ids ==
     # [last], sample=True, block_tables cover positions [0, start_pos + ride_tokens). 0: one token, as usual.
     ride_tokens: int = 0
+    # A draft row under a draft window (DraftSpec.window, set by the engine's drafting, never by the core): each
+    # token attends to positions [0, sink_tokens) and its last `window` positions only. 0: to every position.
+    window: int = 0
+    sink_tokens: int = 0
 
 
 @dataclass(slots=True)
