@@ -138,10 +138,6 @@ class DraftSpec:
     window: int = 0
     sink_tokens: int = 0
 
-    def attended(self, context: int) -> int:
-        """Keys a draft row after `context` tokens reads (its own position's not counted, as a decode's context)."""
-        return attended_keys(context, self.window, self.sink_tokens)
-
 
 def attended_keys(context: int, window: int, sink_tokens: int) -> int:
     """Of `context` tokens before a row, how many a window of `window` (the row's own key included; 0: no window)
