@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.config import SpeculationConfig
 from orchestrator.core.types import (DraftSpec, MemberBatch, PageId, RequestId, SampledToken, SamplingParams,
                                      SeqChunk, StepPlan)
 
@@ -38,6 +39,9 @@ COST_CONTEXT = 128
 REPEATS = 5
 ARENA_PAGES = 4096
 LONG_ARENA_PAGES = 32768              # --long-prompts: 20 requests of ~1,000 tokens, target and draft pages
+LONG_MIN_TOKENS, LONG_MAX_TOKENS = 512, 896   # --long-prompts: a turn's context, at least / its last at most
+# the sink positions a windowed draft keeps: the server's own default (speculation.draft_sink_tokens)
+SINK_TOKENS = SpeculationConfig().draft_sink_tokens
 COSTS_NOTE = (f"costs: wall-clock medians of {REPEATS} runs after a warm-up, decodes at {COST_CONTEXT} tokens of "
               "context; verify_ms = step_ms - draft_ms. Timed while other work may have shared the machine: "
               "re-measure them alone (--costs) before using them as figures")
@@ -171,7 +175,7 @@ def workload_prompts(tokenizer_hash: str, count: int = 10, max_tokens: int = 256
     return [p[-max_tokens:] for p in prompts[:count]]
 
 
-def long_prompts(family, count: int = 10, min_tokens: int = 512, max_tokens: int = 896,
+def long_prompts(family, count: int = 10, min_tokens: int = LONG_MIN_TOKENS, max_tokens: int = LONG_MAX_TOKENS,
                  seed: int = 0) -> list[list[int]]:
     """Long contexts: the latest turn of at least min_tokens (ShareGPT's own earlier replies as history) of each
     of the first `count` multi-turn sessions of a trace that has one, its last max_tokens tokens at most (what a
@@ -219,7 +223,7 @@ def draft_pairs(family) -> list[tuple[str, str]]:
 
 def measure_acceptance(executor, family, prompts: list[list[int]], k: int = DRAFT_TOKENS,
                        new_tokens: int = NEW_TOKENS, temperatures=TEMPERATURES, seed: int = 0,
-                       window: int = 0, sink_tokens: int = 4) -> list[dict]:
+                       window: int = 0, sink_tokens: int = SINK_TOKENS) -> list[dict]:
     """Every pair and temperature: each prompt decoded new_tokens with drafts of k tokens (unseeded sampling
     from fixed per-request streams, so the table is reproducible); window: the drafts' attention window
     (speculation.draft_window, 0: none) past sink_tokens sinks."""
@@ -343,8 +347,8 @@ def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float3
     executor = build_executor(family, device, dtype, num_pages=LONG_ARENA_PAGES if long else ARENA_PAGES)
     started = time.perf_counter()
     texts = long_prompts(family, prompts) if long else workload_prompts(family.members[0].tokenizer_hash, prompts)
-    source = (f"the latest turn of at least 512 tokens of ShareGPT multi-turn sessions ({len(texts)} prompts, last "
-              "896 tokens at most)" if long else
+    source = (f"the latest turn of at least {LONG_MIN_TOKENS} tokens of ShareGPT multi-turn sessions ({len(texts)} "
+              f"prompts, last {LONG_MAX_TOKENS} tokens at most)" if long else
               f"first turns of {TRACE.relative_to(TRACE.parents[3])} ({len(texts)} prompts, last 256 tokens at most)")
     table: dict[str, Any] = {
         "format": TABLE_FORMAT,
@@ -394,11 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-k", default=",".join(map(str, COST_K)), help="drafted tokens timed (comma list)")
     parser.add_argument("--cost-batch", default=",".join(map(str, COST_BATCH)), help="batch sizes timed (comma list)")
     parser.add_argument("--draft-window", default="0", metavar="W[,W...]",
-                        help="acceptance of drafts that attend to 4 sink tokens and their last W positions only "
-                             "(speculation.draft_window; 0: every position), one table row set per W")
+                        help=f"acceptance of drafts that attend to {SINK_TOKENS} sink tokens and their last W "
+                             "positions only (speculation.draft_window; 0: every position), one table row set per W")
     parser.add_argument("--long-prompts", action="store_true",
-                        help="long contexts (512-896 tokens of multi-turn ShareGPT sessions) instead of the quick "
-                             "trace's first turns (13-237 tokens): where a draft window hides most of the context")
+                        help=f"long contexts ({LONG_MIN_TOKENS}-{LONG_MAX_TOKENS} tokens of multi-turn ShareGPT "
+                             "sessions) instead of the quick trace's first turns (13-237 tokens): where a draft "
+                             "window hides most of the context")
     parser.add_argument("--out", default="eval/simulate/tables/tiny_speculation.json")
     args = parser.parse_args(argv)
     try:
