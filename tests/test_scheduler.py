@@ -518,3 +518,19 @@ def test_sticky_sessions_keep_later_turns_on_the_first_turns_member(family, stic
         assert later.member == largest
     other = h.submit("other", PROMPT, max_tokens=2, session_id="another", complexity_hint=0.95)
     assert other.member == largest                      # a new session is routed on its own complexity
+
+
+def test_a_downgrade_the_sessions_home_undoes_is_not_counted():
+    """A later turn the router downgrades because the large member is busy, but which its session's home (the large
+    member, sticky sessions) keeps, runs on the large member: no downgrade, in the decision or the counters. A new
+    session in the same state is downgraded and counted."""
+    h = Harness(family=independent_family(), **{"router.downgrade_running": 1})
+    first = h.submit("t0", PROMPT, max_tokens=40, session_id="chat", complexity_hint=0.95)
+    h.step()
+    assert first.member == "l" and h.scheduler.loads()["l"].num_running == 1        # busy: downgrade_running 1
+    later = h.submit("t1", PROMPT + [7] * 8, max_tokens=2, session_id="chat", complexity_hint=0.5)
+    assert later.member == "l" and later.downgraded_from is None
+    assert later.reason.startswith("session kept on l") and "downgraded to s" in later.reason
+    other = h.submit("o0", PROMPT, max_tokens=2, session_id="another", complexity_hint=0.5)
+    assert other.member == "s" and other.downgraded_from == "l"
+    assert h.scheduler.snapshot(h.now)["counters"]["downgrades"] == {"l->s": 1}

@@ -191,18 +191,26 @@ def write_over_runs(out: str | Path, files: Sequence[Path], command: str | None)
     return found
 
 
+def read_results(paths: Sequence[str], prog: str) -> list[dict[str, Any]] | None:
+    """Each result file's JSON; None (after one line on stderr naming the file) when one cannot be read."""
+    results = []
+    for name in paths:
+        try:
+            results.append(json.loads(Path(name).read_text()))
+        except (OSError, ValueError) as exc:
+            print(f"{prog}: cannot read {name}: {exc}", file=sys.stderr)
+            return None
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.bench.intervals", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="bench or simulate result JSON files with a load curve")
     parser.add_argument("--out", default=None, help="write the intervals here as JSON")
     args = parser.parse_args(argv)
-    results = []
-    for name in args.files:
-        try:
-            results.append(json.loads(Path(name).read_text()))
-        except (OSError, ValueError) as exc:
-            print(f"python -m eval.bench.intervals: cannot read {name}: {exc}", file=sys.stderr)
-            return 2
+    results = read_results(args.files, "python -m eval.bench.intervals")
+    if results is None:
+        return 2
     found = intervals_over(results)
     differ = differing_settings(results)
     if differ:

@@ -9,6 +9,7 @@ MFS's defaults, or eval's independent deployments). Pure: no torch, no I/O, the 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -209,10 +210,20 @@ class Scheduler:
         decision = self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
                                      loads=self.loads(request), session_member=session_member)
         if self.homes is None:
-            return self.placement.place(decision, request)
+            return self._settled(self.placement.place(decision, request))
         decision = self.placement.place(self.homes.keep(decision, request, self.placement.holds), request)
         self.homes.remember(request, decision.member)
-        return decision
+        return self._settled(decision)
+
+    def _settled(self, decision: RouteDecision) -> RouteDecision:
+        """A downgrade that the session's home or the placement undid (the request runs on a member at least as
+        large as the one it was downgraded from) is no downgrade: the counters count only requests that run below
+        the member routing chose."""
+        down = decision.downgraded_from
+        names = self.family.member_names
+        if down is None or names.index(decision.member) < names.index(down):
+            return decision
+        return dataclasses.replace(decision, downgraded_from=None)
 
     def loads(self, request: Request | None = None) -> dict[str, MemberLoad]:
         """Each member's load; with `request`, also the expected wait before it could be admitted there
