@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from eval.bench.curve import BASELINE, SLO, capacity_at_slo
+from eval.bench.curve import SLO, capacity_at_slo, capacity_ratio
 from eval.bench.intervals import interval, read_results
 
 # the figures two files must agree on at a rate they share (same seed, same system)
@@ -61,18 +61,12 @@ def capacities(points: Mapping[str, Mapping[float, Mapping[str, Any]]], slo: SLO
     return found
 
 
-def ratio(found: Mapping[str, Mapping[str, Any]], name: str = "mfs") -> float | None:
-    """name's capacity over the static baseline's; None unless both are measured crossings (MFS's may be a lower
-    bound: then so is the ratio, and the caller says so)."""
-    base, mine = found.get(BASELINE), found.get(name)
-    if base is None or mine is None or base["capacity"] is None or base["lower_bound"] or mine["capacity"] is None:
-        return None
-    return mine["capacity"] / base["capacity"]
-
-
 def summary(results: Sequence[Mapping[str, Any]], slo: SLO) -> dict[str, Any]:
     by_seed = {seed: capacities(points, slo) for seed, points in sorted(merge_points(results).items())}
-    ratios = {seed: ratio(found) for seed, found in by_seed.items()}
+    # the curve's own rule: MFS's over the static baseline's, None where the baseline's is absent or a lower bound
+    ratios = {seed: capacity_ratio({n: f["capacity"] for n, f in found.items()},
+                                   [n for n, f in found.items() if f["lower_bound"]])
+              for seed, found in by_seed.items()}
     measured = [r for r in ratios.values() if r is not None]
     found_interval = interval(measured)
     return {"slo": slo.to_dict(), "by_seed": by_seed, "ratio_by_seed": ratios,
