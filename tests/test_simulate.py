@@ -132,6 +132,33 @@ def test_table_cost_model_combines_decode_and_prefill_with_the_overlap(tmp_path)
         load_table(tmp_path / "bad.json")
 
 
+def test_the_mixed_step_grid_prices_what_a_prompt_chunk_adds_beside_the_decodes(tmp_path):
+    """--mixed-steps grid: a step with decodes and a prefill chunk costs the decodes plus the grid's figure for that
+    chunk beside that batch, plus what its cached prefix adds; steps of one kind and the overlap default as before;
+    a table without the grid is refused for it, and the grid survives a save and a scaling."""
+    member = MemberCosts(decode_ms=Grid2D((1.0, 2.0), (0.0, 100.0), ((1.0, 1.0), (2.0, 2.0))),
+                         prefill_ms=Grid2D((10.0, 20.0), (0.0, 100.0), ((10.0, 14.0), (20.0, 24.0))), mix_overlap=0.5,
+                         mixed_extra_ms=Grid2D((10.0, 20.0), (1.0, 2.0), ((0.2, 0.4), (0.6, 0.8))))
+    save_table(StepTable(source="test", members={"m": member}), tmp_path / "t.json")
+    table = load_table(tmp_path / "t.json")
+    assert table.member("m").mixed_extra_ms == member.mixed_extra_ms
+    grid, overlap = TableCostModel(table, mixed_steps="grid"), TableCostModel(table)
+    assert grid.batch_s(BatchShape("m", (50,), ((10, 0),))) == pytest.approx((1 + 0.2) / 1e3)
+    assert grid.batch_s(BatchShape("m", (50, 50), ((20, 0),))) == pytest.approx((2 + 0.8) / 1e3)
+    # a chunk after a cached prefix: its attention over the prefix on top (14 - 10 ms at 100 tokens before it)
+    assert grid.batch_s(BatchShape("m", (50,), ((10, 100),))) == pytest.approx((1 + 0.2 + 4) / 1e3)
+    assert overlap.batch_s(BatchShape("m", (50,), ((10, 0),))) == pytest.approx((10 + 0.5 * 1) / 1e3)
+    for shape in (BatchShape("m", (50, 50), ()), BatchShape("m", (), ((20, 0),))):
+        assert grid.batch_s(shape) == overlap.batch_s(shape)
+    assert table.scaled(2.0, "slower").member("m").mixed_extra_ms(10, 1) == pytest.approx(0.4)
+    bare = StepTable(source="old", members={"m": MemberCosts(decode_ms=member.decode_ms, prefill_ms=member.prefill_ms)})
+    assert "mixed_extra_ms" not in bare.to_dict()["members"]["m"]
+    with pytest.raises(StepTableError, match="no mixed-step grid for m"):
+        TableCostModel(bare, mixed_steps="grid")
+    with pytest.raises(ValueError, match="mixed_steps"):
+        TableCostModel(table, mixed_steps="other")
+
+
 def test_a_plans_shape_tells_decodes_from_prefill_chunks_and_counts_layers():
     batch = MemberBatch("m", [chunk("a", 40, 1), chunk("b", 0, 16), chunk("c", 8, 8, start_layer=2)])
     shape, = plan_shapes(StepPlan(batches=[batch]), nested_family())          # m: 4 layers
@@ -839,3 +866,15 @@ def test_natural_lengths_end_each_simulated_reply_where_the_datasets_did_and_sen
     tokens = [executor.execute(StepPlan(batches=[MemberBatch("s", [chunk("r", 9 + p, 1, generated=p)])]))[0].token_id
               for p in range(7)]
     assert tokens[5] == eos and eos not in tokens[:5] and tokens[6] != eos
+
+
+def test_mixed_steps_grid_is_refused_for_the_tiny_family_whose_engine_was_timed():
+    import argparse
+
+    from eval.simulate.cli import add_arguments, build_setup, sim_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--family", "tiny", "--quick", "--mixed-steps", "grid"])
+    with pytest.raises(PlacementError, match="--mixed-steps prices paper-scale"):
+        build_setup(args, sim_settings(args))

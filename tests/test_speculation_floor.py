@@ -87,6 +87,22 @@ def test_the_command_writes_its_figures_and_refuses_bad_input(tmp_path, capsys):
                  "--out", str(out)]) == 0
     (check,) = json.loads(out.read_text())["needed"]
     assert check["result"] == "r.json" and check["member_requests_needed_ms"] == pytest.approx(8.0)
+    assert "measured" not in check and "no step profile" in capsys.readouterr().out
+    # with the run's step profile: what the member's steps gave, and the floor at the system's own batch
+    data = json.loads(result.read_text())
+    for name, batch in (("mfs", 4.2), ("baseline", 9.0)):
+        data["systems"][name]["simulation"] = {"step_profile": {"llama3.1-70b": {
+            "batch": batch, "mean_context": 700.0, "tokens_per_request_step": 2.0, "token_period_ms": 10.0,
+            "token_period_without_prompts_ms": 9.0, "prompt_tokens": 50, "steps": 3}}}
+    result.write_text(json.dumps(data))
+    assert main(["--table", str(LLAMA), "--batches", "1", "--max-k", "4", "--result", str(result),
+                 "--out", str(out)]) == 0
+    (check,) = json.loads(out.read_text())["needed"]
+    assert check["measured"]["floor"]["batch"] == 4 and check["measured"]["floor"]["context"] == 700
+    assert "floor at mfs's batch 4 and context 700" in capsys.readouterr().out
+    data["systems"]["baseline"]["simulation"]["step_profile"] = {"llama3.1-8b": {}}
+    result.write_text(json.dumps(data))
+    assert main(["--table", str(LLAMA), "--result", str(result)]) == 2      # the member's steps missing: refused
     assert main(["--table", str(tmp_path / "missing.json")]) == 2
     assert main(["--table", str(LLAMA), "--target", "1.5"]) == 2
     assert main(["--table", str(LLAMA), "--batches", "0"]) == 2

@@ -10,7 +10,8 @@ aiconfigurator_core. The project side (`build_aic_table`) calls it as a subproce
 
 Queries (milliseconds, about 2 us each): decode_step_latency(batch, context, 1) for a decode step;
 predict_prefill_latency(1, prefix + tokens, prefix) for a prefill chunk after a cached prefix;
-mixed_step_latency(tokens, batch, context, 1) to fit how much a step holding both costs over the larger part.
+mixed_step_latency(tokens, batch, context, 1) to fit how much a step holding both costs over the larger part,
+and on a grid of prompt tokens and decode batches, what a prefill chunk adds to a decode step (mixed_extra_ms).
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 PREFILL_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PREFIX = (0, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+# the mixed-step grid: a prefill chunk of MIXED_TOKENS beside MIXED_BATCH decodes at MIXED_CONTEXT
+MIXED_TOKENS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
+MIXED_BATCH = (1, 4, 16, 32, 64, 128, 256)
+MIXED_CONTEXT = 1024
 MIX_POINTS = ((64, 8, 1024), (128, 32, 2048), (512, 8, 1024), (512, 64, 2048), (1024, 16, 4096), (256, 128, 1024))
 
 
@@ -105,9 +110,12 @@ def _member_table(model: str, gpu: str, backend: str, tp: int) -> dict:
         p, d = handle.predict_prefill_latency(1, tokens, 0), handle.decode_step_latency(batch, context, 1)
         overlaps.append(max(0.0, (mixed - max(p, d)) / min(p, d)))
     overlaps.sort()
+    mixed = [[handle.mixed_step_latency(t, b, MIXED_CONTEXT, 1, 0) - handle.decode_step_latency(b, MIXED_CONTEXT, 1)
+              for b in MIXED_BATCH] for t in MIXED_TOKENS]
     return {"model": model, "tp": tp, "hf_config": _hf_config(model), "mix_overlap": overlaps[len(overlaps) // 2],
             "decode_ms": {"batch": list(DECODE_BATCH), "context": list(CONTEXT), "ms": decode},
-            "prefill_ms": {"tokens": list(PREFILL_TOKENS), "prefix": list(PREFIX), "ms": prefill}}
+            "prefill_ms": {"tokens": list(PREFILL_TOKENS), "prefix": list(PREFIX), "ms": prefill},
+            "mixed_extra_ms": {"tokens": list(MIXED_TOKENS), "batch": list(MIXED_BATCH), "ms": mixed}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
              "step_overhead_ms": 0.0, "copy_gb_s": 25.0, "members": members,
              "notes": ["decode_ms = decode_step_latency(batch, context, 1); prefill_ms = predict_prefill_latency(1, "
                        "prefix + tokens, prefix); mix_overlap = median over MIX_POINTS of (mixed_step_latency - "
-                       "max(P, D)) / min(P, D)",
+                       "max(P, D)) / min(P, D); mixed_extra_ms = mixed_step_latency(tokens, batch, "
+                       f"{MIXED_CONTEXT}, 1) - decode_step_latency(batch, {MIXED_CONTEXT}, 1)",
                        "copy_gb_s 25: arena <-> host tier over PCIe 5 at about half its 64 GB/s peak (assumed, "
                        "not from aiconfigurator)"]}
     json.dump(table, sys.stdout)

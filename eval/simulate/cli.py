@@ -25,6 +25,7 @@ from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.result import curve_points, curve_result, rate_point
 from eval.simulate.acceptance import acceptance_table
 from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary, Confidences
+from eval.simulate.cost_model import MIXED_STEPS
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
 from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
 from eval.simulate.fleet import PlacementError, parse_placement
@@ -76,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paper-scale families: charge copies of evicted pages to the host tier before the step "
                              "(as the local engine does) instead of beside its compute on the GPU's copy stream "
                              "(the default, as TensorRT-LLM offloads)")
+    parser.add_argument("--mixed-steps", choices=MIXED_STEPS, default="overlap",
+                        help="paper-scale families: price a step holding decodes and a prefill chunk with the table's "
+                             "one overlap factor (overlap, the default) or from aiconfigurator's mixed-step grid "
+                             "(grid: what the chunk adds beside that many decodes; docs/SIMULATOR.md)")
     parser.add_argument("--colocated-deployments", choices=("shared", "turns"), default=None,
                         help="how separate deployments share one device: shared (the default for GPU families: each "
                              "deployment's process steps on its own, the device's time shared among the steps in "
@@ -131,7 +136,8 @@ def build_setups(args: argparse.Namespace, settings: BenchSettings) -> tuple[Sim
                              "machine's measured cost model (colocated or fleet:N)")
     pooled, separate = pooled_setups(args.family, args.gpu, args.backend, placement.num_nodes, args.step_table,
                                      args.block_tokens, host_tier_gib_per_gpu=_host_tier_gib(args),
-                                     saves_overlap=not args.serial_saves, member_tp=_member_tp(args))
+                                     saves_overlap=not args.serial_saves, member_tp=_member_tp(args),
+                                     mixed_steps=args.mixed_steps)
     if args.no_member_homes:
         pooled.member_homes = None
     return (_with_acceptance(args, _with_policies(pooled, args, settings)),
@@ -196,7 +202,10 @@ def _build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
                                  "--cost-model aiconfigurator")
         return paper_setup(args.family, args.gpu, args.backend, placement, args.step_table, args.block_tokens,
                            host_tier_gib_per_gpu=_host_tier_gib(args), saves_overlap=not args.serial_saves,
-                           member_tp=_member_tp(args))
+                           member_tp=_member_tp(args), mixed_steps=args.mixed_steps)
+    if args.mixed_steps != "overlap":
+        raise PlacementError(f"--mixed-steps prices paper-scale families' steps from aiconfigurator; {args.family}'s "
+                             "measured cost model prices a mixed step as its engine was timed")
     if args.serial_saves:
         raise PlacementError(f"--serial-saves is for paper-scale families; {args.family}'s measured cost model "
                              "already charges every copy in the step, as its engine makes them")

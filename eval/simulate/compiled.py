@@ -43,6 +43,7 @@ MODULES = (
     "eval.baseline.deployments",
     "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",
     "eval.simulate.confidence", "eval.simulate.escalation_model", "eval.simulate.cost_model",
+    "eval.simulate.step_profile",
 )
 
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from eval.simulate.step_table import StepTable
+from eval.simulate.step_table import StepTable, StepTableError
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.speculation import plan_forwards
 from orchestrator.core.types import ForwardShape, MemberBatch, StepPlan
@@ -202,13 +202,20 @@ def after_prefill_term(since_prefill: int, prefill_tokens: int, decay: float) ->
     return prefill_tokens * decay ** (since_prefill - 1)
 
 
+# how a step table prices a step holding both decodes and a prefill chunk (TableCostModel)
+MIXED_STEPS = ("overlap", "grid")
+
+
 class TableCostModel:
     """Costs read from an `mfs-step-table/1` (see step_table.py).
 
     A batch's decodes cost D = decode_ms(batch size, mean context); its prefill chunks cost
     P = prefill_ms(total new tokens, mean tokens before them); both in one step cost
-    max(P, D) + mix_overlap * min(P, D). Chunks resuming at a layer > 0 (nested handover) scale by the
-    share of layers computed. A batch riding in a larger nested member's forward (own_forward False) costs
+    max(P, D) + mix_overlap * min(P, D) (mixed_steps "overlap", one factor per member fitted on a few mixed steps);
+    with mixed_steps "grid", D + mixed_extra_ms(new tokens, requests) + P - prefill_ms(new tokens, 0): what
+    aiconfigurator's own mixed step says the chunk adds beside that batch, plus what its cached prefix adds (the
+    one factor charges a short chunk in a large decode batch several times what the mixed step itself does).
+    Chunks resuming at a layer > 0 (nested handover) scale by the share of layers computed. A batch riding in a larger nested member's forward (own_forward False) costs
     ride_overlap times that: its rows go through layers the host runs anyway, as the local engine merges them.
     Verifies (speculation) join the decodes: a verify of r rows reads its request's KV once, as a decode does,
     and its r - 1 extra rows cost what they add to a forward's matrix work: D = decode_ms(decodes + verifies,
@@ -216,10 +223,20 @@ class TableCostModel:
     are one sequence: n verifies priced as one chunk of their rows would read one request's KV, not n.)
     """
 
-    def __init__(self, table: StepTable, name: str = "table", saves_overlap: bool = False) -> None:
+    def __init__(self, table: StepTable, name: str = "table", saves_overlap: bool = False,
+                 mixed_steps: str = "overlap") -> None:
+        if mixed_steps not in MIXED_STEPS:
+            raise ValueError(f"mixed_steps {mixed_steps!r}: one of {', '.join(MIXED_STEPS)}")
+        if mixed_steps == "grid":
+            missing = [n for n, m in table.members.items() if m.mixed_extra_ms is None]
+            if missing:
+                raise StepTableError(f"--mixed-steps grid: the step table ({table.source}) has no mixed-step grid "
+                                     f"for {', '.join(missing)} (a table built before it was recorded: build it "
+                                     "again with aiconfigurator)")
         self.table = table
         self.name = name
         self.saves_overlap = saves_overlap
+        self.mixed_steps = mixed_steps
 
     def batch_s(self, shape: BatchShape) -> float:
         costs = self.table.member(shape.member)
@@ -233,7 +250,13 @@ class TableCostModel:
             tokens = sum(n for n, _ in shape.prefills)
             prefix = sum(p for _, p in shape.prefills) / len(shape.prefills)
             prefill_ms = costs.prefill_ms(tokens, prefix)
-        total_ms = max(decode_ms, prefill_ms) + costs.mix_overlap * min(decode_ms, prefill_ms)
+        grid = costs.mixed_extra_ms if self.mixed_steps == "grid" else None
+        if grid is not None and decode_ms > 0 and prefill_ms > 0:
+            # the chunk's cost beside this many decoding requests, plus what its cached prefix adds to it
+            requests = len(shape.decode_contexts) + len(shape.verifies)
+            total_ms = decode_ms + grid(tokens, requests) + max(0.0, prefill_ms - costs.prefill_ms(tokens, 0))
+        else:
+            total_ms = max(decode_ms, prefill_ms) + costs.mix_overlap * min(decode_ms, prefill_ms)
         if not shape.own_forward:
             total_ms *= costs.ride_overlap
         return total_ms * shape.layer_fraction / 1e3
@@ -247,7 +270,7 @@ class TableCostModel:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.table.source, "gpu": self.table.gpu, "backend": self.table.backend,
                 "step_overhead_ms": self.table.step_overhead_ms, "copy_gb_s": self.table.copy_gb_s,
-                "saves_overlap": self.saves_overlap,
+                "saves_overlap": self.saves_overlap, "mixed_steps": self.mixed_steps,
                 "members": {n: {"model": m.model, "tp": m.tp} for n, m in self.table.members.items()},
                 "notes": list(self.table.notes)}
 

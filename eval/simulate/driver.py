@@ -21,6 +21,7 @@ from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.confidence import request_key
 from eval.simulate.fleet import FrontRouter
 from eval.simulate.node import SimNode
+from eval.simulate.step_profile import StepProfile
 from eval.bench.sessions import ClosedLoopSessions, record_output
 from eval.bench.workloads import Trace
 from orchestrator.core.errors import MFSError
@@ -42,6 +43,7 @@ class SimRun:
     wall_s: float
     cpu_s: float                                   # this process's CPU time (wall time depends on the machine's load)
     router_decisions: dict[str, int] = field(default_factory=dict)
+    step_profile: dict[str, dict] = field(default_factory=dict)     # step_profile.StepProfile.summary, every node's
 
 
 NodeFactory = Callable[[VirtualClock, EventQueue, Callable[[RequestOutput, float], None]], list[SimNode]]
@@ -178,13 +180,20 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
                  num_steps=sum(n.executor.num_steps for n in nodes), busy_s=sum(n.executor.busy_s for n in nodes),
                  num_events=events.num_events, wall_s=time.perf_counter() - started,
                  cpu_s=time.process_time() - cpu_started,
-                 router_decisions=dict(router.decisions))
+                 router_decisions=dict(router.decisions), step_profile=_step_profile(nodes))
     # send, submit and next_turn refer to each other (a cycle through their closures, holding the nodes and the
     # trace): emptied here, the replay's state goes with the last reference to it, not at some later full collection.
     del send, next_turn, submit
     if keep_nodes is not None:
         keep_nodes.extend(nodes)
     return run
+
+
+def _step_profile(nodes: list[SimNode]) -> dict[str, dict]:
+    profile = StepProfile()
+    for node in nodes:
+        profile.merge(node.executor.profile)
+    return profile.summary()
 
 
 def _sum_counters(items: list[Any]) -> Any:

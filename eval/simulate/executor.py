@@ -32,6 +32,7 @@ from eval.simulate.acceptance import AcceptanceTable, acceptance_table
 from eval.simulate.confidence import Confidences
 from eval.simulate.cost_model import (BatchShape, CostModel, HistoryTracker, forward_batch_shapes, plan_shapes,
                                       prefill_tokens_of)
+from eval.simulate.step_profile import StepProfile
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.types import ForwardShape, MemberName, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
@@ -69,6 +70,7 @@ class SimExecutor:
         self.last_step_s = 0.0
         self.num_steps = 0
         self.busy_s = 0.0                       # summed over devices (device-seconds)
+        self.profile = StepProfile()            # where the steps' time went (step_profile.py)
         # the history terms (after idle, after a prefill): priced only by a cost model that has them, and only
         # once a clock is attached
         self._history_s: Callable[[float, int, int, int], float] | None = getattr(cost, "history_s", None)
@@ -113,8 +115,9 @@ class SimExecutor:
         """The estimate is the cost model's own price: exact."""
         return 0.0
 
-    def _compute_s(self, shapes: list[BatchShape]) -> float:
-        costs = [self.cost.batch_s(shape) for shape in shapes]
+    def _compute_s(self, shapes: list[BatchShape], costs: list[float] | None = None) -> float:
+        if costs is None:
+            costs = [self.cost.batch_s(shape) for shape in shapes]
         if not costs:
             return 0.0
         if not self.members_in_parallel:
@@ -124,8 +127,8 @@ class SimExecutor:
         drafts = sum(cost for shape, cost in zip(shapes, costs) if shape.draft)
         return drafts + max((cost for shape, cost in zip(shapes, costs) if not shape.draft), default=0.0)
 
-    def _step_s(self, shapes: list[BatchShape]) -> float:
-        compute = self._compute_s(shapes)
+    def _step_s(self, shapes: list[BatchShape], costs: list[float] | None = None) -> float:
+        compute = self._compute_s(shapes, costs)
         saves, loads = self.cost.copy_s(self._save_bytes), self.cost.copy_s(self._load_bytes)
         body = max(compute, saves) if self.cost.saves_overlap else compute + saves
         return self.cost.step_overhead_s() + body + loads
@@ -136,7 +139,8 @@ class SimExecutor:
         (the node copies right before it executes)."""
         self.release(plan.released_requests)
         shapes = plan_shapes(plan, self.family, self.drafts_ride)
-        self.last_step_s = self._step_s(shapes)
+        costs = [self.cost.batch_s(shape) for shape in shapes]
+        self.last_step_s = self._step_s(shapes, costs)
         if self._history_s is not None and self._clock is not None:
             now = self._clock()
             history = self._histories.get(device)
@@ -148,8 +152,9 @@ class SimExecutor:
         self._save_bytes = self._load_bytes = 0
         self.num_steps += 1
         self.busy_s += self.last_step_s
-        out = []
+        out: list[SampledToken] = []
         keys, value, token_id, natural = self.request_keys, self.confidences.value, self.token_id, self.natural_lengths
+        requests = context_tokens = verify_rows = 0
         for batch in plan.batches:
             member = batch.member
             for chunk in batch.chunks:
@@ -158,7 +163,12 @@ class SimExecutor:
                 request_id = chunk.request_id
                 key = keys.get(request_id, request_id)
                 position = chunk.num_generated
+                decoding = chunk.draft is not None or chunk.ride_tokens > 0 or len(chunk.token_ids) == 1
+                if decoding:
+                    requests += 1
+                    context_tokens += chunk.start_pos
                 if chunk.draft is not None:
+                    verify_rows += chunk.draft.num_tokens + 1
                     out.extend(self._verify(member, chunk, key, position))
                     continue
                 if chunk.ride_tokens:
@@ -170,7 +180,32 @@ class SimExecutor:
                     eos = self._eos[member]
                     token = eos if eos is not None else token
                 out.append(SampledToken(request_id=request_id, token_id=token, logprob=_log(p), top1_prob=p))
+        self._profile_step(plan, shapes, costs, out, requests, context_tokens, verify_rows)
         return out
+
+    def _profile_step(self, plan: StepPlan, shapes: list[BatchShape], costs: list[float], out: list[SampledToken],
+                      requests: int, context_tokens: int, verify_rows: int) -> None:
+        """The step in self.profile: its kind (the members of its batches), its forwards' and drafts' time, what
+        its prefill chunks cost inside those forwards (each batch with some priced again without them), and what
+        its decoding requests got (tokens of chunks that were not a prompt's last chunk)."""
+        forward_s = draft_s = prompt_s = 0.0
+        prompt_tokens = 0
+        for shape, cost in zip(shapes, costs):
+            if shape.draft:
+                draft_s += cost
+                continue
+            forward_s += cost
+            if shape.prefills:
+                prompt_tokens += sum(n for n, _ in shape.prefills)
+                rest = BatchShape(shape.member, shape.decode_contexts, (), shape.layer_fraction, shape.own_forward,
+                                  shape.verifies, False)
+                prompt_s += cost - (self.cost.batch_s(rest) if rest.num_tokens else 0.0)
+        prompt_ends = {chunk.request_id for batch in plan.batches for chunk in batch.chunks
+                       if chunk.sample and chunk.draft is None and not chunk.ride_tokens and len(chunk.token_ids) > 1}
+        decode_tokens = sum(1 for token in out if token.request_id not in prompt_ends)
+        kind = "+".join(batch.member for batch in plan.batches if batch.chunks)
+        self.profile.add(kind, self.last_step_s, forward_s, prompt_s, draft_s, requests, decode_tokens,
+                         context_tokens, verify_rows, prompt_tokens)
 
     def _verify(self, member: MemberName, chunk: SeqChunk, key: str, position: int) -> list[SampledToken]:
         """A verify's tokens: the stream's tokens from `position`, one per accepted draft plus the target's own

@@ -55,7 +55,7 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
     metrics["simulation"] = {"steps": run.num_steps, "busy_s": run.busy_s, "events": run.num_events,
                              "wall_s": round(run.wall_s, 2), "cpu_s": round(run.cpu_s, 2),
                              "output_tokens": sum(r.output_tokens for r in run.records),
-                             "front_router": run.router_decisions}
+                             "front_router": run.router_decisions, "step_profile": run.step_profile}
     return run, metrics
 
 

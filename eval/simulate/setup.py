@@ -170,12 +170,13 @@ def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pag
 def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table_path: str | None,
                 block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION,
                 host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU, saves_overlap: bool = True,
-                member_tp: dict[str, int] | None = None) -> SimSetup:
+                member_tp: dict[str, int] | None = None, mixed_steps: str = "overlap") -> SimSetup:
     """member_tp: per-member placement, a member's tensor parallelism above the least that holds it.
     host_tier_gib_per_gpu: host memory for the KV host tier per GPU of a node (0: no host tier).
     saves_overlap: copies of evicted pages to the host tier run beside the step's compute, on the GPU's copy
     stream (TensorRT-LLM's KV cache transfer manager offloads on a stream of its own; vLLM's offloading
-    connector likewise), so a step costs max(compute, saves) + loads; False charges them before the step."""
+    connector likewise), so a step costs max(compute, saves) + loads; False charges them before the step.
+    mixed_steps: how a step holding decodes and a prefill chunk is priced (cost_model.TableCostModel)."""
     from eval.simulate.aic_table import build_aic_table
 
     preset = PRESETS[family]
@@ -222,7 +223,8 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
                      else sum(table.member(n).tp for n in spec.serving_names))
     host_tier_gib = host_tier_gib_per_gpu * gpus_per_node
     return SimSetup(family_name=family, family=spec, member_names=spec.member_names, free_fraction=free_fraction,
-                    cost=TableCostModel(table, "aiconfigurator", saves_overlap), placement=placement, num_pages=num_pages,
+                    cost=TableCostModel(table, "aiconfigurator", saves_overlap, mixed_steps), placement=placement,
+                    num_pages=num_pages,
                     page_bytes=page_bytes, split=split, overrides=overrides, host_tier_mb=host_tier_gib * 1024, gpu=gpu,
                     memory={**memory, "block_tokens": block_tokens, "weights_gib": {n: round(w / 2**30, 2)
                                                                                    for n, w in weights.items()},
@@ -233,7 +235,8 @@ def paper_setup(family: str, gpu: str, backend: str, placement: Placement, table
 def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path: str | None,
                   block_tokens: int = DEFAULT_BLOCK_TOKENS, free_fraction: float = FREE_GPU_MEMORY_FRACTION,
                   host_tier_gib_per_gpu: float = HOST_TIER_GIB_PER_GPU,
-                  saves_overlap: bool = True, member_tp: dict[str, int] | None = None) -> tuple[SimSetup, SimSetup]:
+                  saves_overlap: bool = True, member_tp: dict[str, int] | None = None,
+                  mixed_steps: str = "overlap") -> tuple[SimSetup, SimSetup]:
     """pooled:N (fleet.py): the family's systems on N/G colocated nodes of G GPUs each (G: the tensor parallelism
     the whole family needs), the separate deployments on N/M per-member nodes (M: the GPUs one copy of every
     member needs, each at its own tensor parallelism). N must be a multiple of both, so neither has a GPU left."""
@@ -257,7 +260,7 @@ def pooled_setups(family: str, gpu: str, backend: str, num_gpus: int, table_path
                              f"(one node holding the whole family) and of {per_member} (one GPU group per member, "
                              f"for the separate deployments): try pooled:{need}")
     common = dict(block_tokens=block_tokens, free_fraction=free_fraction, host_tier_gib_per_gpu=host_tier_gib_per_gpu,
-                  saves_overlap=saves_overlap)
+                  saves_overlap=saves_overlap, mixed_steps=mixed_steps)
     pooled = paper_setup(family, gpu, backend, Placement("colocated", num_gpus // group), None, **common)
     pooled.member_homes = member_homes(num_gpus // group, per_member_tps)
     separate = paper_setup(family, gpu, backend, Placement("per-member", num_gpus // per_member), None, **common,

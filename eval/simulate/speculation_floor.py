@@ -20,7 +20,10 @@ paper-scale family). No queueing, no prefill, no scheduling: a floor, which serv
 With --result (`mfs simulate --rate R --out` files, whose per_request rows it reads) and --target, it also says,
 per file, what token latency the requests that reached the largest member would need for `system` to be --target
 below the baseline's mean token latency, the other requests kept at what they took: set against the floors,
-whether any speculation can reach the target there.
+whether any speculation can reach the target there. From the file's step profile (simulation.step_profile) it
+adds what the largest member's steps gave in the run, for `system` and the baseline: the batch a decoding request
+saw, the device time it waited per token with and without the prompt prefill in those steps, and the floor at
+the system's own batch and context.
 
     python -m eval.simulate.speculation_floor --table eval/simulate/tables/llama3.1_h200_sxm_trtllm_tp2-2.json
     python -m eval.simulate.speculation_floor --table ... --result r1.json r2.json --target 0.561
@@ -111,6 +114,34 @@ def needed(result: dict[str, Any], member: str, target: float, system: str = "mf
             "member_requests_needed_ms": allowed * 1e3}
 
 
+def at_measured_batch(result: dict[str, Any], member: str, table: StepTable, family: str, max_k: int,
+                      system: str = "mfs", acceptance_override: float | None = None) -> dict[str, Any]:
+    """What `member`'s steps in the run gave against the floor at the run's own batch and context: per system and
+    the baseline, the step profile of the steps that ran `member` alone (simulation.step_profile: the batch a
+    decoding request saw, its context, the device time it waited per token, that time less what prompt prefill in
+    the same steps added), and the drafts-on-path floor at the system's batch and context, the best k up to
+    max_k."""
+    cost_model = result.get("simulated", {}).get("cost_model", {})
+    out: dict[str, Any] = {"member": member, "mixed_steps": cost_model.get("mixed_steps", "overlap")}
+    for name in (system, "baseline"):
+        profile = result.get("systems", {}).get(name, {}).get("simulation", {}).get("step_profile")
+        if not profile:
+            raise ValueError(f"the result has no step profile for {name!r} (simulation.step_profile: a result "
+                             "written by this version of `mfs simulate`)")
+        if member not in profile:
+            raise ValueError(f"{name!r} has no steps that ran {member!r} alone (kinds: {', '.join(profile)})")
+        entry = profile[member]
+        out[name] = {key: entry[key] for key in ("batch", "mean_context", "tokens_per_request_step", "token_period_ms",
+                                                 "token_period_without_prompts_ms", "prompt_tokens", "steps")}
+    batch = max(1, round(out[system]["batch"]))
+    context = max(1, round(out[system]["mean_context"]))
+    row = next(r for r in floors(table, family, (batch,), context, max_k, acceptance_override) if r["target"] == member)
+    k = row["best_k_on_path"]
+    out["floor"] = {"batch": batch, "context": context, "best_k": k, "drafts_on_path_ms": row["drafts_on_path_ms"][k],
+                    "no_speculation_ms": row["drafts_on_path_ms"][0]}
+    return out
+
+
 def print_floors(rows: list[dict[str, Any]], source: str) -> None:
     print(f"speculation floors (SIMULATED costs: {source}); ms per token of the target, k = 0, 1, ...")
     for row in rows:
@@ -150,8 +181,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--target {args.target}: a reduction is in (0, 1)")
         rows = floors(table, family, batches, args.context, args.max_k, args.acceptance)
         checks = []
+        largest = list(table.members)[-1]
         for path in args.result or ():
-            check = needed(json.loads(path.read_text()), list(table.members)[-1], args.target, args.system)
+            result = json.loads(path.read_text())
+            check = needed(result, largest, args.target, args.system)
+            if any(result.get("systems", {}).get(name, {}).get("simulation", {}).get("step_profile")
+                   for name in (args.system, "baseline")):
+                check["measured"] = at_measured_batch(result, largest, table, family, args.max_k, args.system,
+                                                      args.acceptance)
             checks.append({"result": path.name, **check})
     except (OSError, ValueError, KeyError) as exc:
         print(f"speculation_floor: {exc}", file=sys.stderr)
@@ -162,6 +199,20 @@ def main(argv: list[str] | None = None) -> int:
               f"baseline's {check['baseline_mean_ms']:.2f}; the {check['reached_member']} of {check['requests']} "
               f"requests that reached {check['member']} take {check['member_requests_mean_ms']:.2f} ms per token and "
               f"would need {check['member_requests_needed_ms']:.2f} for {check['target']:.1%} below")
+        m = check.get("measured")
+        if m is None:
+            print("  (no step profile in this file: it predates simulation.step_profile)")
+            continue
+        for name in (check["system"], "baseline"):
+            e = m[name]
+            print(f"  {name}: {m['member']}'s steps: batch {e['batch']:.1f} at context {e['mean_context']:.0f}, "
+                  f"{e['tokens_per_request_step']:.2f} tokens a request a step; a decoding request waited "
+                  f"{e['token_period_ms']:.2f} ms of device time per token, {e['token_period_without_prompts_ms']:.2f} "
+                  f"without the prompt prefill in those steps")
+        f = m["floor"]
+        print(f"  floor at {check['system']}'s batch {f['batch']} and context {f['context']} (drafts on the path, "
+              f"no prompts, no queueing): {f['drafts_on_path_ms']:.2f} ms at k = {f['best_k']} "
+              f"({f['no_speculation_ms']:.2f} without speculation)")
     if args.out is not None:
         args.out.write_text(json.dumps({"format": "mfs-speculation-floor/1", "simulated": True,
                                         "cost_model": table.source, "table": args.table.name, "family": family,

@@ -90,6 +90,10 @@ class MemberCosts:
     tp: int = 1                          # GPUs the member spans (tensor parallel)
     weight_bytes: int | None = None      # per member, all GPUs together
     hf_config: dict[str, Any] | None = None
+    # (prompt tokens, decoding requests): what a prefill chunk adds to a decode step of that batch, from
+    # aiconfigurator's own mixed step (mixed_step_latency less decode_step_latency, at a context of 1,024: it
+    # hardly moves with the context); None in tables built before it was recorded. Read with --mixed-steps grid.
+    mixed_extra_ms: Grid2D | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +111,8 @@ class StepTable:
         """The same table on a machine `factor` times slower: every decode and prefill time times factor."""
         def grid(g: Grid2D) -> Grid2D:
             return Grid2D(g.xs, g.ys, tuple(tuple(v * factor for v in row) for row in g.values))
-        members = {n: replace(m, decode_ms=grid(m.decode_ms), prefill_ms=grid(m.prefill_ms))
+        members = {n: replace(m, decode_ms=grid(m.decode_ms), prefill_ms=grid(m.prefill_ms),
+                              mixed_extra_ms=grid(m.mixed_extra_ms) if m.mixed_extra_ms is not None else None)
                    for n, m in self.members.items()}
         return replace(self, members=members, notes=[*self.notes, note])
 
@@ -126,7 +131,9 @@ class StepTable:
                                    "mix_overlap": m.mix_overlap, "ride_overlap": m.ride_overlap,
                                    "hf_config": m.hf_config,
                                    "decode_ms": m.decode_ms.to_dict("batch", "context"),
-                                   "prefill_ms": m.prefill_ms.to_dict("tokens", "prefix")}
+                                   "prefill_ms": m.prefill_ms.to_dict("tokens", "prefix"),
+                                   **({"mixed_extra_ms": m.mixed_extra_ms.to_dict("tokens", "batch")}
+                                      if m.mixed_extra_ms is not None else {})}
                             for name, m in self.members.items()}}
 
     @classmethod
@@ -140,7 +147,9 @@ class StepTable:
                                          mix_overlap=float(m.get("mix_overlap", 0.0)),
                                          ride_overlap=float(m.get("ride_overlap", 1.0)), model=m.get("model"),
                                          tp=int(m.get("tp", 1)), weight_bytes=m.get("weight_bytes"),
-                                         hf_config=m.get("hf_config"))
+                                         hf_config=m.get("hf_config"),
+                                         mixed_extra_ms=Grid2D.from_dict(m["mixed_extra_ms"], "tokens", "batch")
+                                         if "mixed_extra_ms" in m else None)
                        for name, m in data["members"].items()}
         except (KeyError, TypeError, AttributeError) as exc:
             raise StepTableError(f"{where}: malformed member entry ({type(exc).__name__}: {exc})") from None
