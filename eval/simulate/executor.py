@@ -154,7 +154,7 @@ class SimExecutor:
         self.busy_s += self.last_step_s
         out: list[SampledToken] = []
         keys, value, token_id, natural = self.request_keys, self.confidences.value, self.token_id, self.natural_lengths
-        requests = context_tokens = verify_rows = 0
+        requests = context_tokens = verify_rows = prompt_ends = 0
         for batch in plan.batches:
             member = batch.member
             for chunk in batch.chunks:
@@ -167,6 +167,8 @@ class SimExecutor:
                 if decoding:
                     requests += 1
                     context_tokens += chunk.start_pos
+                else:
+                    prompt_ends += 1            # a prompt's last chunk: one token, its first
                 if chunk.draft is not None:
                     verify_rows += chunk.draft.num_tokens + 1
                     out.extend(self._verify(member, chunk, key, position))
@@ -180,14 +182,14 @@ class SimExecutor:
                     eos = self._eos[member]
                     token = eos if eos is not None else token
                 out.append(SampledToken(request_id=request_id, token_id=token, logprob=_log(p), top1_prob=p))
-        self._profile_step(plan, shapes, costs, out, requests, context_tokens, verify_rows)
+        self._profile_step(plan, shapes, costs, requests, len(out) - prompt_ends, context_tokens, verify_rows)
         return out
 
-    def _profile_step(self, plan: StepPlan, shapes: list[BatchShape], costs: list[float], out: list[SampledToken],
-                      requests: int, context_tokens: int, verify_rows: int) -> None:
+    def _profile_step(self, plan: StepPlan, shapes: list[BatchShape], costs: list[float], requests: int,
+                      decode_tokens: int, context_tokens: int, verify_rows: int) -> None:
         """The step in self.profile: its kind (the members of its batches), its forwards' and drafts' time, what
         its prefill chunks cost inside those forwards (each batch with some priced again without them), and what
-        its decoding requests got (tokens of chunks that were not a prompt's last chunk)."""
+        its decoding requests got."""
         forward_s = draft_s = prompt_s = 0.0
         prompt_tokens = 0
         for shape, cost in zip(shapes, costs):
@@ -200,9 +202,6 @@ class SimExecutor:
                 rest = BatchShape(shape.member, shape.decode_contexts, (), shape.layer_fraction, shape.own_forward,
                                   shape.verifies, False)
                 prompt_s += cost - (self.cost.batch_s(rest) if rest.num_tokens else 0.0)
-        prompt_ends = {chunk.request_id for batch in plan.batches for chunk in batch.chunks
-                       if chunk.sample and chunk.draft is None and not chunk.ride_tokens and len(chunk.token_ids) > 1}
-        decode_tokens = sum(1 for token in out if token.request_id not in prompt_ends)
         kind = "+".join(batch.member for batch in plan.batches if batch.chunks)
         self.profile.add(kind, self.last_step_s, forward_s, prompt_s, draft_s, requests, decode_tokens,
                          context_tokens, verify_rows, prompt_tokens)
