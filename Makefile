@@ -4,14 +4,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mfs-installed
 PYTEST_ARGS ?=
+# torch's CPU wheel: on a normal machine PyPI's default Linux wheel is the CUDA build, and the CPU one comes from
+# PyTorch's own index: `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu`. Empty by default because
+# this build machine cannot reach that index: here pip takes the CPU wheel of torch==2.13.0 from local disk.
+TORCH_INDEX ?=
 
 .PHONY: demo test install bench engine-bench compile-core clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# Pin the CPU wheel of torch first, so that nothing pulls a multi-GB CUDA build (CUDA users: see README).
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first, so that `pip install -e` keeps it (TORCH_INDEX above; CUDA users: see README).
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 

@@ -132,7 +132,7 @@ def _build_tensorrtllm(args: argparse.Namespace, family: FamilySpec, out: Path, 
                                {"engines": {b.member: str(b.engine_dir) for b in builds}, "tp_size": args.tp})
     _print_split(split, budget_bytes)
     print(f"Triton repository: {repo}\nnext: tritonserver --model-repository {repo} "
-          f"(tensorrtllm backend), then: mfs serve --engine triton --triton-url 127.0.0.1:8001")
+          f"(tensorrtllm backend), then: mfs serve --engine triton --triton-url 127.0.0.1:8101")
     return 0
 
 
@@ -186,7 +186,7 @@ def _build_python(args: argparse.Namespace, family: FamilySpec, out: Path, budge
                                {"page_bytes": page_bytes, "dtype": dtype})
     _print_split(split, budget_bytes)
     print(f"Triton repository: {repo}\nnext: mfs triton-up --repo {repo}, then: "
-          f"mfs serve --engine triton --triton-url 127.0.0.1:8001")
+          f"mfs serve --engine triton --triton-url 127.0.0.1:8101")
     return 0
 
 

@@ -1,16 +1,18 @@
 """The compared systems: MFS, the separate-deployment baselines and the ablations, and the static splits
-(traffic share with floors for `no_shared_pool`; proportional to weight bytes, the operator's default; the
-baseline's own split comes from eval/baseline/split.py). Pages per request: KVCacheManager.pages_for_tokens."""
+(traffic share with floors for `no_shared_pool`; proportional to weight bytes, the operator's default, is
+eval/baseline/static_split.py's; the baseline's own split comes from eval/baseline/split.py). Pages per request: KVCacheManager.pages_for_tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from eval.baseline.deployments import DEPLOYMENT_SCHEDULERS
-from eval.weights import member_weight_bytes
-from orchestrator.core.config import MFSConfig, load_config
-from orchestrator.core.engine_core import SchedulerFactory
+from eval.baseline.host_tier import deployment_tiers
+from eval.baseline.static_split import StaticSplit, pages_rule
+from eval.composition import load_system_config
+from orchestrator.core.config import MFSConfig
+from orchestrator.core.engine_core import SchedulerFactory, TiersSource
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
@@ -57,20 +59,20 @@ SPLIT_BASELINES = ("baseline", "baseline_per_turn", "baseline_legacy", "baseline
 
 
 def static_deployments(fractions: dict[str, float]) -> dict[str, Any]:
-    """What separate servers on static slices are beside DEPLOYMENTS: each its slice of the pages and its own part
-    of the host tier, sized in the same proportion (the parts add up to MFS's host tier). baseline_elastic keeps
-    one host tier its deployments share, as it keeps one pool."""
-    return {"comparison.static_split": dict(fractions), "comparison.host_tier_parts": dict(fractions), **DEPLOYMENTS}
+    """What separate servers on static slices are beside DEPLOYMENTS: each its slice of the pages (and its own part
+    of the host tier, sized as its slice: system_tiers). baseline_elastic keeps one host tier its deployments
+    share, as it keeps one pool."""
+    return {"comparison.static_split": dict(fractions), **DEPLOYMENTS}
 
 
 # The scheduler policies of a single-model server before MFS's global scheduler (no reservation of future decode
 # pages beyond a one-block watermark, preempt the newest, recompute, no aging, one chunked-prefill token budget
 # per step): baseline_legacy keeps them, mfs_single_server_policies is MFS with them and SINGLE_SERVER_ROUTING.
 SINGLE_SERVER_POLICIES = {
-    "comparison.decode_reservation": "block",
+    "scheduler.decode_reservation": "block",
     "scheduler.aging_steps": None,
-    "comparison.victim_order": "youngest",
-    "comparison.swap_preempted": False,
+    "scheduler.victim_order": "youngest",
+    "scheduler.swap_preempted": False,
     "scheduler.decode_step_token_budget": None,
 }
 # Routing without MFS's load terms: a session bonus, no pool pressure, no expected-delay load or downgrades.
@@ -94,14 +96,6 @@ class RoutedRequest:
     tokens: int                            # prompt + output tokens: what its KV occupies at the end
 
 
-@dataclass(slots=True)
-class StaticSplit:
-    fractions: dict[str, float]            # member -> fraction of the pages, sums to 1
-    traffic_share: dict[str, float]        # member -> share of tokens x layers routed on complexity alone
-    requests_by_member: dict[str, int]
-    notes: list[str] = field(default_factory=list)
-
-
 def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
                      baseline_split: dict[str, float] | None = None, host_tier_mb: float | None = None,
                      baseline_host_tier: bool = False) -> dict[str, Any]:
@@ -110,7 +104,7 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
 
     host_tier_mb: the node's host memory for the KV host tier (the simulator sizes it from the hardware), given to
     every system that keeps a host tier; None leaves the config's own. The fair baselines keep the same total as
-    MFS: on a static split one part per deployment sized as its slice (static_deployments), baseline_elastic one
+    MFS: on a static split one part per deployment sized as its slice (system_tiers), baseline_elastic one
     LRU its deployments share. baseline_legacy has none, as servers run by default (TensorRT-LLM's
     kv_cache_host_memory_bytes is 0), unless baseline_host_tier."""
     if name not in SYSTEMS:
@@ -135,9 +129,9 @@ def system_overrides(name: str, num_pages: int, split: dict[str, float] | None,
     elif name == "mfs_every_member":           # every member steps in every step (no member turns)
         base["scheduler.member_turns"] = 0.0
     elif name == "mfs_turns_by_weights":       # member turns price each member's forward by its weight bytes
-        base["scheduler.member_turn_costs"] = "weights"
+        base["comparison.member_turns_by_weights"] = True
     elif name == "mfs_draft_member_every_step":  # the riding draft member steps whenever it has decodes
-        base["scheduler.draft_member_every_step"] = True
+        base["comparison.draft_member_every_step"] = True
     elif name == "mfs_separate_drafts":        # the draft member's own batch in a forward of its own
         base["speculation.drafts_ride"] = False
     elif name == "mfs_per_turn":               # every turn routed afresh (sessions not kept on their first member)
@@ -164,6 +158,12 @@ def system_scheduler(name: str) -> SchedulerFactory | None:
     return DEPLOYMENT_SCHEDULERS.get(name)
 
 
+def system_tiers(name: str) -> TiersSource | None:
+    """The tiers system `name` runs when they are not the config's own: the static-split baselines' separate
+    servers each keep a part of the host tier, sized as its slice (eval/baseline/host_tier.py)."""
+    return deployment_tiers if name in SPLIT_BASELINES else None
+
+
 def system_config(name: str, family: str, num_pages: int, split: dict[str, float] | None,
                   extra: dict[str, Any] | None = None, baseline_split: dict[str, float] | None = None,
                   host_tier_mb: float | None = None, baseline_host_tier: bool = False) -> MFSConfig:
@@ -171,26 +171,7 @@ def system_config(name: str, family: str, num_pages: int, split: dict[str, float
                                                       baseline_host_tier), **(extra or {})}
     if name in SPECULATION_SWITCH:
         overrides["speculation.enabled"] = SPECULATION_SWITCH[name]
-    return load_config(overrides=overrides)
-
-
-def pages_rule(family: FamilySpec, config: MFSConfig):
-    """(member, tokens) -> pages and tokens per block of a system configured like `config`: the one
-    rule the scheduler validates with (KVLayout.pages_for_tokens; residual pages included when that
-    system records them)."""
-    layout = KVLayout.for_config(family, config)
-    return layout.pages_for_tokens, layout.tokens_per_block
-
-
-def proportional_split(family: FamilySpec) -> dict[str, float]:
-    """The operator's default: each deployment's slice proportional to its member's weight bytes (a drafts_only
-    member has no deployment)."""
-    sizes = {m: n for m, n in member_weight_bytes(family).items() if m in family.serving_names}
-    total = sum(sizes.values())
-    fractions = {m: n / total for m, n in sizes.items()}
-    largest = max(fractions, key=fractions.get)
-    fractions[largest] += 1.0 - sum(fractions.values())
-    return fractions
+    return load_system_config(overrides)
 
 
 def needs_split(names: Iterable[str]) -> bool:
@@ -220,10 +201,10 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     longest = max((r.tokens for r in requests), default=1)
     # Floors through the one page rule (residual pages included when this config records them: the
     # no_shared_pool ablation does), plus the decode reserve; half a page over so rounding never bites.
-    pages_for_tokens, tokens_per_block = pages_rule(family, config)
+    pages_for_tokens, tokens_per_block = pages_rule(family, config), KVLayout.for_config(family, config).tokens_per_block
     floor = {}
     for m in names:
-        reserve = config.comparison.decode_reserve_blocks * tokens_per_block(m)
+        reserve = config.scheduler.decode_reserve_blocks * tokens_per_block(m)
         pages = pages_for_tokens(m, longest + reserve)
         floor[m] = max(MIN_SPLIT_FRACTION, (pages + 0.5) / num_pages)
     fractions, notes = apply_floors(share, floor)

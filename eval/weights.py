@@ -2,6 +2,7 @@
 member's figure as the compared systems and the simulator's GPU memory read it."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from orchestrator.core.family import FamilySpec, MemberSpec
@@ -24,9 +25,10 @@ def weight_bytes(hf: dict[str, Any]) -> int:
 def member_weight_bytes(family: FamilySpec) -> dict[str, int]:
     """Bytes of each member's weights: what the family says (`serving.weight_bytes`: the simulator's paper-scale
     members, whose checkpoint_dir is only the shipped tokenizer, and random-weight families), else its checkpoint
-    files, else weight_bytes of its shape (test fakes). The files are counted where they exist because they are
-    what the operator deploys, in the dtype they are stored in (the shipped tiny family's are float32, twice the
-    bf16 estimate); the shape carries no MLP width, so the estimate takes the common 4 x hidden."""
+    files, else weight_bytes of its own config.json (exact: its MLP width and tied embeddings are there, not in
+    MemberSpec), else of its shape (test fakes with no checkpoint). The files are counted where they exist because
+    they are what the operator deploys, in the dtype they are stored in (the shipped tiny family's are float32,
+    twice the bf16 estimate)."""
     out = {}
     for m in family.members:
         if m.serving.get("weight_bytes"):
@@ -34,12 +36,19 @@ def member_weight_bytes(family: FamilySpec) -> dict[str, int]:
             continue
         files = [f for pattern in ("*.safetensors", "*.bin") for f in m.checkpoint_dir.glob(pattern)]
         size = sum(f.stat().st_size for f in files if f.is_file())
-        out[m.name] = size or weight_bytes(shape_config(m))
+        out[m.name] = size or weight_bytes(member_config(m))
     return out
 
 
+def member_config(member: MemberSpec) -> dict[str, Any]:
+    """The HF config weight_bytes reads for a member: its checkpoint's config.json, else shape_config."""
+    path = member.checkpoint_dir / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else shape_config(member)
+
+
 def shape_config(member: MemberSpec) -> dict[str, Any]:
-    """The HF config keys weight_bytes reads, from a member's shape (MLP 4 x hidden, tied embeddings)."""
+    """The HF config keys weight_bytes reads, from a member's shape alone (it carries no MLP width nor tying: the
+    common MLP of 4 x hidden, tied embeddings)."""
     return {"hidden_size": member.hidden_size, "num_hidden_layers": member.num_layers,
             "num_attention_heads": member.num_heads, "num_key_value_heads": member.num_kv_heads,
             "head_dim": member.head_dim, "vocab_size": member.vocab_size, "intermediate_size": 4 * member.hidden_size,

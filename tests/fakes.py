@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator.core.config import MFSConfig, load_config
+from eval.composition import load_system_config
+from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.types import MemberName, PageId, SampledToken, StepPlan
 
@@ -49,7 +50,7 @@ def fake_config(**overrides) -> MFSConfig:
     base = {"pool.page_bytes": 1024, "pool.num_pages": 256, "pool.host_tier_mb": 0, "scheduler.max_batch_tokens": 64,
             "scheduler.prefill_chunk_tokens": 16, "scheduler.request_timeout_s": None}
     base.update(overrides)
-    return load_config(overrides=base)
+    return load_system_config(base)       # comparison.* overrides compose a compared system (eval/composition.py)
 
 
 def fake_vocab() -> list[str]:

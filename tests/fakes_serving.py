@@ -179,11 +179,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, timeout_s: float = 15.0) -> Iterator[str]:
-    """Runs `app` under a real uvicorn server on a free loopback port; yields its base URL."""
+def serve_in_thread(app, timeout_s: float = 15.0, settings=None) -> Iterator[str]:
+    """Runs `app` under a real uvicorn server on a free loopback port; yields its base URL. With `settings` (a
+    ServerSettings), uvicorn runs as `mfs serve` configures it (server.server_config: the request head's limits)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=2))
+    if settings is not None:
+        from orchestrator.serve.server import server_config
+        config = server_config(app, settings, "127.0.0.1", port, "warning")
+        config.timeout_graceful_shutdown = 2
+    else:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

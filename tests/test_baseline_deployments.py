@@ -107,7 +107,7 @@ def test_escalation_only_to_a_deployment_that_can_hold_the_request():
 
 def test_independent_deployments_need_a_static_split():
     h = Harness()
-    with pytest.raises(ValueError, match="static_split"):
+    with pytest.raises(ValueError, match="static split"):
         deployments_scheduler(h.family, h.config, h.pool, h.kv, ComplexityEstimator(fake_vocab()))
 
 

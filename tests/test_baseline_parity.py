@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from eval.systems import DEPLOYMENTS, SYSTEMS, system_config, system_scheduler
+from eval.composition import core_parts, system_family
+from eval.systems import DEPLOYMENTS, SYSTEMS, system_config, system_scheduler, system_tiers
 from orchestrator.core.config import config_to_dict
 
 SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
@@ -15,8 +16,8 @@ FAIR = ("baseline", "baseline_per_turn", "baseline_elastic", "baseline_spec", "b
 # One pool against a slice per deployment, one host tier against a part per deployment (separate servers' own
 # host memory, sized as their slices), no KV reuse across members, family-wide routing, warm handovers: the
 # settings in which a fair baseline may differ from MFS. Nothing else.
-WHAT_MFS_IS = frozenset({"comparison.static_split", "comparison.host_tier_parts", *DEPLOYMENTS})
-LEAVES = ("static_split", "profiles", "host_tier_parts")     # dict-valued settings compared whole
+WHAT_MFS_IS = frozenset({"comparison.static_split", *DEPLOYMENTS})
+LEAVES = ("static_split", "profiles")     # dict-valued settings compared whole
 
 
 def flat(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -45,14 +46,21 @@ def test_a_fair_baseline_differs_from_mfs_only_in_what_mfs_is():
                 assert found <= WHAT_MFS_IS, f"{name} differs from mfs in {sorted(found - WHAT_MFS_IS)}"
                 assert found >= set(DEPLOYMENTS), f"{name} is missing part of what separate deployments are"
     for elastic in ("baseline_elastic", "baseline_elastic_spec"):      # one pool, one tier
-        assert not {"comparison.static_split", "comparison.host_tier_parts"} & differing(elastic)
-    assert {"comparison.static_split", "comparison.host_tier_parts"} <= differing("baseline")
+        assert "comparison.static_split" not in differing(elastic)
+    assert "comparison.static_split" in differing("baseline")
+    assert {n for n in FAIR if system_tiers(n) is not None} == {"baseline", "baseline_per_turn", "baseline_spec"}
 
 
 def test_each_static_deployment_gets_a_host_tier_part_sized_as_its_slice():
+    from orchestrator.core.family import load_family
+
     config = system_config("baseline", "tiny", 768, SPLIT, host_tier_mb=512.0)
-    assert config.comparison.host_tier_parts == config.comparison.static_split == SPLIT
+    assert config.comparison.static_split == SPLIT
     assert config.pool.host_tier_mb == system_config("mfs", "tiny", 768, SPLIT, host_tier_mb=512.0).pool.host_tier_mb
+    tiers = system_tiers("baseline")(config, load_family("tiny", per_member_lineage=True))
+    parts = tiers.host.part_bytes()
+    assert sum(parts.values()) == 512 * 2**20
+    assert all(abs(parts[m] - 512 * 2**20 * f) <= 1 for m, f in SPLIT.items())
 
 
 def test_speculation_is_the_systems_own_switch():
@@ -73,7 +81,7 @@ def test_speculation_is_the_systems_own_switch():
 
 def test_the_legacy_baseline_is_not_held_to_parity_and_is_not_a_default():
     extra = differing("baseline_legacy")
-    assert {"comparison.victim_order", "comparison.decode_reservation", "scheduler.aging_steps",
+    assert {"scheduler.victim_order", "scheduler.decode_reservation", "scheduler.aging_steps",
             "pool.host_tier_mb"} <= extra
     assert "baseline_legacy" in SYSTEMS
 
@@ -83,15 +91,14 @@ def test_every_fair_baseline_runs_the_cores_scheduler_with_mfs_policies_but_the_
     members are the deployments' (what one scheduler across members is)."""
     from orchestrator.core.complexity import ComplexityEstimator
     from orchestrator.core.engine_core import EngineCore
-    from orchestrator.core.family import load_family
     from tests.fakes import fake_vocab
 
     cores = {}
     for name in ("mfs", *FAIR):
         config = system_config(name, "tiny", 768, SPLIT)
-        family = load_family("tiny", per_member_lineage=not config.comparison.cross_member_sharing)   # as serving loads it
-        cores[name] = EngineCore.build(config, family, clock=lambda: 0.0, estimator=ComplexityEstimator(fake_vocab()),
-                                       scheduler_factory=system_scheduler(name)).scheduler
+        cores[name] = EngineCore.build(config, system_family(config), clock=lambda: 0.0,
+                                       estimator=ComplexityEstimator(fake_vocab()),
+                                       **core_parts(config, system_scheduler(name), system_tiers(name))).scheduler
     mfs = cores["mfs"]
     for name in FAIR:
         other = cores[name]

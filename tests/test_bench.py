@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from eval.bench.metrics import RequestRecord, counter_delta, pages_timeline, prefix_hit_rates, summarize
+from eval.composition import load_system_config
 from eval.systems import SYSTEMS, RoutedRequest, apply_floors, best_static_split, system_config, system_scheduler
-from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec
+from eval.workloads import Session, Trace, Turn, WorkloadSpec
 from orchestrator.core.config import load_config
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.types import MemberName, MemberSpan, RequestOutput
@@ -54,13 +55,13 @@ def test_split_floors_use_the_page_rule_residual_pages_included():
     # handover of this config, what the old arithmetic forgot): 33 x (2+1) and 33 x (4+1)
     assert pages["tiny-l"] >= 33 * 8 and pages["tiny-m"] >= 33 * 5 and pages["tiny-s"] >= 33 * 3
     assert split.notes
-    load_config(overrides={"comparison.static_split": split.fractions})   # the validator accepts it
+    load_system_config({"comparison.static_split": split.fractions})   # the validator accepts it
 
 
 def test_proportional_split_follows_weight_bytes(tmp_path):
     from dataclasses import replace as dc_replace
 
-    from eval.systems import proportional_split
+    from eval.baseline.static_split import proportional_split
     from eval.weights import member_weight_bytes
     from orchestrator.core.family import FamilySpec
 
@@ -75,14 +76,22 @@ def test_proportional_split_follows_weight_bytes(tmp_path):
         dirs.append(d)
     with_files = FamilySpec(name="f", members=tuple(dc_replace(m, checkpoint_dir=d) for m, d in zip(family.members, dirs)))
     assert proportional_split(with_files) == pytest.approx({"tiny-s": 0.1, "tiny-m": 0.3, "tiny-l": 0.6})
+    # no files but a config.json (a random-weights checkpoint): its exact bytes, with its own MLP width and tying
+    from eval.weights import weight_bytes
+    hf = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+          "intermediate_size": 160, "tie_word_embeddings": False}
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(hf))
+    configured = FamilySpec(name="f", members=tuple(dc_replace(m, checkpoint_dir=tmp_path / "cfg") for m in family.members))
+    assert set(member_weight_bytes(configured).values()) == {weight_bytes(hf)}
 
 
 def test_split_floor_pages_are_the_schedulers_page_rule():
-    from eval.systems import pages_rule
+    from eval.baseline.static_split import pages_rule
     from orchestrator.core.kv_layout import KVLayout
 
     config = load_config(overrides={"pool.num_pages": 1024})
-    pages_for_tokens, _ = pages_rule(fake_family(), config)
+    pages_for_tokens = pages_rule(fake_family(), config)
     layout = KVLayout.for_config(fake_family(), config)
     for member in ("tiny-s", "tiny-m", "tiny-l"):
         assert pages_for_tokens(member, 500) == layout.pages_for_tokens(member, 500)
@@ -139,13 +148,13 @@ def test_system_knobs():
     # baseline_legacy runs a single-model server's older scheduler policies; mfs_single_server_policies is MFS with
     # them and routing without load terms; mfs and the fair baselines get the defaults (tests/test_baseline_parity.py).
     for name in ("baseline_legacy", "mfs_single_server_policies"):
-        sched, compare = cfg[name].scheduler, cfg[name].comparison
-        assert (compare.decode_reservation, sched.aging_steps, compare.victim_order, sched.decode_step_token_budget) == \
+        sched = cfg[name].scheduler
+        assert (sched.decode_reservation, sched.aging_steps, sched.victim_order, sched.decode_step_token_budget) == \
             ("block", None, "youngest", None)
     single = cfg["mfs_single_server_policies"]
     assert single.router.session_bonus == 0.2 and single.comparison.static_split is None
     for name in ("mfs", "baseline", "baseline_elastic", "baseline_per_turn"):
-        assert (cfg[name].comparison.decode_reservation, cfg[name].comparison.victim_order) == ("peak", "priority_progress")
+        assert (cfg[name].scheduler.decode_reservation, cfg[name].scheduler.victim_order) == ("peak", "priority_progress")
     with pytest.raises(ValueError):
         system_config("baseline", "tiny", 256, None)
 
@@ -344,7 +353,8 @@ def test_replay_dataset_history_resends_the_dataset_prompt_and_closed_loop_ends_
 
 # ----------------------------------------------------------------------------- end to end (real local engine)
 def test_tiny_end_to_end_bench(tmp_path):
-    from eval.bench.cli import BenchSettings, format_table, run_bench
+    from eval.bench.cli import BenchSettings, format_table
+    from eval.commands.bench import run_bench       # `mfs bench`'s: the split re-scored on the simulated pilot
     from tests.test_workloads import family_dir
 
     settings = BenchSettings(sessions=2, rate=2.0, kv_pages=512, family=str(family_dir()), max_turns=2,
@@ -379,12 +389,11 @@ def test_tiny_end_to_end_bench(tmp_path):
     assert set(result["capacity_at_slo"]) == {"mfs", "baseline"}
     # the baseline: independent deployments on the split the core chose on a pilot simulated on the measured cost
     # model (no wall time): the operator's default and the search's shortlist, each at the lightest and a loaded rate
-    from eval.systems import proportional_split
+    from eval.baseline.static_split import proportional_split
     from orchestrator.core.family import load_family
 
     baseline_config = result["settings"]["configs"]["baseline"]
     assert baseline_config["comparison"]["static_split"] and not baseline_config["comparison"]["cross_member_sharing"]
-    assert baseline_config["comparison"]["host_tier_parts"] == baseline_config["comparison"]["static_split"]
     rescore = result["baseline_split_rescore"]
     assert rescore["winner"]["fractions"] == result["settings"]["baseline_split"] == baseline_config["comparison"]["static_split"]
     assert rescore["pilot"]["simulated"] and "measured" in rescore["pilot"]["cost_model"]
@@ -449,7 +458,7 @@ def test_baseline_split_modes_without_a_pilot():
     """traffic: the old traffic-share split; proportional: weight bytes, no pilot run (nothing is replayed)."""
     from eval.baseline.split import choose_baseline_split
     from eval.bench.cli import BenchSettings
-    from eval.systems import StaticSplit, proportional_split
+    from eval.baseline.static_split import StaticSplit, proportional_split
     from orchestrator.core.family import load_family
     from tests.test_workloads import family_dir
 
@@ -496,7 +505,7 @@ def test_the_core_rescoring_picks_the_fastest_split_that_gives_up_no_quality(mon
     one loaded rate; a faster split that re-routes down more than the default is not eligible."""
     import eval.baseline.split as split_module
     from eval.bench.cli import BenchSettings
-    from eval.systems import StaticSplit, proportional_split
+    from eval.baseline.static_split import StaticSplit, proportional_split
     from orchestrator.core.family import load_family
     from tests.test_workloads import family_dir
 
@@ -542,7 +551,7 @@ def test_a_search_with_no_candidate_leaves_the_operators_default(monkeypatch):
     it stands; the JSON says why."""
     import eval.baseline.split as split_module
     from eval.bench.cli import BenchSettings
-    from eval.systems import StaticSplit, proportional_split
+    from eval.baseline.static_split import StaticSplit, proportional_split
     from orchestrator.core.family import load_family
     from tests.test_workloads import family_dir
 

@@ -30,14 +30,14 @@ def test_guaranteed_no_evict_waits_for_the_full_reservation_and_never_preempts()
     submit_two(reference)
     reference.run()
 
-    packed = Harness(**PACKING, **{"comparison.decode_reservation": "peak"})
+    packed = Harness(**PACKING, **{"scheduler.decode_reservation": "peak"})
     submit_two(packed)
     packed.step()
     assert len(packed.scheduler.running) == 2          # 6 + 6 blocks now, expected 6 + 6 at their ends: both fit
     packed.run(2000)
     assert preemptions(packed) > 0                     # they grow to 11 + 11 blocks of 14: one runs short
 
-    guaranteed = Harness(**PACKING, **{"comparison.decode_reservation": "guaranteed_no_evict"})
+    guaranteed = Harness(**PACKING, **{"scheduler.decode_reservation": "guaranteed_no_evict"})
     submit_two(guaranteed)
     guaranteed.step()
     # r0 alone fits whole; r1 needs its 6 + 5 blocks beside r0's 6 held + 5 to come: 22 > 14, so it waits
@@ -56,7 +56,7 @@ def test_guaranteed_no_evict_waits_for_the_full_reservation_and_never_preempts()
 
 
 def test_guaranteed_no_evict_admits_side_by_side_what_fits_in_full():
-    h = Harness(**{"pool.num_pages": 84 * 2, "comparison.decode_reservation": "guaranteed_no_evict"})
+    h = Harness(**{"pool.num_pages": 84 * 2, "scheduler.decode_reservation": "guaranteed_no_evict"})
     submit_two(h)              # 22 blocks of 28: both whole
     h.step()
     assert len(h.scheduler.running) == 2
@@ -83,19 +83,19 @@ def test_the_simulators_capacity_policy_defaults_to_trtllms_for_its_cost_model_a
     assert setup.capacity_policy == "guaranteed_no_evict"
     settings = BenchSettings(family="qwen3", systems=("mfs", "baseline", "baseline_legacy"), baseline_split="traffic")
     configs, _ = system_configs(setup, settings, trace_of([[(SIM_PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
-    assert {c.comparison.decode_reservation for c in configs.values()} == {"guaranteed_no_evict"}
+    assert {c.scheduler.decode_reservation for c in configs.values()} == {"guaranteed_no_evict"}
 
     args = sim_args("--family", "qwen3", "--gpu", "test_gpu", "--step-table", table,
                     "--capacity-policy", "max_utilization")
     setup = build_setup(args, sim_settings(args))
     assert setup.capacity_policy == "max_utilization"
     configs, _ = system_configs(setup, settings, trace_of([[(SIM_PROMPT, 4, 0.0)]], [0.0]), tokenizer=_tokenizer())
-    assert {n: c.comparison.decode_reservation for n, c in configs.items()} == {
+    assert {n: c.scheduler.decode_reservation for n, c in configs.items()} == {
         "mfs": "peak", "baseline": "peak", "baseline_legacy": "block"}      # each system's own
 
     tiny = sim_args("--family", "tiny", "--quick")
     assert build_setup(tiny, sim_settings(tiny)).capacity_policy == "max_utilization"
-    assert "comparison.decode_reservation" not in build_setup(tiny, sim_settings(tiny)).overrides
+    assert "scheduler.decode_reservation" not in build_setup(tiny, sim_settings(tiny)).overrides
 
 
 def test_an_elastic_pool_across_per_member_gpus_is_refused(tmp_path):

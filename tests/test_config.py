@@ -24,7 +24,7 @@ def test_yaml_and_overrides(tmp_path):
     ("pool:\n  num_pages: many\n", "pool.num_pages': expected an integer"),
     ("router:\n  profile: fastest\n", "router.profile"),
     ("escalation:\n  enabled: 3\n", "escalation.enabled': expected true or false"),
-    ("comparison:\n  static_split: {tiny-s: 0.5, tiny-l: 0.2}\n", "sum to 1"),
+    ("comparison:\n  static_split: {tiny-s: 0.5, tiny-l: 0.2}\n", "'comparison': unknown key"),   # eval's, not MFS's
     ("- a list\n", "mapping"),
     ("pool: [\n", "not valid YAML"),
 ])
@@ -72,7 +72,26 @@ def test_config_md_yaml_loads_and_lists_every_knob(tmp_path):
     for section, cls in (("scheduler", SchedulerConfig), ("router", RouterConfig)):
         missing = {f.name for f in dataclasses.fields(cls)} - set(data[section])
         assert not missing, f"docs/CONFIG.md {section} lacks {sorted(missing)}"
-    from orchestrator.core.config import ComparisonSwitches, DeveloperFlags
+    from eval.composition import ComparisonSwitches
+    from orchestrator.core.config import DeveloperFlags
     for cls in (ComparisonSwitches, DeveloperFlags):     # their tables
         missing = {f.name for f in dataclasses.fields(cls)} - set(re.findall(r"^\| `(\w+)` \|", text, re.M))
         assert not missing, f"docs/CONFIG.md lacks {sorted(missing)}"
+
+
+def test_a_compared_systems_switches_are_eval_settings_validated_there():
+    """`comparison.*` is no MFS setting: eval's SystemConfig carries it and validates its static split."""
+    from eval.composition import core_parts, load_system_config
+
+    with pytest.raises(ConfigError, match="comparison.static_split.*sum to 1"):
+        load_system_config({"comparison.static_split": {"tiny-s": 0.5, "tiny-l": 0.2}})
+    config = load_system_config({"comparison.static_split": {"tiny-s": 0.5, "tiny-l": 0.5}, "comparison.warmup": False})
+    parts = core_parts(config)
+    assert parts["pool_split"] == {"tiny-s": 0.5, "tiny-l": 0.5} and parts["scheduler_factory"] is not None
+    assert core_parts(load_system_config())["scheduler_factory"] is None      # MFS: the core's own scheduler
+
+
+def test_speculation_on_the_triton_path_is_refused_by_name():
+    with pytest.raises(ConfigError, match="speculation.enabled.*local engine"):
+        load_config(overrides={"engine.kind": "triton", "speculation.enabled": True})
+    assert load_config(overrides={"engine.kind": "triton"}).speculation.enabled is False

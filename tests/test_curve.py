@@ -53,7 +53,7 @@ def test_default_slo_and_capacity_need_every_lower_rate_to_pass():
     # quarter of the way from 2 (0.01 s) to 4 (0.05 s).
     capacity = capacity_at_slo(curve, slo)
     assert capacity == {"mfs": pytest.approx(2 ** 1.25), "baseline": pytest.approx(2 ** (1 / 3))}
-    assert capacity_at_slo(curve, SLO(0.01, 0.001, "tight")) == {"mfs": None, "baseline": None}
+    assert capacity_at_slo(curve, SLO(0.01, 0.001, "tight")) == {"mfs": 0.0, "baseline": 0.0}   # fails: zero
     summary = summarize_curve(curve, slo)
     assert summary["knee_rate"] == pytest.approx(2) and summary["reduction_at_knee"] == pytest.approx(0.5)
     assert summary["capacity_at_slo_is_lower_bound"] == [] and summary["slo"]["ttft_p90_s"] == pytest.approx(1.0)
@@ -70,8 +70,28 @@ def test_default_slo_and_capacity_need_every_lower_rate_to_pass():
 def test_a_baseline_failing_its_relative_slo_at_its_lightest_rate_gives_no_capacity_ratio():
     curve = [point(0.5, 0.01, 0.01, base_ttft=(0.1, 0.6)), point(1, 0.02, 0.01, base_ttft=(0.1, 0.7))]
     summary = summarize_curve(curve, default_slo(curve))          # limit 5 x 0.1 s; the baseline's p90 is 0.6 s
-    assert summary["capacity_at_slo"]["baseline"] is None and summary["capacity_ratio"] is None
+    assert summary["capacity_at_slo"]["baseline"] == 0.0 and summary["capacity_ratio"] is None
     assert "no capacity ratio" in format_curve({"curve": curve, **summary})
+
+
+def test_a_system_failing_its_slo_at_the_lightest_rate_has_zero_capacity_and_the_seed_counts_against_it():
+    """The dropped-seed rule: MFS failing the SLO at every rate of one seed gives that seed a capacity ratio of 0,
+    which the interval over seeds keeps (a dropped seed would have flattered MFS)."""
+    from eval.bench.intervals import intervals_over
+
+    passing = [point(0.5, 0.01, 0.01, base_ttft=(0.1, 0.2)), point(1, 0.02, 0.01, base_ttft=(0.1, 0.9))]
+    failing = [point(0.5, 0.01, 0.01, base_ttft=(0.1, 0.2), mfs_ttft90=5.0),
+               point(1, 0.02, 0.01, base_ttft=(0.1, 0.9), mfs_ttft90=5.0)]
+    summary = summarize_curve(failing, default_slo(failing))
+    assert summary["capacity_at_slo"]["mfs"] == 0.0 and summary["capacity_ratio"] == 0.0
+    assert "mfs 0 (fails at the lightest rate)" in format_curve({"curve": failing, **summary})
+    settings = {"slo_ttft_x": 5.0, "slo_tpot_x": 2.0}
+    runs = [{"curve": c, "settings": settings} for c in (passing, passing, failing)]
+    found = intervals_over(runs)
+    ratio = found["capacity_ratio"]
+    assert ratio["n"] == 3 and found["capacity_ratio_missing"] == 0
+    kept = summarize_curve(passing, default_slo(passing))["capacity_ratio"]
+    assert ratio["mean"] == pytest.approx(2 * kept / 3)        # the failing seed counts as 0, not dropped
 
 
 def test_parse_rates():

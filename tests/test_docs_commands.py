@@ -31,3 +31,17 @@ def test_every_command_in_the_guides_parses(name):
     found = guide_commands(name)
     assert found, f"docs/{name} has no mfs command in a bash block"
     assert_all_parse(found, f"docs/{name}")
+
+
+def test_getting_started_lists_exactly_the_extras_of_pyproject():
+    import tomllib
+
+    extras = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    rows = re.findall(r"^\| `([\w-]+)` \| (.*?) \| (.*?) \|$", (DOCS / "getting-started.md").read_text(), flags=re.M)
+    assert sorted(name for name, _, _ in rows) == sorted(extras)
+    for name, _, brings in rows:
+        for requirement in extras[name]:
+            project = re.split(r"[\[<>=;\s]", requirement, maxsplit=1)[0]
+            if project == "mfs-serve":                                    # the test extra names the others
+                continue
+            assert project in brings or name == "test", f"docs/getting-started.md: extra {name} lacks {project}"

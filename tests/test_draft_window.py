@@ -12,7 +12,7 @@ from engines.local.attention import attend, decode_group, prefill_group
 from eval.simulate.measure_speculation import Decode, SpeculativeRun, acceptance_stats, workload_prompts
 from orchestrator.core.config import MFSConfig, SpeculationConfig
 from orchestrator.core.family import SHIPPED_FAMILIES_DIR, load_family
-from orchestrator.core.speculation import plan_forwards
+from orchestrator.core.draft_length import plan_forwards
 from orchestrator.core.types import (DraftSpec, MemberBatch, PageId, RequestId, SamplingParams, SeqChunk, StepPlan,
                                      attended_keys)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from orchestrator.core.config import RouterConfig
-from orchestrator.core.engine_core import host_tier_lineages
+from eval.baseline.host_tier import host_tier_lineages
 from orchestrator.core.errors import ModelNotFoundError
 from orchestrator.core.family import FamilyError, FamilySpec
 from orchestrator.core.router import MemberLoad, Router
@@ -68,7 +68,7 @@ def test_the_api_lists_and_accepts_only_the_members_that_serve():
 
 
 def test_separate_deployments_have_no_server_of_the_drafter():
-    from eval.systems import proportional_split
+    from eval.baseline.static_split import proportional_split
 
     family = drafted_family()
     assert set(proportional_split(family)) == {"m", "l"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from orchestrator.core.config import load_config
+from eval.composition import core_parts, load_system_config
 from orchestrator.serve.serving import LocalServing
 from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 
@@ -30,7 +30,8 @@ async def generate(engine, rid, prompt, max_tokens=12, pinned=None, session=None
 def engine_for(**overrides):
     base = {"family": FAMILY, "pool.num_pages": 600, "pool.host_tier_mb": 0, "comparison.warmup": False}
     base.update(overrides)
-    return LocalServing(load_config(overrides=base))
+    config = load_system_config(base)          # without warm-ups: eval's composition of that switch
+    return LocalServing(config, **core_parts(config))
 
 
 def test_second_turn_of_a_session_hits_its_cache():

@@ -73,7 +73,7 @@ def test_mfs_version_names_the_installed_package(capsys):
     from orchestrator.serve.cli import main
 
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"mfs {version('mfs')}"
+    assert capsys.readouterr().out.strip() == f"mfs {version('mfs-serve')}"
 
 
 def readme_commands() -> list[str]:

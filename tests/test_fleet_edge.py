@@ -122,3 +122,23 @@ def test_unreachable_gateway_and_oversized_body_are_clear_errors(family):
         assert post(url, {"messages": [], "pad": "x" * 2000}).status_code == 413
         assert httpx.get(url + "/health").status_code == 503
         assert httpx.get(url + "/v1/models").status_code == 503
+
+
+def test_a_slow_body_is_a_408_and_an_oversized_session_header_a_431_at_the_front():
+    import socket
+
+    settings = FrontSettings(keyless_gateway_url="http://127.0.0.1:1", sticky_gateway_url=None, worker_urls=(),
+                             body_timeout_s=0.5)
+    with serve_in_thread(FleetFront(settings)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"messa")            # and then nothing
+            answer = bytearray()
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, payload = bytes(answer).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert "did not arrive within 0.5 s" in json.loads(payload)["error"]["message"]
+        response = post(url, {"messages": []}, headers={"X-Session-ID": "s" * 257})
+        assert response.status_code == 431 and "x-session-id" in response.json()["error"]["message"]

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from orchestrator.serve import gateway_headers as gh
+from orchestrator.serve.api_schema import session_digest
 from orchestrator.serve.server import ServerSettings, create_app
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, serve_in_thread
 
@@ -53,14 +54,15 @@ def test_replica_reads_what_the_gateway_forwards(replica):
                                    "x-request-id-mfs-profile": "quality"})
     assert response.status_code == 200
     request = engine.requests[-1]
-    assert (request.session_id, request.cache_salt, request.profile.value) == ("sess-9", "t a", "quality")
+    assert (request.session_id, request.cache_salt, request.profile.value) == (session_digest("sess-9"), "t a",
+                                                                                "quality")
     assert response.headers[gh.NODE_HEADER] == "node-a" and len(response.headers[gh.BOOT_HEADER]) == 12
     # A client talking to the replica directly still wins with its own header and body.
     httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "cache_salt": "own",
                                                     "messages": [{"role": "user", "content": "x"}]},
                headers={"X-Session-ID": "direct", gh.ROUTING_KEY_HEADER: "sess-9",
                         "x-request-id-mfs-cache-salt": "t%20a"})
-    assert (engine.requests[-1].session_id, engine.requests[-1].cache_salt) == ("direct", "own")
+    assert (engine.requests[-1].session_id, engine.requests[-1].cache_salt) == (session_digest("direct"), "own")
     # Every response names the node, errors and control routes included.
     assert httpx.get(url + "/health").headers[gh.NODE_HEADER] == "node-a"
     assert httpx.post(url + "/v1/completions", content=b"{").headers[gh.NODE_HEADER] == "node-a"

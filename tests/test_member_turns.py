@@ -147,7 +147,7 @@ def test_drafting_members_join_each_others_steps_at_the_same_frequency(shared_dr
 
 
 def test_the_executors_estimate_prices_the_forwards_and_the_cost_function_stands_in_until_it_has_one():
-    """scheduler.member_turn_costs = step_costs: each decoding member's forward is priced by the executor's estimate
+    """By default (not priced by weights alone) each decoding member's forward is priced by the executor's estimate
     at its batch and mean context (here l's forward is 9x s's, unlike the cost function's 1:1, so l steps at 1/3);
     while the estimate has no figure for a member, the cost function prices every member (seconds and cost-function
     units do not mix)."""
@@ -171,11 +171,11 @@ def test_the_executors_estimate_prices_the_forwards_and_the_cost_function_stands
     assert all(any(q.member == "l" for q in fallback.select(running)) for _ in range(10))  # 1:1: every step
 
 
-@pytest.mark.parametrize("setting,wired", [("weights", False), ("step_costs", True)])
-def test_the_scheduler_hands_its_step_cost_to_member_turns_only_when_configured(setting, wired):
+@pytest.mark.parametrize("by_weights,wired", [(True, False), (False, True)])
+def test_the_scheduler_hands_its_step_cost_to_member_turns_unless_they_are_priced_by_weights(by_weights, wired):
     from tests.test_scheduler import Harness
 
-    h = Harness(family=independent_family(), **{"scheduler.member_turn_costs": setting})
+    h = Harness(family=independent_family(), **{"comparison.member_turns_by_weights": by_weights})
 
     def estimate(forwards):
         return 1e-3
@@ -183,15 +183,6 @@ def test_the_scheduler_hands_its_step_cost_to_member_turns_only_when_configured(
     h.scheduler.use_step_cost(estimate)
     assert h.scheduler.speculation.estimate is estimate
     assert (h.scheduler.batches.step_members.estimate is estimate) == wired
-
-
-def test_member_turn_costs_must_name_a_pricing():
-    from orchestrator.core.config import ConfigError, MFSConfig
-
-    config = MFSConfig()
-    config.scheduler.member_turn_costs = "bytes"
-    with pytest.raises(ConfigError, match="member_turn_costs"):
-        config.validate()
 
 
 def test_a_riding_draft_member_steps_whenever_it_decodes_and_the_turns_are_the_others():
@@ -221,7 +212,7 @@ def test_a_riding_draft_member_steps_whenever_it_decodes_and_the_turns_are_the_o
 def test_the_draft_member_steps_every_step_only_where_it_rides_the_shared_drafts(setting, speculation, private,
                                                                                   expect):
     from tests.test_scheduler import Harness
-    h = Harness(family=independent_family(), **{"scheduler.draft_member_every_step": setting,
+    h = Harness(family=independent_family(), **{"comparison.draft_member_every_step": setting,
                                                 "speculation.enabled": speculation,
                                                 "comparison.private_drafts": private})
     policy = h.scheduler.batches.step_members

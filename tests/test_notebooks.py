@@ -18,7 +18,8 @@ REPO = NOTEBOOKS.parent.parent
 
 @pytest.fixture(scope="session")
 def bench_files(tmp_path_factory):
-    from eval.bench.cli import BenchSettings, run_bench
+    from eval.bench.cli import BenchSettings
+    from eval.commands.bench import run_bench
     from eval.bench.sweep import rows_of
     from tests.test_workloads import family_dir
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from eval.composition import core_parts
+from eval.simulate.node import homed_scheduler, moved_out
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.engine_core import EngineCore, drain
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
@@ -19,9 +21,10 @@ class Harness:
     def __init__(self, family=None, tiers=None, low_confidence=(), scheduler_factory=None, **overrides):
         self.now = 0.0
         self.outputs: dict[str, list] = {}
+        config = fake_config(**overrides)
         self.core = EngineCore.build(
-            fake_config(**overrides), family or nested_family(), clock=lambda: self.now,
-            estimator=ComplexityEstimator(fake_vocab()), tiers=tiers, scheduler_factory=scheduler_factory,
+            config, family or nested_family(), clock=lambda: self.now,
+            estimator=ComplexityEstimator(fake_vocab()), **core_parts(config, scheduler_factory, tiers),
             make_executor=lambda family, num_pages, page_bytes: FakeExecutor(family, num_pages, page_bytes,
                                                                               low_confidence))
         core = self.core
@@ -130,14 +133,15 @@ def test_an_escalated_request_moves_to_a_node_homing_its_new_member_and_finishes
     returns every page and the target finishes it."""
     settings = {"escalation.min_tokens": 4, "escalation.window_tokens": 4, "comparison.warmup": False,
                 "router.complexity_thresholds": [0.99, 0.995]}
-    a = Harness(family=independent_family(), low_confidence=("s",), **settings)
+    homes = frozenset({"s"})
+    a = Harness(family=independent_family(), low_confidence=("s",), scheduler_factory=homed_scheduler(homes),
+                **settings)
     b = Harness(family=independent_family(), low_confidence=("s",), **settings)
-    a.scheduler.home_members = frozenset({"s"})
     assert a.submit("e", PROMPT, max_tokens=12).member == "s"
     moved = []
     for _ in range(50):
         a.step()
-        moved = a.scheduler.moved_out()
+        moved = moved_out(a.scheduler, homes)
         if moved:
             break
     assert [seq.request_id for seq in moved] == ["e"] and moved[0].member in ("m", "l")
@@ -148,7 +152,7 @@ def test_an_escalated_request_moves_to_a_node_homing_its_new_member_and_finishes
     with pytest.raises(ValueError):
         a.core.move_out(seq)                                   # no longer this scheduler's
     sent = len(a.tokens("e"))
-    assert not a.outputs["e"][-1].finished and a.scheduler.moved_out() == []
+    assert not a.outputs["e"][-1].finished and moved_out(a.scheduler, homes) == []
     b.now = a.now
     b.core.move_in(seq, lambda out: b.outputs.setdefault("e", []).append(out))
     with pytest.raises(InvalidRequestError):
@@ -186,7 +190,7 @@ def test_preemption_under_page_pressure_gives_identical_output():
     # With exact lengths (ignore_eos) the peak reservation never overcommits; the one-block reserve
     # (block) does, and preempts.
     for reservation, preempts in (("block", True), ("peak", False)):
-        tight = Harness(**{"pool.num_pages": 84, "comparison.decode_reservation": reservation})
+        tight = Harness(**{"pool.num_pages": 84, "scheduler.decode_reservation": reservation})
         for i in range(4):   # l: 6 pages per block, 14 blocks; each request grows to 11
             tight.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
         tight.run(2000)
@@ -308,8 +312,8 @@ def test_no_warmup_for_a_member_this_node_is_not_home_to():
     target = independent_family().next_larger("s").name
     issued = {}
     for homes in (None, frozenset({"s", target}), frozenset({"s"})):
-        h = Harness(family=independent_family(), low_confidence=("s",), **settings)
-        h.scheduler.home_members = homes
+        h = Harness(family=independent_family(), low_confidence=("s",),
+                    scheduler_factory=None if homes is None else homed_scheduler(homes), **settings)
         h.submit("w", PROMPT, max_tokens=8)
         issued[homes] = h.scheduler.snapshot(h.now)["counters"]["warmups"]["issued"]
     assert issued == {None: 1, frozenset({"s", target}): 1, frozenset({"s"}): 0}
@@ -393,7 +397,7 @@ def test_request_that_fills_its_slice_alone_is_admitted_without_a_reserve():
     # m's slice is 30 pages; the prompt takes 25, the decode reserve would need 5 more: alone it must
     # still run (its whole length fits the slice), never wait for headroom nobody else can free.
     h = Harness(**{"pool.num_pages": 120, "comparison.static_split": {"s": 0.5, "m": 0.25, "l": 0.25},
-                   "comparison.decode_reserve_blocks": 2})
+                   "scheduler.decode_reserve_blocks": 2})
     h.submit("fills", PROMPT, max_tokens=4, pinned_member=MemberName("m"))
     h.run(50)
     assert len(h.tokens("fills")) == 4
@@ -467,7 +471,7 @@ def test_memoized_private_page_count_equals_the_pools_count_at_every_step(scenar
         for i in range(3):
             h.submit(f"e{i}", PROMPT + [i + 3], max_tokens=12)
     elif scenario == "preemption":
-        h = Harness(**{"pool.num_pages": 84, "comparison.decode_reservation": "block"})
+        h = Harness(**{"pool.num_pages": 84, "scheduler.decode_reservation": "block"})
         for i in range(4):
             h.submit(f"r{i}", [i + 3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"))
     else:
@@ -534,3 +538,14 @@ def test_a_downgrade_the_sessions_home_undoes_is_not_counted():
     other = h.submit("o0", PROMPT, max_tokens=2, session_id="another", complexity_hint=0.5)
     assert other.member == "s" and other.downgraded_from == "l"
     assert h.scheduler.snapshot(h.now)["counters"]["downgrades"] == {"l->s": 1}
+
+
+def test_idle_session_records_are_bounded_whatever_the_clients_send(monkeypatch):
+    from orchestrator.core import lifecycle
+
+    monkeypatch.setattr(lifecycle, "MAX_AGED_SESSIONS", 2)
+    h = Harness(**{"pool.num_pages": 72, "pool.session_ttl_s": 60.0})
+    for n in range(4):
+        h.submit(f"r{n}", [45 + n] * 20, max_tokens=2, pinned_member=MemberName("m"), session_id=f"s{n}")
+        h.run()
+    assert list(h.scheduler.lifecycle._session_pages) == ["s2", "s3"]     # the newest; the oldest just age by LRU

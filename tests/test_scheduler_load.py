@@ -36,7 +36,7 @@ def _starvation(stop_step: int = 270, **overrides) -> Harness:
 def test_single_server_policy_starves_the_large_member_until_the_small_stream_stops():
     # Per-member head-of-line bypass
     # lets every freed page go to the small stream.
-    h = _starvation(**{"scheduler.aging_steps": None, "comparison.decode_reservation": "block"})
+    h = _starvation(**{"scheduler.aging_steps": None, "scheduler.decode_reservation": "block"})
     assert _admitted_step(h, "big") == 272
     assert _admitted_step(_starvation(stop_step=330, **{"scheduler.aging_steps": None}), "big") == 335
 
@@ -86,8 +86,8 @@ def _preempt_events(h):
 def _contention(victim_order: str, tiers=None, host_room=True) -> Harness:
     """An older low-priority request on l, then a fresh important one: the one-block reserve
     overcommits 84 pages, so one must be preempted."""
-    h = Harness(tiers=tiers, **{"pool.num_pages": 84, "comparison.decode_reservation": "block",
-                                "comparison.victim_order": victim_order})
+    h = Harness(tiers=tiers, **{"pool.num_pages": 84, "scheduler.decode_reservation": "block",
+                                "scheduler.victim_order": victim_order})
     h.submit("old-low", [3] + PROMPT, max_tokens=20, pinned_member=MemberName("l"), priority=1)
     for _ in range(3):
         h.step()
@@ -109,12 +109,12 @@ def test_victims_by_priority_not_age_and_no_admission_in_a_preempting_step():
 
 
 def test_escalated_request_is_preempted_after_a_fresh_one():
-    overrides = {"pool.num_pages": 110, "comparison.decode_reservation": "block", "escalation.min_tokens": 4,
+    overrides = {"pool.num_pages": 110, "scheduler.decode_reservation": "block", "escalation.min_tokens": 4,
                  "escalation.window_tokens": 4, "comparison.warmup": False,
                  "router.complexity_thresholds": [0.99, 0.995]}
     victims = {}
     for order in ("priority_progress", "youngest"):
-        h = Harness(low_confidence=("s",), **{**overrides, "comparison.victim_order": order})
+        h = Harness(low_confidence=("s",), **{**overrides, "scheduler.victim_order": order})
         h.submit("fresh", [9] + PROMPT, max_tokens=40, pinned_member=MemberName("m"))
         h.submit("esc", PROMPT, max_tokens=40)
         h.run(3000)
@@ -192,7 +192,7 @@ def test_expected_delay_downgrade_fires_in_the_scheduler_and_is_counted():
 
 
 def test_peak_growth_counts_what_ends_before_the_peak():
-    from orchestrator.core.reservation import decode_profile, peak_growth
+    from orchestrator.core.demand import decode_profile, peak_growth
 
     def pages(n):               # 4 tokens a block, 2 pages a block
         return -(-n // 4) * 2
@@ -219,7 +219,7 @@ def test_pool_demand_pages_rule_is_the_layouts():
 def test_the_reservation_bound_and_the_delay_inputs_match_their_definitions():
     """reserved_pages_bound and the router's running demands, read per arrival, against the definitions they
     inline (expected_final_tokens, future_pages) on a running mix: decoding, prefilling, open length."""
-    from orchestrator.core.reservation import expected_final_tokens, is_length_fixed
+    from orchestrator.core.demand import expected_final_tokens, is_length_fixed
 
     h = Harness(**{"scheduler.prefill_chunk_tokens": 8})
     h.submit("a", PROMPT, max_tokens=20, pinned_member=MemberName("m"))
@@ -324,7 +324,7 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
     candidate step over every request (the plain O(n^2) definition), on random decoding requests."""
     import random
 
-    from orchestrator.core.reservation import decode_profile, peak_growth
+    from orchestrator.core.demand import decode_profile, peak_growth
 
     def every_candidate(profiles):
         best = 0
@@ -423,7 +423,7 @@ def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
 def _pins_versus_a_victim(num_pages: int = 74) -> Harness:
     """b and a (priority 1: the first victim) decode on m; e starts on s, escalates to m and waits there with
     its s pages pinned; then b's next block does not fit (one-block reserve, 74 pages)."""
-    h = Harness(low_confidence=("s",), **{"pool.num_pages": num_pages, "comparison.decode_reservation": "block",
+    h = Harness(low_confidence=("s",), **{"pool.num_pages": num_pages, "scheduler.decode_reservation": "block",
                                           "escalation.min_tokens": 4, "escalation.window_tokens": 4,
                                           "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]})
     h.submit("b", [9] + PROMPT, max_tokens=30, pinned_member=MemberName("m"))

@@ -8,6 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator.serve.api_schema import session_digest
 from orchestrator.serve.server import ServerSettings, create_app
 from tests.fakes_serving import BLOCK_TOKENS, FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
@@ -148,11 +149,11 @@ def test_member_pin_escalation_and_session(served, client):
     assert esc.model == "tiny-m"
     assert esc.model_extra["mfs"]["escalated"] is True
     assert esc.model_extra["mfs"]["members"] == [{"member": "tiny-s", "tokens": 2}, {"member": "tiny-m", "tokens": 3}]
-    assert engine.requests[-1].session_id == "sess-1"
+    assert engine.requests[-1].session_id == session_digest("sess-1")     # the engine keeps a digest
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                    user="bob", extra_body={"mfs_profile": "quality", "cache_salt": "tenant-a"})
     last = engine.requests[-1]
-    assert last.session_id == "bob" and last.profile.value == "quality" and last.cache_salt == "tenant-a"
+    assert last.session_id == session_digest("bob") and last.profile.value == "quality" and last.cache_salt == "tenant-a"
 
 
 def test_models_list(client, family):

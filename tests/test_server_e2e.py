@@ -72,3 +72,24 @@ def test_streaming_answer_and_pages_return(served):
             break
         time.sleep(0.05)
     assert stats["pages"]["by_state"]["used"] == 0
+
+
+def test_one_api_key_cannot_learn_what_another_cached():
+    """With API keys, each key's prompts are hashed under its own salt: a prompt another key cached is a miss
+    (`cached_tokens` 0), the same key's repeat a hit; a client's own cache_salt still splits within a key."""
+    config = load_config(None, {"family": str(FAMILY_DIR), "pool.num_pages": 512, "pool.host_tier_mb": 0,
+                                "engine.device": "cpu", "engine.num_threads": 1, "engine.process": "thread",
+                                "escalation.enabled": False})
+    engine = build_serving_engine(config)
+    settings = ServerSettings(api_keys=("tenant-a-key", "tenant-b-key"), request_timeout_s=60)
+    app = create_app(engine, engine.tokenizer, engine.family, settings)
+    with serve_in_thread(app, timeout_s=120) as url:
+        def cached(key: str, **extra) -> int:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+            answer = client.completions.create(model="tiny-s", prompt=QUESTION, max_tokens=1, temperature=0,
+                                               extra_body=extra)
+            return answer.usage.prompt_tokens_details.cached_tokens
+        assert cached("tenant-a-key") == 0
+        assert cached("tenant-a-key") > 0                  # the same key: its own cache
+        assert cached("tenant-b-key") == 0                 # another key learns nothing of it
+        assert cached("tenant-a-key", cache_salt="private") == 0

@@ -473,7 +473,7 @@ def tiny_config(**overrides):
 def trace_of(sessions, arrivals, history="dataset"):
     """turns = (prompt, max_tokens, think_s): with `dataset` history the prompt is sent as it is; with `closed`
     history it is the user part that follows the previous prompt and the reply this system generated."""
-    from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec
+    from eval.workloads import Session, Trace, Turn, WorkloadSpec
 
     return Trace(spec=WorkloadSpec(history=history, lengths="exact"), arrival_times_s=list(arrivals),
                  sessions=[Session(f"s{i}", "multiturn", f"c{i}",
@@ -555,7 +555,7 @@ def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
     import gc
 
     from eval.bench.metrics import RequestRecord
-    from eval.bench.workloads import Session, Turn
+    from eval.workloads import Session, Turn
     from orchestrator.core.types import RequestOutput, StepPlan
 
     turns = [(PROMPT, 3, 0.0), (PROMPT + list(range(30, 40)), 2, 2.0)]
@@ -677,7 +677,6 @@ def test_the_simulated_baseline_gets_the_split_the_core_finds_fastest_on_a_pilot
     about = search_baseline_split(setup, settings, trace, [1.0, 2.0], split, configs, library(), tokenizer)
     assert about["baseline_split_mode"] == "search"
     assert configs["baseline"].comparison.static_split == about["baseline_split"]     # the baseline runs the chosen split
-    assert configs["baseline"].comparison.host_tier_parts == about["baseline_split"]       # ... with host tier parts to match
     rescore = about["baseline_split_rescore"]
     assert rescore["winner"]["fractions"] == about["baseline_split"]
     assert rescore["pilot"]["rates"] == [1.0, 2.0] and rescore["pilot"]["sessions"] == 2
@@ -805,7 +804,7 @@ def test_a_paper_familys_operator_split_follows_its_members_weights_not_the_toke
     search's pilot) must read their real weight bytes, not that directory's (equal thirds before the fix)."""
     from eval.simulate.families import paper_family
     from eval.weights import weight_bytes
-    from eval.systems import proportional_split
+    from eval.baseline.static_split import proportional_split
 
     configs = [("a", hf_config(4, 512)), ("b", hf_config(8, 1024)), ("c", hf_config(16, 2048))]
     split = proportional_split(paper_family("test", configs))
@@ -844,8 +843,8 @@ def test_natural_lengths_end_each_simulated_reply_where_the_datasets_did_and_sen
     """No length oracle: a natural-length request carries the trace's cap and no ignore_eos; the simulated
     engine ends it with EOS after the dataset reply's length (turns that reached the cap end at the cap)."""
     from eval.bench.sessions import ClosedLoopSessions
-    from eval.bench.workloads import Session, Trace, Turn, WorkloadSpec, natural_lengths, with_lengths
-    from eval.simulate.confidence import request_key
+    from eval.workloads import Session, Trace, Turn, WorkloadSpec, natural_lengths, with_lengths
+    from eval.bench.confidence_file import request_key
 
     spec = WorkloadSpec(num_sessions=1, max_output_tokens=8)
     trace = Trace(spec, [Session("s0", "multiturn", "c0", [Turn([1, 2, 3], 5, 0.0, [1, 2, 3]),

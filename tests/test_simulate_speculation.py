@@ -9,7 +9,7 @@ from eval.simulate.acceptance import (PUBLISHED_POINTS, acceptance_table, per_to
 from eval.simulate.cost_model import BatchShape, TableCostModel, plan_shapes
 from eval.simulate.executor import SimExecutor
 from eval.simulate.step_table import Grid2D, MemberCosts, StepTable
-from orchestrator.core.speculation import Candidate, Rider, step_forwards
+from orchestrator.core.draft_length import Candidate, Rider, step_forwards
 from orchestrator.core.types import DraftSpec, MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
 from tests.fakes import independent_family
 from tests.test_simulate import FakeCost, library
@@ -255,14 +255,17 @@ def test_private_draft_copies_come_out_of_each_larger_servers_memory():
 
 
 def test_the_split_search_counts_a_private_drafts_pages_on_each_larger_server():
-    from eval.baseline.split import pages_rule
+    from eval.baseline.static_split import pages_rule
     from eval.systems import system_config
-    from orchestrator.core.kv_layout import KVLayout
 
     family = independent_family()                     # s: 2 layers, l: 4 layers; 4 tokens a block
     split = {"s": 0.3, "l": 0.7}
     for name, with_draft in (("baseline", False), ("baseline_spec", True)):
         config = system_config(name, "tiny", 768, split, {"pool.page_bytes": 1024})
-        rule = pages_rule(KVLayout.for_config(family, config), family, config)
+        rule = pages_rule(family, config)
         assert rule("s", 10) == 3 * 2                 # the smallest member's server holds no draft
         assert rule("l", 10) == 3 * 4 + (3 * 2 if with_draft else 0)
+        # past the contexts each part is capped at its own member's, as the core's reservation counts a draft
+        s_context, l_context = family.member("s").context_tokens, family.member("l").context_tokens
+        far = 10 * max(s_context, l_context)
+        assert rule("l", far) == -(-l_context // 4) * 4 + (-(-s_context // 4) * 2 if with_draft else 0)

@@ -149,3 +149,75 @@ def test_a_client_that_gives_up_on_a_whole_answer_is_a_499_and_an_abort_not_a_50
         assert _wait_for(lambda: 'code="499",route="/v1/completions"' in http.get("/metrics").text)
         assert engine.requests and engine.requests[-1].request_id in engine.aborted
         assert 'code="500"' not in http.get("/metrics").text
+
+
+HEAD_TIMEOUT_S = 0.5
+
+
+@pytest.fixture(scope="module", params=["auto", "h11"])
+def head_limited(request, family, tokenizer):
+    """uvicorn as `mfs serve` runs it (server.server_config): the request head has a deadline and a size bound,
+    on the parser uvicorn picks (httptools when installed) and on h11."""
+    from orchestrator.serve import client_limits
+
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT), token_delay_s=0.01)
+    settings = ServerSettings(header_timeout_s=HEAD_TIMEOUT_S, max_header_bytes=8192, request_timeout_s=60)
+    app = create_app(engine, tokenizer, family, settings)
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "h11":
+            from uvicorn.protocols.http.h11_impl import H11Protocol
+            patch.setattr(client_limits, "_base_protocol", lambda: H11Protocol)
+        with serve_in_thread(app, settings=settings) as url, httpx.Client(base_url=url, timeout=30) as http:
+            yield engine, url, http
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["stops-sending", "trickles"])
+def test_a_request_head_that_arrives_too_slowly_is_a_408_and_the_connection_closes(head_limited, trickle):
+    engine, url, http = head_limited
+    before = len(engine.requests)
+    sock = _connect(url)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n")
+        if trickle:                    # a header line now and then (slowloris): each byte must not extend the deadline
+            for n in range(40):
+                time.sleep(HEAD_TIMEOUT_S / 4)
+                try:
+                    sock.sendall(f"X-Pad-{n}: a\r\n".encode())
+                except OSError:
+                    break
+        answer = _read_all(sock)       # returns once the server closed the connection
+    finally:
+        sock.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert json.loads(payload)["error"]["code"] == "request_timeout"
+    assert "request head" in json.loads(payload)["error"]["message"]
+    assert len(engine.requests) == before
+    assert http.get("/health").status_code == 200
+
+
+def test_a_request_head_over_its_size_limit_is_a_431(head_limited):
+    _, url, http = head_limited
+    sock = _connect(url)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\nX-Pad: " + b"a" * 9000)   # never ends
+        answer = _read_all(sock)
+    finally:
+        sock.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert "8192 bytes" in json.loads(payload)["error"]["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_requests_and_streams_longer_than_the_head_deadline_are_served_in_full(head_limited):
+    http = head_limited[2]
+    body = {"prompt": "hello", "max_tokens": 120, "ignore_eos": True, "stream": True}   # ~1.2 s of tokens
+    started = time.monotonic()
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert time.monotonic() - started > HEAD_TIMEOUT_S
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    for _ in range(2):                 # kept-alive connections across the deadline serve the next request
+        time.sleep(HEAD_TIMEOUT_S * 1.5)
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

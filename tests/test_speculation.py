@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.core.speculation import AcceptanceEstimates, expected_tokens, pair_name
+from orchestrator.core.draft_length import AcceptanceEstimates, expected_tokens, pair_name
 from orchestrator.core.types import (FinishReason, MemberName, RequestId, SampledToken, StepPlan)
 from tests.fakes import EOS, VOCAB_SIZE, FakeExecutor, independent_family
 from tests.test_scheduler import PROMPT, Harness
@@ -377,7 +377,7 @@ def test_draft_length_is_zero_while_the_estimate_has_no_figure_yet():
 def test_a_planned_steps_forwards_are_those_its_draft_length_priced(window):
     """plan_forwards (what a measuring engine fits on) reads back from the DraftSpecs the shapes step_forwards
     priced for the k the policy chose; with a draft window, both at the keys the window leaves."""
-    from orchestrator.core.speculation import plan_forwards
+    from orchestrator.core.draft_length import plan_forwards
 
     h = SpecHarness(**{"pool.num_pages": 1024, "speculation.draft_window": window,
                        "speculation.draft_sink_tokens": 1})
@@ -420,7 +420,7 @@ def test_each_target_member_drafts_its_own_length():
     member's: the large member's requests draft, the middle one's do not. One k for the whole step could only
     draft for both or for neither, and either costs more per token."""
     from orchestrator.core.config import SpeculationConfig
-    from orchestrator.core.speculation import Candidate, DraftLength, step_forwards
+    from orchestrator.core.draft_length import Candidate, DraftLength, step_forwards
     from orchestrator.core.types import MemberBatch, SamplingParams, SeqChunk
 
     weight_s = {"s": 0.001, "m": 0.002, "l": 0.020}
@@ -455,7 +455,7 @@ def test_each_target_member_drafts_its_own_length():
 def test_drafts_must_save_more_than_the_estimates_own_error():
     """A saving inside the step-cost estimate's error (a fit of noisy measured steps) is no evidence: no drafts."""
     from orchestrator.core.config import SpeculationConfig
-    from orchestrator.core.speculation import Candidate, DraftLength, step_forwards
+    from orchestrator.core.draft_length import Candidate, DraftLength, step_forwards
     from orchestrator.core.types import MemberBatch, SamplingParams, SeqChunk
 
     def estimate(forwards):             # a target forward 10 ms, a draft forward 2 ms, rows nearly free

@@ -2,7 +2,7 @@
 greedy request gets exactly the tokens it gets without speculation (tiny family, CPU); every page comes back."""
 from __future__ import annotations
 
-from orchestrator.core.speculation import plan_forwards
+from orchestrator.core.draft_length import plan_forwards
 
 import itertools
 

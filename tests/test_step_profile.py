@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from eval.validate.step_profile import StepTiming, main, summarize_steps
+from eval.bench.step_timing import StepTiming
+from eval.validate.step_profile import main, summarize_steps
 
 
 def test_summary_splits_decode_from_prefill_and_groups_by_members():

@@ -49,7 +49,7 @@ def test_no_seeds_no_spread(monkeypatch):
 def test_cli_parses_seeds_and_base_setting(monkeypatch, tmp_path, capsys):
     calls = []
 
-    def run_sweep(base, rates, kv_pages, ample, thresholds, seeds, log):
+    def run_sweep(base, rates, kv_pages, ample, thresholds, seeds, log, run=None):
         calls.append((base.rate, base.kv_pages, rates, kv_pages, ample, seeds))
         return {"grid": [], "single_ample": [], "escalation": [], "seeds": [], "seed_spread": {}, "notes": [],
                 "settings": {}}
@@ -67,3 +67,14 @@ def test_cli_rejects_seeds_that_are_not_integers(capsys):
         sweep.main(["--seeds", "0,1.5"])
     assert exc.value.code == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_the_sweep_command_runs_each_bench_as_mfs_bench_does(monkeypatch):
+    """python -m eval.commands.sweep: the bench with the baseline split's simulated pilot (eval/commands/bench.py)."""
+    import eval.commands.bench as bench_command
+    import eval.commands.sweep as sweep_command
+
+    seen = {}
+    monkeypatch.setattr(sweep, "main", lambda argv, run=None: seen.update(argv=argv, run=run) or 0)
+    assert sweep_command.main(["--quick"]) == 0
+    assert seen == {"argv": ["--quick"], "run": bench_command.run_bench}

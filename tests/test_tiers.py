@@ -192,7 +192,7 @@ def test_host_tier_parts_are_separate_lrus() -> None:
 def test_member_host_tier_sizes_parts_by_fraction_and_needs_per_member_lineages() -> None:
     import pytest
 
-    from orchestrator.core.tiers import member_host_tier
+    from eval.baseline.host_tier import member_host_tier
 
     host = member_host_tier(1000, {"s": 0.2, "l": 0.8}, {"s": ("s0", "s1"), "l": ("l0", "l1", "l2")})
     assert host.part_bytes() == {"s": 200, "l": 800}
@@ -205,7 +205,8 @@ def test_member_host_tier_sizes_parts_by_fraction_and_needs_per_member_lineages(
 def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_can() -> None:
     """The static-split baseline's core: one host tier part per deployment, sized as its slice, together MFS's
     tier; baseline_elastic keeps one LRU its deployments share."""
-    from eval.systems import system_config, system_scheduler
+    from eval.composition import core_parts
+    from eval.systems import system_config, system_scheduler, system_tiers
     from orchestrator.core.complexity import ComplexityEstimator
     from orchestrator.core.engine_core import EngineCore
     from orchestrator.core.family import load_family
@@ -217,7 +218,7 @@ def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_ca
         config = system_config(name, "tiny", 768, split, host_tier_mb=1.0)
         family = load_family("tiny", per_member_lineage=True)
         core = EngineCore(config, family, ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
-                          scheduler_factory=system_scheduler(name))
+                          **core_parts(config, system_scheduler(name), system_tiers(name)))
         host = core.tiers.host
         assert host.capacity_bytes == 2**20
         if name == "baseline":
@@ -230,3 +231,60 @@ def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_ca
             core.tiers.put(PageKey(large.layer_lineages[n % large.num_layers], n.to_bytes(16, "big")), page)
         survivors[name] = core.tiers.locate(PageKey(small.layer_lineages[0], b"s" * 16))
     assert survivors == {"baseline": Tier.HOST, "baseline_elastic": None}
+
+
+def test_disk_files_of_another_page_size_or_dtype_are_a_miss_never_data_of_the_wrong_shape(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1000, page_bytes=10, dtype="float16")
+    disk.put(key(1), blob(1))
+    disk.put(key(2), blob(2))
+    for page_bytes, dtype in ((20, "float16"), (10, "bfloat16")):   # a restart with another geometry or dtype
+        other = DiskTier(tmp_path, 1000, page_bytes=page_bytes, dtype=dtype)
+        assert other.num_entries == 0 and other.get(key(1)) is None   # refused by the scan, counted as a miss
+    assert not any(p.suffix == ".kv" for p in tmp_path.iterdir())      # ... and not left to fill the disk
+    half, brain = DiskTier(tmp_path, 1000, page_bytes=10, dtype="float16"), \
+        DiskTier(tmp_path, 1000, page_bytes=10, dtype="bfloat16")   # two servers sharing one directory
+    half.put(key(3), blob(3))
+    brain.put(key(3), blob(9))                                       # replaces the file under the same name
+    assert half.get(key(3)) is None and not half.contains(key(3))    # a miss, not brain's bytes
+    wrong_size = DiskTier(tmp_path / "y", 1000, page_bytes=10, dtype="float16")
+    wrong_size.put(key(4), blob(4, 7))                               # no page of 10 bytes: never served as one
+    assert wrong_size.get(key(4)) is None
+
+
+def test_a_restart_with_another_page_size_through_the_engine_config_loads_no_page(tmp_path: Path) -> None:
+    from orchestrator.core.config import load_config
+    from orchestrator.core.engine_core import with_disk_tier
+
+    def disk(page_bytes: int, **more) -> DiskTier:
+        config = load_config(None, {"pool.disk_tier_mb": 1, "pool.disk_dir": str(tmp_path),
+                                    "pool.page_bytes": page_bytes, **more})
+        return with_disk_tier(config, None).disk
+    disk(16).put(key(1), blob(1, 16))
+    assert disk(16).get(key(1)) == blob(1, 16)
+    assert disk(32).get(key(1)) is None                              # the old bytes cannot reach write_page
+    disk(16).put(key(2), blob(2, 16))
+    assert disk(16, **{"engine.dtype": "bfloat16"}).get(key(2)) is None
+
+
+def test_the_keyed_checksum_refuses_files_written_without_the_key(tmp_path: Path) -> None:
+    import pytest
+
+    from orchestrator.core.config import ConfigError, load_config
+    from orchestrator.core.engine_core import with_disk_tier
+
+    keyed = DiskTier(tmp_path, 1000, mac_key=b"secret")
+    keyed.put(key(1), blob(1))
+    assert DiskTier(tmp_path, 1000, mac_key=b"secret").get(key(1)) == blob(1)
+    assert DiskTier(tmp_path, 1000).get(key(1)) == blob(1)             # the plain checksum alone still verifies
+    DiskTier(tmp_path, 1000).put(key(2), blob(2))                       # a writer without the key
+    DiskTier(tmp_path, 1000, mac_key=b"other").put(key(3), blob(3))     # ... or with another one
+    reader = DiskTier(tmp_path, 1000, mac_key=b"secret")
+    assert reader.get(key(2)) is None and reader.get(key(3)) is None and reader.get(key(1)) == blob(1)
+    key_file = tmp_path / "disk.key"
+    key_file.write_text("secret\n")
+    config = load_config(None, {"pool.disk_tier_mb": 1, "pool.disk_dir": str(tmp_path / "d"),
+                                "pool.disk_key_file": str(key_file)})
+    assert with_disk_tier(config, None).disk.mac_key == DiskTier(tmp_path, 1, mac_key=b"secret").mac_key
+    config.pool.disk_key_file = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="pool.disk_key_file"):
+        with_disk_tier(config, None)

@@ -18,7 +18,7 @@ from contextlib import aclosing
 
 import pytest
 
-from orchestrator.core.config import load_config
+from eval.composition import core_parts, load_system_config
 from orchestrator.core.errors import EngineUnavailableError
 from orchestrator.core.types import FinishReason
 from tests.fakes_serving import start_process, stop_process
@@ -36,16 +36,17 @@ PROMPTS = {
 }
 MAX_TOKENS = 10
 # Every window looks unconfident (threshold above 1) and routing picks tiny-s: s -> m -> l after 4 tokens each.
+# The local engine runs without warm-ups (the Triton path has none): eval's composition of that switch.
 ESCALATING = {"escalation.threshold": 1.01, "escalation.min_tokens": 4, "escalation.window_tokens": 4,
-              "comparison.warmup": False, "router.complexity_thresholds": [0.99, 0.995]}
+              "router.complexity_thresholds": [0.99, 0.995]}
 ESCALATION_PROMPT = "Explain how a bicycle gear works and why a lower gear makes climbing a hill easier."
 ESCALATION_MODES = ("keep", "rollback")
 
 
 def _config(**overrides):
     # Same arena geometry as the repository's models (16 KiB pages, float32) so greedy tokens can match.
-    return load_config(None, {"family": str(FAMILY), "pool.num_pages": 2048, "pool.host_tier_mb": 0.0,
-                              "engine.device": "cpu", "engine.num_threads": 1, **overrides})
+    return load_system_config({"family": str(FAMILY), "pool.num_pages": 2048, "pool.host_tier_mb": 0.0,
+                               "engine.device": "cpu", "engine.num_threads": 1, **overrides})
 
 
 async def _local_tokens(prompts: dict[str, list[int]], members: list[str]) -> dict[tuple[str, str], list[int]]:
@@ -72,7 +73,8 @@ async def _local_escalations(prompt: list[int]) -> dict[str, tuple[list[int], li
 
     answers = {}
     for mode in ESCALATION_MODES:
-        local = LocalServing(_config(**ESCALATING, **{"escalation.on_escalate": mode}))
+        config = _config(**ESCALATING, **{"escalation.on_escalate": mode, "comparison.warmup": False})
+        local = LocalServing(config, **core_parts(config))
         await local.start()
         try:
             tokens, outputs = await collect(local, _escalating_request(f"local-esc-{mode}", prompt))

@@ -66,7 +66,7 @@ def test_each_system_replays_its_own_recorded_confidences(monkeypatch, tmp_path)
     import eval.simulate.cli as sim_cli
     import eval.validate.bench_vs_sim as validate
     from eval.bench.cli import BenchSettings
-    from eval.simulate.confidence import CONFIDENCE_FORMAT
+    from eval.bench.confidence_file import CONFIDENCE_FORMAT
 
     shared = tmp_path / "confidences_r1.0.json"
     for path, source in ((shared, "shared"), (validate.own_confidences(shared, "baseline"), "baseline's own")):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.sharegpt import Conversation
-from eval.bench.workloads import MIXED_PROPORTIONS, WorkloadSpec, build_trace, kind_counts, poisson_arrivals
+from eval.workloads import MIXED_PROPORTIONS, WorkloadSpec, build_trace, kind_counts, poisson_arrivals
 from orchestrator.core.family import SHIPPED_FAMILIES_DIR
 
 
@@ -122,7 +122,7 @@ def test_three_mixes_on_sharegpt(tokenizer, conversations):
 
 
 def test_saved_trace_replays_exactly_and_refuses_other_tokenizers_and_formats(tokenizer, conversations, tmp_path):
-    from eval.bench.workloads import TraceFileError, load_trace, save_trace
+    from eval.workloads import TraceFileError, load_trace, save_trace
 
     trace = build_trace(_spec(name="mixed"), tokenizer, conversations)
     path = tmp_path / "trace.json"
@@ -149,7 +149,7 @@ def test_saved_trace_replays_exactly_and_refuses_other_tokenizers_and_formats(to
 def test_each_turn_carries_the_first_max_tokens_tokens_of_the_datasets_reply(tokenizer, conversations, tmp_path):
     import json
 
-    from eval.bench.workloads import load_trace, save_trace
+    from eval.workloads import load_trace, save_trace
 
     trace = build_trace(_spec(name="mixed", max_output_tokens=48), tokenizer, conversations)
     by_id = {c.conversation_id: c for c in conversations}
@@ -178,7 +178,7 @@ def test_each_turn_carries_the_first_max_tokens_tokens_of_the_datasets_reply(tok
 # ----------------------------------------------------------------------------- closed-loop history
 def test_closed_history_appends_our_reply_then_the_user_part(tokenizer, conversations):
     """Turn k+1 = turn k's prompt + the reply the system generated + the next user message, via the template."""
-    from eval.bench.workloads import closed_prompt_lengths, next_prompt
+    from eval.workloads import closed_prompt_lengths, next_prompt
 
     trace = build_trace(_spec(), tokenizer, conversations)
     assert trace.spec.history == "closed"
@@ -232,7 +232,7 @@ def test_at_rate_scales_arrivals_and_keeps_sessions(tokenizer, conversations):
 def test_format_1_trace_replays_with_dataset_history(tokenizer, conversations, tmp_path):
     import json
 
-    from eval.bench.workloads import TraceFileError, load_trace, save_trace, with_history
+    from eval.workloads import TraceFileError, load_trace, save_trace, with_history
 
     trace = build_trace(_spec(history="dataset"), tokenizer, conversations)
     path = tmp_path / "old.json"
@@ -284,7 +284,7 @@ def test_saved_trace_is_asdict_of_the_trace(tokenizer, conversations, tmp_path):
     import json
     from dataclasses import asdict
 
-    from eval.bench.workloads import save_trace
+    from eval.workloads import save_trace
 
     trace = build_trace(_spec(num_sessions=6), tokenizer, conversations)
     save_trace(trace, tmp_path / "t.json", "h")
@@ -301,7 +301,7 @@ def test_saved_trace_is_asdict_of_the_trace(tokenizer, conversations, tmp_path):
 def test_a_traces_digest_is_the_sha256_of_its_saved_file(tokenizer, conversations, tmp_path):
     import hashlib
 
-    from eval.bench.workloads import save_trace, trace_digest
+    from eval.workloads import save_trace, trace_digest
 
     trace = build_trace(_spec(name="mixed"), tokenizer, conversations)
     again = build_trace(_spec(name="mixed"), tokenizer, conversations)
@@ -314,7 +314,7 @@ def test_a_traces_digest_is_the_sha256_of_its_saved_file(tokenizer, conversation
 
 
 def test_mix_phases_shift_the_share_of_the_largest_member_and_survive_a_save(tokenizer, conversations, tmp_path):
-    from eval.bench.workloads import load_trace, save_trace, trace_digest, with_mix_phases
+    from eval.workloads import load_trace, save_trace, trace_digest, with_mix_phases
 
     trace = build_trace(_spec(num_sessions=40, name="single"), tokenizer, conversations)
     mixed = with_mix_phases(trace, (0.9, 0.1), top_threshold=0.7, seed=3)
@@ -335,7 +335,7 @@ def test_mix_phases_shift_the_share_of_the_largest_member_and_survive_a_save(tok
 
 def test_a_sessions_complexity_goes_to_its_requests_as_the_hint(tokenizer, conversations):
     from eval.bench.sessions import ClosedLoopSessions
-    from eval.bench.workloads import with_mix_phases
+    from eval.workloads import with_mix_phases
 
     trace = with_mix_phases(build_trace(_spec(num_sessions=4), tokenizer, conversations), (1.0,), 0.7, seed=0)
     _, request = ClosedLoopSessions(trace, "t").start_turn(0, 0, 0.0, 0.0)

@@ -7,8 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, MemberSpec
-from orchestrator.core.speculation import plan_forwards
+from orchestrator.core.draft_length import plan_forwards
 from orchestrator.core.types import ForwardShape, MemberBatch, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 from engines.local.arena import KVArena
@@ -310,6 +311,20 @@ class LocalExecutor:
         self.sampler.release(request_ids)
         for model in self.models.values():
             model.forget(request_ids)
+
+
+def executor_from_config(config: MFSConfig, family: FamilySpec, num_pages: int, page_bytes: int, *, device: str,
+                         num_threads: int | None, parallel_forwards: int) -> LocalExecutor:
+    """The LocalExecutor `config` asks for over an arena of num_pages pages of page_bytes: its dtype, the developer
+    switches, and speculation's step costs and rides. Where it runs is the caller's (device, torch's threads,
+    parallel forwards: the edge's engine and the Triton python backend decide them differently)."""
+    developer, speculation = config.developer, config.speculation
+    return LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, dtype=config.engine.dtype,
+                         device=device, num_threads=num_threads,
+                         malloc_mmap_threshold_mb=developer.malloc_mmap_threshold_mb,
+                         native_attention=developer.native_attention, native_layer_ops=developer.native_layer_ops,
+                         parallel_forwards=parallel_forwards,
+                         measure_steps=speculation.enabled, drafts_ride=speculation.drafts_ride)
 
 
 def _in_chunk_order(batch: MemberBatch, tokens: list[SampledToken],

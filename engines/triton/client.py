@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
-from orchestrator.core.errors import EngineUnavailableError, MFSError
+from orchestrator.core.errors import EngineUnavailableError, InvalidRequestError, MFSError
 from orchestrator.core.types import SamplingParams
 
 KV_METRIC_NAME = "nv_trt_llm_kv_cache_block_metrics"
@@ -57,12 +57,37 @@ def _input(name: str, array: np.ndarray, datatype: str) -> tuple[service_pb2.Mod
     return tensor, array.tobytes()
 
 
+_INT32 = np.iinfo(np.int32)
+_UINT64_MASK = 2**64 - 1
+
+
+def _int32(field: str, *values: int) -> None:
+    """Every value packed into an INT32 tensor fits it: numpy would wrap an out-of-range one silently
+    (top_k 4294967301 becomes 5, 2147483648 becomes negative)."""
+    for value in values:
+        if not _INT32.min <= value <= _INT32.max:
+            raise InvalidRequestError(f"'{field}' must be in [{_INT32.min}, {_INT32.max}] with the Triton engine "
+                                      f"(a 32-bit integer there), got {value}", field)
+
+
+def check_packable(sampling: SamplingParams, num_tokens: int = 0, max_tokens: int = 0) -> None:
+    """A 400 naming the field for any value the tensorrt_llm inputs cannot carry as sent. The seed needs no
+    check: the edge accepts [-2^63, 2^64), and a negative seed is sent as its 64-bit two's complement."""
+    _int32("top_k", sampling.top_k)
+    _int32("max_tokens", max_tokens, num_tokens)
+
+
 def build_request(model: str, token_ids: list[int], sampling: SamplingParams, request_id: str,
                   end_id: int | None, max_tokens: int) -> service_pb2.ModelInferRequest:
-    """The tensorrt_llm inputs ([1, n] ids, [1, 1] scalars), streaming on, log probs and perf metrics on."""
+    """The tensorrt_llm inputs ([1, n] ids, [1, 1] scalars), streaming on, log probs and perf metrics on.
+    InvalidRequestError (400) naming the field for a value its tensor's type cannot hold."""
+    check_packable(sampling, len(token_ids), max_tokens)
+    ids = np.asarray([token_ids], dtype=np.int64)
+    if ids.size and (ids.min() < _INT32.min or ids.max() > _INT32.max):
+        _int32("prompt", int(ids.min()), int(ids.max()))
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     tensors = [
-        _input("input_ids", np.asarray([token_ids], dtype=np.int32), "INT32"),
+        _input("input_ids", ids.astype(np.int32), "INT32"),
         _input("input_lengths", np.asarray([[len(token_ids)]], dtype=np.int32), "INT32"),
         _input("request_output_len", np.asarray([[max_tokens]], dtype=np.int32), "INT32"),
         _input("streaming", np.asarray([[True]], dtype=np.bool_), "BOOL"),
@@ -76,7 +101,8 @@ def build_request(model: str, token_ids: list[int], sampling: SamplingParams, re
         tensors.append(_input("end_id", np.asarray([[end_id]], dtype=np.int32), "INT32"))
         tensors.append(_input("pad_id", np.asarray([[max(end_id, 0)]], dtype=np.int32), "INT32"))
     if sampling.seed is not None:
-        tensors.append(_input("random_seed", np.asarray([[sampling.seed]], dtype=np.uint64), "UINT64"))
+        tensors.append(_input("random_seed", np.asarray([[sampling.seed & _UINT64_MASK]], dtype=np.uint64),
+                              "UINT64"))
     for tensor, raw in tensors:
         request.inputs.append(tensor)
         request.raw_input_contents.append(raw)

@@ -56,14 +56,20 @@ class TritonInstall:
         return target
 
 
+# Default ports: one block apart from `mfs serve` (8000, like vLLM) and `mfs fleet` (8000 and up), since every GPU
+# recipe runs Triton and `mfs serve` side by side; the metrics port stays the gRPC port + 1, as in Triton's own
+# 8000/8001/8002 (orchestrator/serve/triton_serving.py derives the metrics URL from the gRPC URL that way).
+HTTP_PORT, GRPC_PORT, METRICS_PORT = 8100, 8101, 8102
+
+
 @dataclass(slots=True)
 class TritonProcess:
     """One tritonserver process (its own process group) for a repository; a context manager for tests."""
 
     repo: Path
-    grpc_port: int = 8001
-    http_port: int = 8000
-    metrics_port: int = 8002
+    grpc_port: int = GRPC_PORT
+    http_port: int = HTTP_PORT
+    metrics_port: int = METRICS_PORT
     exit_timeout_s: int = 5
     log_path: Path | None = None
     extra_pythonpath: tuple[str, ...] = ()
@@ -187,9 +193,11 @@ class TritonProcess:
 # ----------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repo", required=True, type=Path, help="Triton model repository (build-engines --out DIR/triton_repo)")
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--grpc-port", type=int, default=GRPC_PORT,
+                        help="the Triton URL of `mfs serve --engine triton`")
+    parser.add_argument("--http-port", type=int, default=HTTP_PORT,
+                        help="Triton's HTTP API (not 8000: `mfs serve` listens there)")
+    parser.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="Prometheus metrics (gRPC port + 1)")
     parser.add_argument("--exit-timeout-s", type=int, default=5, help="how long SIGTERM waits for in-flight requests")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--log", type=Path, default=None, help="server log file (default: this terminal)")

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Collection
 from functools import partial
 
+from eval.composition import scheduler_policies
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import InvalidRequestError
@@ -38,7 +39,7 @@ from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.placement import check_fits
 from orchestrator.core.request_queue import RunningSet
-from orchestrator.core.scheduler import Scheduler, SchedulerPolicies
+from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import MemberName, Request, RouteDecision
@@ -49,8 +50,8 @@ class Deployments:
 
     def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
                  elastic: bool = False) -> None:
-        if (config.comparison.static_split is None) != elastic:
-            raise ValueError("separate deployments need comparison.static_split (each deployment's slice), "
+        if pool.is_partitioned == elastic:
+            raise ValueError("separate deployments need a static split of the pool (each deployment's slice), "
                              "and elastic ones none (one pool)")
         self.family = family
         self.kv = kv
@@ -100,6 +101,9 @@ class Deployments:
                                    reason=f"re-routed {decision.member}->{member} (slice too small); "
                                           f"{decision.reason}")
 
+    def warms_up(self, member: str) -> bool:
+        return True                     # the deployments run without warm-up (eval/systems.py DEPLOYMENTS)
+
     def accepts_escalation(self, seq: Sequence) -> bool:
         target = escalation_target(self.family, seq.member, pinned=seq.request.pinned_member is not None)
         if target is not None and not self.holds(target, seq.request):
@@ -137,8 +141,8 @@ def deployments_scheduler(family: FamilySpec, config: MFSConfig, pool: PagePool,
     """The core's Scheduler with Deployments' policies (EngineCore's scheduler_factory signature)."""
     deployments = Deployments(family, config, pool, kv, elastic=elastic)
     return Scheduler(family, config, pool, kv, estimator, tiers, events, stats,
-                     policies=SchedulerPolicies(placement=deployments, running_cap=deployments,
-                                                step_members=deployments))
+                     policies=scheduler_policies(family, config, placement=deployments, running_cap=deployments,
+                                                 step_members=deployments))
 
 
 # system name -> its scheduler factory (module-level partials: they pickle into the engine process)

@@ -11,14 +11,17 @@ from dataclasses import replace
 from typing import Any
 
 from eval.baseline.split_search import SplitSimulator, search_split, shortlist_report, sim_sessions
-from eval.systems import StaticSplit, proportional_split
-from eval.bench.workloads import Trace
+from eval.baseline.static_split import StaticSplit, pages_rule, proportional_split
+from eval.workloads import Trace
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_layout import KVLayout
 
 # (fractions, the pilot trace at one rate) -> (config, records, metrics without per-request rows): the baseline on
 # that split, simulated; None where no simulator is available (the operator's default then stands)
 PilotRunner = Callable[[dict[str, float], Trace], tuple[Any, list, dict[str, Any]]]
+# (the run's settings, its family) -> (its PilotRunner, how the pilot is priced), or (None, why no simulator prices
+# it): the simulator a command hands the bench (eval/commands/bench.py: eval/simulate/replay.py measured_split_pilot)
+SplitPilot = Callable[[Any, FamilySpec], tuple[PilotRunner | None, str]]
 
 SPLIT_MODES = ("search", "proportional", "traffic")
 SPLIT_CANDIDATES = 4            # the search's shortlist the core re-scores beside the default
@@ -98,21 +101,6 @@ def pilot_rates(rates: Sequence[float]) -> tuple[float, ...]:
 
 def pilot_figures(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {k: metrics.get(k) for k in PILOT_FIGURES}
-
-
-def pages_rule(layout: KVLayout, family: FamilySpec, config) -> Callable[[str, int], int]:
-    """(member, tokens) -> the pages a request holds on that member's server: its own, plus its draft's where each
-    server drafts with its own copy of the smallest member (speculating, comparison.private_drafts: the draft's
-    tables come from the same slice, one page per draft layer per block)."""
-    if not (config.speculation.enabled and config.comparison.private_drafts):
-        return layout.pages_for_tokens
-    draft = family.members[0]
-    draft_block = layout.tokens_per_block(draft.name)
-
-    def pages_for_tokens(member: str, num_tokens: int) -> int:
-        own = layout.pages_for_tokens(member, num_tokens)
-        return own if member == draft.name else own + -(-num_tokens // draft_block) * draft.num_layers
-    return pages_for_tokens
 
 
 def choose_baseline_split(settings, family: FamilySpec, trace: Trace, rates: tuple[float, ...],
@@ -207,14 +195,14 @@ def shortlisted(settings, family: FamilySpec, pilot: Trace, at: tuple[float, ...
     from orchestrator.core.router import Router
 
     router = Router(family, config.router)
-    layout = KVLayout.for_config(family, config)       # the scheduler's own pages rule for the baseline's config
-    simulator = SplitSimulator(family.serving_names, pages_rule(layout, family, config), config.num_arena_pages(),
+    layout = KVLayout.for_config(family, config)       # the blocks of the baseline's config (pages: pages_rule)
+    simulator = SplitSimulator(family.serving_names, pages_rule(family, config), config.num_arena_pages(),
                                metrics["solo_decode_step_s"],
                                {m: layout.tokens_per_block(m) for m in family.serving_names},
                                max_running=config.scheduler.max_running_requests,
                                max_batch_tokens=config.scheduler.max_batch_tokens,
                                prefill_chunk_tokens=config.scheduler.prefill_chunk_tokens,
-                               reserve_blocks=config.comparison.decode_reserve_blocks)
+                               reserve_blocks=config.scheduler.decode_reserve_blocks)
     route = lambda ids: router.adequate_member(estimator.score(ids))  # noqa: E731 - complexity only, as the baseline
     sessions = {rate: sim_sessions(pilot.at_rate(rate), records, route) for rate in at}
     try:

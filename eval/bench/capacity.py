@@ -56,7 +56,7 @@ def capacities(points: Mapping[str, Mapping[float, Mapping[str, Any]]], slo: SLO
     for name, by_rate in points.items():
         curve = [{"rate": rate, "systems": {name: metrics}} for rate, metrics in sorted(by_rate.items())]
         capacity = capacity_at_slo(curve, slo)[name]
-        found[name] = {"capacity": capacity, "lower_bound": capacity is not None and capacity == curve[-1]["rate"],
+        found[name] = {"capacity": capacity, "lower_bound": bool(capacity) and capacity == curve[-1]["rate"],
                        "rates": [p["rate"] for p in curve]}
     return found
 
@@ -79,7 +79,7 @@ def format_summary(found: Mapping[str, Any]) -> str:
     for seed, systems in found["by_seed"].items():
         parts = []
         for name, f in systems.items():
-            value = "none" if f["capacity"] is None else f"{f['capacity']:.1f}" + ("+" if f["lower_bound"] else "")
+            value = "0 (fails at its lowest rate)" if not f["capacity"] else f"{f['capacity']:.1f}" + ("+" if f["lower_bound"] else "")
             parts.append(f"{name} {value}")
         r = found["ratio_by_seed"][seed]
         lines.append(f"seed {seed}: " + ", ".join(parts) + (f"; mfs / baseline {r:.2f}x" if r is not None else ""))

@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -15,19 +13,23 @@ from typing import Any
 import yaml
 
 from eval.bench.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
-from eval.baseline.split import (SPLIT_CANDIDATES, SPLIT_PILOT_SESSIONS, SplitError, choose_baseline_split,
+from eval.baseline.split import (SPLIT_CANDIDATES, SPLIT_PILOT_SESSIONS, SplitError, SplitPilot, choose_baseline_split,
                                  parse_split_mode, split_lines, split_mode_label)
+from eval.bench.confidence_file import write_library
 from eval.bench.quality import add_quality as _add_quality
 from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.result import curve_points, curve_result, rate_point
+from eval.composition import core_parts, load_system_config, system_family
 from eval.systems import (ATTRIBUTION_SYSTEMS, DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
-                          needs_split, system_config, system_scheduler)
-from eval.bench.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
+                          needs_split, system_config, system_scheduler,
+                          system_tiers)
+from eval.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
                                   load_trace, save_trace, trace_digest, with_history, with_lengths, with_mix_phases)
-from orchestrator.core.config import ConfigError, config_to_dict, load_config
+from eval.machine import machine
+from orchestrator.core.config import ConfigError, config_to_dict
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.router import largest_member_bound
 from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator, family_tokenizer
@@ -105,7 +107,7 @@ def static_split_for(trace: Trace, family: FamilySpec, tokenizer: FamilyTokenize
     # Complexity from the dataset prompt: the closed-loop prompt is only known during the replay.
     requests = [RoutedRequest(estimator.score(t.prompt_token_ids), length + t.max_tokens)
                 for s in trace.sessions for t, length in zip(s.turns, trace.prompt_lengths(s))]
-    config = load_config(overrides={"family": settings.family, "pool.num_pages": settings.kv_pages,
+    config = load_system_config({"family": settings.family, "pool.num_pages": settings.kv_pages,
                                     **settings.extra_overrides})
     return best_static_split(family, requests, config, settings.kv_pages)
 
@@ -117,7 +119,8 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
     scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
     from orchestrator.serve.serving import LocalServing
 
-    engine = LocalServing(config, scheduler_factory=scheduler_factory or system_scheduler(name))
+    engine = LocalServing(config, system_family(config),
+                          **core_parts(config, scheduler_factory or system_scheduler(name), system_tiers(name)))
     await engine.start()
     try:
         members = list(engine.family.member_names)
@@ -169,7 +172,7 @@ def mixed_in_phases(trace: Trace, settings: BenchSettings, family: FamilySpec) -
         return trace
     if len(family.serving_names) < 2:
         raise ValueError("--mix-phases shifts traffic between members: the family has one to route to")
-    thresholds = load_config(overrides=settings.extra_overrides or None).router.complexity_thresholds
+    thresholds = load_system_config(settings.extra_overrides or None).router.complexity_thresholds
     return with_mix_phases(trace, settings.mix_phases, largest_member_bound(thresholds, len(family.serving_names)),
                            settings.seed)
 
@@ -238,7 +241,11 @@ def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: 
     return records_by_system, rate_point(trace.spec.rate_sessions_per_s, records_by_system, systems)
 
 
-def run_bench(settings: BenchSettings) -> dict[str, Any]:
+def run_bench(settings: BenchSettings, split_pilot: SplitPilot | None = None) -> dict[str, Any]:
+    """split_pilot: the simulator on which `--baseline-split search` re-scores the split search's shortlist beside
+    the operator's default (`mfs bench`, eval/commands/bench.py, hands in eval/simulate/replay.py's
+    measured_split_pilot: the simulator reads the bench's workloads and maths, so the bench does not import it).
+    None: no split is re-scored, the default stands."""
     family, trace, split, notes = prepare(settings)
     rates = curve_rates(settings, trace)
     headline = settings.rate if settings.rate in rates and not settings.trace_file else rates[0]
@@ -253,10 +260,9 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     recorded = []          # every reply, for --record-confidences
     try:
         if split_baselines:
-            from eval.simulate.replay import measured_split_pilot   # the pilot is simulated: no wall time on it
-
-            run_pilot, cost_model = (measured_split_pilot(settings, family) if settings.baseline_split == "search"
-                                     else (None, ""))
+            searching = settings.baseline_split == "search"     # the pilot is simulated: no wall time on it
+            run_pilot, cost_model = (split_pilot(settings, family) if searching and split_pilot is not None
+                                     else (None, "no pilot simulator given" if searching else ""))
             estimator = complexity_estimator(family_tokenizer(family))
             baseline_split, about_split = choose_baseline_split(settings, family, trace, rates, split, estimator,
                                                                 run_pilot, cost_model, progress)
@@ -271,7 +277,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         if progress is not None:
             progress.close()
     curve = curve_points(points)
-    if settings.record_confidences:   # the simulator's escalation input (eval/simulate/confidence.py)
+    if settings.record_confidences:   # the simulator's escalation input (eval/bench/confidence_file.py)
         _record_confidences(settings, family, recorded, notes)
     result = {
         "workload": {**trace.at_rate(headline).summary(),
@@ -289,8 +295,6 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
 
 def _record_confidences(settings: BenchSettings, family: FamilySpec, records: list, notes: list[str]) -> None:
-    from eval.simulate.confidence import write_library
-
     counts = write_library(records, settings.record_confidences, family.name,
                            f"mfs bench systems {','.join(settings.systems)} seed {settings.seed}")
     notes.append(f"per-token confidences written to {settings.record_confidences} (sequences per member: {counts})")
@@ -304,10 +308,9 @@ def _settings_dict(settings: BenchSettings) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    import torch
+    import torch  # noqa: F401  (described by eval.machine when imported: the engine ran on it)
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
+    return machine()
 
 
 def _progress(settings: BenchSettings, trace: Trace, num_rates: int = 1):
@@ -442,13 +445,14 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                    record_confidences=getattr(args, "record_confidences", None), **chosen)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, split_pilot: SplitPilot | None = None) -> int:
+    """The bench's command line (`mfs bench` is eval/commands/bench.py: this with the simulated split pilot)."""
     if args.seeds:
-        return main_over_seeds(args)
-    return main_one(args)
+        return main_over_seeds(args, split_pilot)
+    return main_one(args, split_pilot)
 
 
-def main_over_seeds(args: argparse.Namespace) -> int:
+def main_over_seeds(args: argparse.Namespace, split_pilot: SplitPilot | None = None) -> int:
     """Every trace seed x repeat as its own run (OUT_seedS[_repR].json), then the intervals over them in OUT."""
     try:
         seeds = parse_seeds(args.seeds)
@@ -461,17 +465,17 @@ def main_over_seeds(args: argparse.Namespace) -> int:
     for seed in seeds:
         for repeat in range(args.repeats):
             path = run_file(args.out, seed, repeat, args.repeats)
-            main_one(argparse.Namespace(**{**vars(args), "seed": seed, "out": str(path)}))
+            main_one(argparse.Namespace(**{**vars(args), "seed": seed, "out": str(path)}), split_pilot)
             files.append(path)
     write_over_runs(args.out, files, command)
     return 0
 
 
-def main_one(args: argparse.Namespace) -> int:
+def main_one(args: argparse.Namespace, split_pilot: SplitPilot | None = None) -> int:
     settings = settings_from_args(args)
     started = time.monotonic()
     try:
-        result = run_bench(settings)
+        result = run_bench(settings, split_pilot)
     except (TraceFileError, ConfigError, SplitError) as exc:   # a bad trace file, --set or split: say what, no traceback
         raise SystemExit(f"mfs bench: {exc}") from None
     result["settings"]["command"] = "mfs bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None

@@ -159,7 +159,7 @@ def default_slo(curve: Sequence[Mapping[str, Any]], ttft_x: float = TTFT_SLO_X,
                     f"at the lowest rate ({curve[0]['rate']:g} sessions/s)")
 
 
-def _capacity(curve: Sequence[Mapping[str, Any]], name: str, slo: SLO) -> float | None:
+def _capacity(curve: Sequence[Mapping[str, Any]], name: str, slo: SLO) -> float:
     last_pass = None
     for point in curve:
         metrics = point["systems"].get(name)
@@ -167,7 +167,8 @@ def _capacity(curve: Sequence[Mapping[str, Any]], name: str, slo: SLO) -> float 
             last_pass = point
             continue
         if last_pass is None or metrics is None:
-            return None if last_pass is None else last_pass["rate"]
+            # failing (or failed: no metrics) at its lightest rate is a capacity of zero, never a dropped sample
+            return 0.0 if last_pass is None else last_pass["rate"]
         # the first of the SLO's limits that the interpolated metrics cross, between the two grid points
         crossings = []
         for key, limit in slo.limits().items():
@@ -178,11 +179,12 @@ def _capacity(curve: Sequence[Mapping[str, Any]], name: str, slo: SLO) -> float 
                 crossings.append(_crossing(last_pass["rate"], last_pass["systems"][name][key], point["rate"],
                                            value, limit))
         return min(crossings)
-    return last_pass["rate"] if last_pass is not None else None
+    return last_pass["rate"] if last_pass is not None else 0.0
 
 
 def capacity_at_slo(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict[str, float | None]:
-    """Per system: the interpolated rate up to which it meets the SLO (None: not even the lowest rate does)."""
+    """Per system: the interpolated rate up to which it meets the SLO; 0 when not even the lowest rate does (a
+    seed on which a system fails counts against that system)."""
     if slo is None or not curve:
         return {}
     names = dict.fromkeys(n for p in curve for n in p["systems"])
@@ -190,10 +192,11 @@ def capacity_at_slo(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict
 
 
 def capacity_ratio(capacity: Mapping[str, float | None], lower_bound: Sequence[str], name: str = "mfs") -> float | None:
-    """name's capacity / the baseline's; None when the baseline has none or only a lower bound, or name has none.
-    When `name`'s own capacity is a lower bound, so is the ratio."""
+    """name's capacity / the baseline's: 0 when `name` meets the SLO at no rate; None (undefined) when the baseline
+    meets it at no rate or only a lower bound is known for it, or either was not run. When `name`'s own capacity is a
+    lower bound, so is the ratio."""
     base, mine = capacity.get(BASELINE), capacity.get(name)
-    if base is None or mine is None or BASELINE in lower_bound:
+    if base is None or mine is None or not base or BASELINE in lower_bound:
         return None
     return mine / base
 
@@ -204,7 +207,7 @@ def summarize_curve(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict
     at_knee, at_grid_knee = reductions_at(curve, knee), reductions_at(curve, grid_knee)
     capacity = capacity_at_slo(curve, slo)
     highest = curve[-1]["rate"] if curve else None
-    lower_bound = sorted(n for n, r in capacity.items() if r is not None and r == highest)
+    lower_bound = sorted(n for n, r in capacity.items() if r and r == highest)
     return {
         "knee_rate": knee,
         "knee_rule": f"rate where the baseline's mean token latency reaches {KNEE_FACTOR:g}x its lowest-rate value, "
@@ -253,10 +256,11 @@ def format_curve(result: Mapping[str, Any]) -> str | None:
         ratio = result.get("capacity_ratio")
         lines.append(f"capacity at the SLO ({slo['rule']}: {slo['ttft_p90_s'] * 1e3:.0f} ms, "
                      f"{slo['tpot_p90_s'] * 1e3:.1f} ms), interpolated: "
-                     + ", ".join(f"{n} {'>=' if n in bound else ''}{r:.3g}/s" if r is not None else f"{n} none"
+                     + ", ".join(f"{n} {'>=' if n in bound else ''}{r:.3g}/s" if r else f"{n} 0 (fails at the lightest rate)"
                                  for n, r in capacity.items())
                      + (f"; mfs / baseline {'>=' if 'mfs' in bound else ''}{ratio:.2f}x" if ratio is not None
-                        else "; no capacity ratio (the baseline has no capacity on this curve, or only a lower bound)"))
+                        else "; no capacity ratio (the baseline meets the SLO at no rate of this curve, or only a lower "
+                             "bound is known)"))
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from eval.bench.metrics import RequestRecord, counter_delta
 from eval.bench.sessions import ClosedLoopSessions, record_output
-from eval.bench.workloads import Trace
+from eval.workloads import Trace
 from orchestrator.core.errors import MFSError
 from orchestrator.core.events import percentile
 from orchestrator.core.types import Request, RequestId, SamplingParams

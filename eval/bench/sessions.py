@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from eval.bench.metrics import RequestRecord
-from eval.bench.workloads import Trace, next_prompt
+from eval.workloads import Trace, next_prompt
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from eval.bench.cli import BenchSettings, run_bench
 from eval.bench.metrics import mean
+from eval.machine import machine
 
 ROW_METRICS = ("mean_token_latency_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "throughput_tok_s",
                "prefix_hit_rate", "escalation_rate", "preemptions", "num_requests", "num_failed",
@@ -48,32 +49,36 @@ def seed_spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def run_sweep(base: BenchSettings, rates: list[float], kv_pages: list[int], ample_pages: int | None,
-              thresholds: list[float], seeds: Sequence[int] = (), log=print) -> dict[str, Any]:
+              thresholds: list[float], seeds: Sequence[int] = (), log=print, run=None) -> dict[str, Any]:
+    """run: the bench of one setting (None: eval.bench.cli.run_bench, no simulated split pilot; the sweep's command,
+    eval/commands/sweep.py, hands in `mfs bench`'s, with it)."""
+    run = run or run_bench
     out: dict[str, Any] = {"grid": [], "single_ample": [], "escalation": [], "seeds": [], "seed_spread": {},
                            "notes": [],
                            "settings": {"base": {k: getattr(base, k) for k in ("workload", "sessions", "seed", "family",
                                                                                "quick", "max_turns", "max_output_tokens")},
                                         "rates": rates, "kv_pages": kv_pages, "ample_pages": ample_pages,
-                                        "escalation_thresholds": thresholds, "seeds": list(seeds)}}
+                                        "escalation_thresholds": thresholds, "seeds": list(seeds),
+                                        "machine": machine()}}
     for rate in rates:
         for pages in kv_pages:
             log(f"sweep: workload={base.workload} rate={rate} kv_pages={pages}")
-            result = run_bench(replace(base, rate=rate, kv_pages=pages))
+            result = run(replace(base, rate=rate, kv_pages=pages))
             out["grid"] += rows_of(result, workload=base.workload, rate=rate, kv_pages=pages)
             out["notes"] += [f"rate={rate} kv_pages={pages}: {n}" for n in result["notes"]]
     if ample_pages:
         # Every request new and memory to spare: nothing to reuse, nothing to evict; the gain should vanish.
         log(f"sweep: workload=single kv_pages={ample_pages}")
-        result = run_bench(replace(base, workload="single", kv_pages=ample_pages))
+        result = run(replace(base, workload="single", kv_pages=ample_pages))
         out["single_ample"] = rows_of(result, workload="single", rate=base.rate, kv_pages=ample_pages)
     for threshold in thresholds:
         log(f"sweep: escalation.threshold={threshold}")
-        result = run_bench(replace(base, systems=("mfs",), score_quality=True,
-                                   extra_overrides={**base.extra_overrides, "escalation.threshold": threshold}))
+        result = run(replace(base, systems=("mfs",), score_quality=True,
+                             extra_overrides={**base.extra_overrides, "escalation.threshold": threshold}))
         out["escalation"] += rows_of(result, threshold=threshold, rate=base.rate, kv_pages=base.kv_pages)
     for seed in seeds:
         log(f"sweep: seed={seed} rate={base.rate} kv_pages={base.kv_pages}")
-        result = run_bench(replace(base, seed=seed))
+        result = run(replace(base, seed=seed))
         out["seeds"] += rows_of(result, seed=seed, workload=base.workload, rate=base.rate, kv_pages=base.kv_pages)
     if seeds:
         out["seed_spread"] = seed_spread(out["seeds"])
@@ -91,8 +96,8 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.bench.sweep", description=__doc__ + " Writes JSON (--out).")
+def main(argv: list[str] | None = None, run=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.commands.sweep", description=__doc__ + " Writes JSON (--out).")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workload", default="multiturn")
     parser.add_argument("--sessions", type=int, default=None)
@@ -118,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     result = run_sweep(base, _floats(args.rates), [int(x) for x in _floats(args.kv_pages)], args.ample_pages or None,
                        _floats(args.thresholds), args.seeds,
-                       log=lambda m: print(m, file=sys.stderr))
+                       log=lambda m: print(m, file=sys.stderr), run=run)
     result["settings"]["wall_s"] = round(time.monotonic() - started, 1)
-    result["settings"]["command"] = "python -m eval.bench.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["settings"]["command"] = "python -m eval.commands.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(args.out).write_text(json.dumps(result, indent=1))
     for row in result["grid"] + result["single_ample"] + result["escalation"] + result["seeds"]:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
@@ -134,4 +139,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit("the sweep runs as python -m eval.commands.sweep (the bench with its simulated split pilot)")

@@ -34,15 +34,17 @@ from eval.simulate.replay import cost_model_label, run_system, split_pilot_runne
 from eval.simulate.setup import (SimSetup, drafter_memory, is_paper_family, measured_model_path, paper_setup,
                                  pooled_setups, private_draft_memory, tiny_setup)
 from eval.simulate.step_table import StepTableError, save_table
+from eval.composition import load_system_config
 from eval.systems import ELASTIC_BASELINES, SPLIT_BASELINES, needs_split, system_config, system_scheduler
-from eval.bench.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
+from eval.machine import machine
+from eval.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
                                   trace_digest)
 from eval.simulate import compiled
-from orchestrator.core.config import ConfigError, config_to_dict, load_config
+from orchestrator.core.config import ConfigError, config_to_dict
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator
 
-# --capacity-policy -> the comparison.decode_reservation every system runs (None: each system's own, the peak
+# --capacity-policy -> the scheduler.decode_reservation every system runs (None: each system's own, the peak
 # reservation with its decaying expected-length ratio for MFS and the fair baselines)
 CAPACITY_POLICIES = {"guaranteed_no_evict": "guaranteed_no_evict", "max_utilization": None}
 # Paper-scale traces: ShareGPT conversations as they are (long histories, real reply lengths).
@@ -186,10 +188,10 @@ def _with_policies(setup: SimSetup, args: argparse.Namespace, settings: BenchSet
                                       else "max_utilization")
     reservation = CAPACITY_POLICIES[policy]
     if reservation is not None:
-        if "comparison.decode_reservation" in settings.extra_overrides:
-            raise PlacementError(f"--capacity-policy {policy} sets comparison.decode_reservation for every system; "
+        if "scheduler.decode_reservation" in settings.extra_overrides:
+            raise PlacementError(f"--capacity-policy {policy} sets scheduler.decode_reservation for every system; "
                                  "drop the --set, or pass --capacity-policy max_utilization with it")
-        setup.overrides["comparison.decode_reservation"] = reservation
+        setup.overrides["scheduler.decode_reservation"] = reservation
     setup.capacity_policy = policy
     return setup
 
@@ -387,7 +389,7 @@ def load_confidences(args: argparse.Namespace, settings: BenchSettings, setup: S
     text = args.escalation_model or ("recorded" if not is_paper_family(args.family)
                                      else default_model_text(routed))
     if text != "recorded":
-        min_tokens = load_config(overrides=settings.extra_overrides or None).escalation.min_tokens
+        min_tokens = load_system_config(settings.extra_overrides or None).escalation.min_tokens
         return parse_model(text, routed, min_tokens, settings.seed)
     confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
     confidences.map_members(setup.member_names, tiny.member_names)
@@ -462,7 +464,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                      "static_split_traffic_share": getattr(split, "traffic_share", None),
                      "baseline_split_mode": about_split.pop("baseline_split_mode"),
                      "baseline_split": about_split.pop("baseline_split", getattr(split, "fractions", split)),
-                     "configs": {n: config_to_dict(c) for n, c in configs.items()}},
+                     "configs": {n: config_to_dict(c) for n, c in configs.items()}, "machine": machine()},
         **about_split,
         **curve_result(settings, headline, head, rates, curve),
         "notes": notes,

@@ -4,8 +4,9 @@
 
 The simulator is a deterministic function of its inputs (trace, configs, cost model, seeds), so a change that
 only makes it faster must leave every figure identical. Only the fields that measure this machine differ
-between runs and are skipped: wall and CPU times of the simulation, the trace build and the whole command, and
-the command line itself. Exits 1 and lists the first differences when anything else differs.
+between runs and are skipped: wall and CPU times of the simulation, the trace build and the whole command, the
+command line itself, and the machine (settings.machine). Exits 1 and lists the first differences when anything else
+differs.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Any
 
 # Keys whose values are timings of this machine (or the command that was typed), never simulated figures.
 # `core`: which build of the core ran (Python sources or the compiled modules), which must not change a figure.
-MACHINE_KEYS = frozenset({"wall_s", "cpu_s", "trace_build_s", "simulate_s", "command", "core"})
+# `machine`: settings.machine (eval/machine.py: Python, torch, the CPU model and its core counts).
+MACHINE_KEYS = frozenset({"wall_s", "cpu_s", "trace_build_s", "simulate_s", "command", "core", "machine"})
 
 
 def differences(a: Any, b: Any, path: str = "", limit: int = 20, skip: frozenset[str] = frozenset()) -> list[str]:

@@ -2,7 +2,7 @@
 
 `mfs bench --record-confidences FILE` writes, for every served reply, the top-1 probability of each generated
 token on each member (greedy decoding: the sampled token is the top-1, so its probability is exp(logprob)), one
-sequence per (request, member) span: an `mfs-confidences/1` file. The simulator looks a value up by
+sequence per (request, member) span: an `mfs-confidences/1` file (eval/bench/confidence_file.py). The simulator looks a value up by
 (request key, member, position):
   - the request's own recorded sequence on that member when the file has one (a replay of the same trace);
   - otherwise a recorded sequence of that member picked by a hash of (seed, request key, member);
@@ -16,55 +16,17 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from eval.bench.confidence_file import CONFIDENCE_FORMAT, request_key  # noqa: F401 (request_key: driver.py reads it here)
 from eval.simulate.paths import DEFAULT_LIBRARY
-
-CONFIDENCE_FORMAT = "mfs-confidences/1"
 
 
 class ConfidenceFileError(ValueError):
     """A confidences file that cannot be used (unreadable, another format, a member with no sequence)."""
-
-
-def request_key(session_id: str, turn_index: int) -> str:
-    """The system-independent name of one trace request (the bench's request ids add a system tag)."""
-    return f"{session_id}-t{turn_index}"
-
-
-def spans_of(logprobs: Sequence[float], tokens_by_member: dict[str, int]) -> list[tuple[str, list[float]]]:
-    """Splits a reply's logprobs by member, in generation order (escalation only moves to larger members, so
-    each member's tokens are one contiguous span and dict order is generation order)."""
-    import math
-
-    out, start = [], 0
-    for member, n in tokens_by_member.items():
-        out.append((member, [math.exp(lp) for lp in logprobs[start:start + n]]))
-        start += n
-    return out
-
-
-def write_library(records: Iterable[Any], path: str | Path, family: str, note: str) -> dict[str, int]:
-    """Writes the confidences of bench RequestRecords (those with output_logprobs). Returns sequences per member."""
-    members: dict[str, list[list[float]]] = {}
-    by_request: dict[str, int] = {}
-    for r in records:
-        if not r.ok or not getattr(r, "output_logprobs", None) or len(r.output_logprobs) != r.output_tokens:
-            continue
-        for member, values in spans_of(r.output_logprobs, r.tokens_by_member or {r.member: r.output_tokens}):
-            if not values:
-                continue
-            key = f"{request_key(r.session_id, r.turn_index)}|{member}"
-            if key not in by_request:
-                by_request[key] = len(members.setdefault(member, []))
-                members[member].append([round(v, 5) for v in values])
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"format": CONFIDENCE_FORMAT, "family": family, "source": note,
-                                      "members": members, "by_request": by_request}))
-    return {m: len(v) for m, v in members.items()}
 
 
 class Confidences(Protocol):

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from eval.simulate.step_table import StepTable, StepTableError
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.speculation import plan_forwards
+from orchestrator.core.draft_length import plan_forwards
 from orchestrator.core.types import ForwardShape, MemberBatch, StepPlan
 
 @dataclass(frozen=True, slots=True)

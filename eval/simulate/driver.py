@@ -23,7 +23,7 @@ from eval.simulate.fleet import FrontRouter
 from eval.simulate.node import SimNode
 from eval.simulate.step_profile import StepProfile
 from eval.bench.sessions import ClosedLoopSessions, record_output
-from eval.bench.workloads import Trace
+from eval.workloads import Trace
 from orchestrator.core.errors import MFSError
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import Request, RequestOutput
@@ -125,8 +125,7 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
                 target.executor.request_keys[seq.request_id] = key
             target.move_in(seq)
 
-        for node, members in zip(nodes, router.homes):
-            node.scheduler.home_members = frozenset(members)
+        for node in nodes:
             node.on_move_out = move
 
     def next_turn(index: int, k: int, now: float) -> None:

@@ -137,7 +137,7 @@ def profile_members(family, config) -> dict[str, MemberCosts]:
 async def _serving_gaps(config, num_requests: int = 4, tokens: int = 48) -> float:
     """Mean gap (ms) between back-to-back execute() calls of a real LocalServing streaming pinned requests."""
     from eval.bench.cli import pinned_request
-    from eval.validate.step_profile import BACK_TO_BACK_S, timed
+    from eval.bench.step_timing import BACK_TO_BACK_S, timed
     from orchestrator.serve.serving import LocalServing
 
     engine = LocalServing(config)

@@ -11,7 +11,9 @@ on a shared machine they are noisy, and the table says so (re-measure them alone
 `SpeculativeRun` is the core's speculation bookkeeping in miniature (orchestrator/core/types.py, DraftSpec): it
 builds each step's plan by hand (a prefill, then decode chunks that draft k tokens with another member), and
 applies what the engine returns (target computed = start + 1 + accepted; the draft's computed length as the
-contract gives it). The engine's tests drive it too.
+contract gives it; the end of a request by the core's own rule, Sequence.stop_reason). The engine's tests drive it
+too. It does not run the core's step (EngineCore): the core drafts with the smallest member only, a draft length of
+its own choosing, for the member routing picks, where this measures every (drafter, target) pair at a fixed k.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.core.config import SpeculationConfig
-from orchestrator.core.types import (DraftSpec, MemberBatch, PageId, RequestId, SampledToken, SamplingParams,
+from orchestrator.core.sequence import Sequence
+from orchestrator.core.types import (DraftSpec, MemberBatch, PageId, Request, RequestId, SampledToken, SamplingParams,
                                      SeqChunk, StepPlan)
 
 TABLE_FORMAT = "mfs-speculation-table/1"
@@ -68,6 +71,11 @@ class Decode:
     verified: list[tuple[int, int, bool]] = field(default_factory=list)   # (k, tokens returned, ended there)
     window: int = 0                 # the draft's attention window (DraftSpec.window; 0: none)
     sink_tokens: int = 0
+    seq: Sequence = field(init=False)   # the core's record of it on `target`: what its stop rule reads
+
+    def __post_init__(self) -> None:
+        request = Request(RequestId(self.request_id), list(self.prompt), self.sampling, arrival_s=0.0)
+        self.seq = Sequence(request, self.target, list(self.prompt), len(self.prompt))
 
     @property
     def generated(self) -> list[int]:
@@ -142,24 +150,16 @@ class SpeculativeRun:
             spec = chunk.draft
             d.draft_done = min(chunk.start_pos + 1 + accepted,
                                spec.start_pos + len(spec.token_ids) + spec.num_tokens - 1)
-        eos = self.executor.model(d.target).member.eos_token_ids
+        member = self.executor.model(d.target).member
         for i, token in enumerate(tokens):
             d.tokens.append(token)
-            if self._stops(d, token.token_id, eos):
+            d.seq.append_token(token.token_id, token.logprob)
+            if d.seq.stop_reason(token.token_id, member.eos_token_ids, member.context_tokens) is not None:
                 d.finished = True
                 d.dropped += len(tokens) - i - 1
                 break
         if chunk.draft is not None:
             d.verified.append((chunk.draft.num_tokens, len(tokens), d.finished))
-
-    @staticmethod
-    def _stops(d: Decode, token: int, eos: tuple[int, ...]) -> bool:
-        """orchestrator/core/sequence.py's stop_reason, without the context (the runs stay far below it)."""
-        params, generated = d.sampling, len(d.tokens)
-        if generated >= params.min_tokens and (token in params.stop_token_ids
-                                               or (not params.ignore_eos and token in eos)):
-            return True
-        return generated >= params.max_tokens
 
     def run(self) -> None:
         while not all(d.finished for d in self.decodes.values()):
@@ -167,8 +167,8 @@ class SpeculativeRun:
 
 
 def workload_prompts(tokenizer_hash: str, count: int = 10, max_tokens: int = 256) -> list[list[int]]:
-    """The first turns of the shipped quick trace (eval/bench/workloads.py's format), at most max_tokens each."""
-    from eval.bench.workloads import load_trace
+    """The first turns of the shipped quick trace (eval/workloads.py's format), at most max_tokens each."""
+    from eval.workloads import load_trace
 
     trace = load_trace(TRACE, tokenizer_hash)
     prompts = [s.turns[0].user_token_ids or s.turns[0].prompt_token_ids for s in trace.sessions]
@@ -180,7 +180,7 @@ def long_prompts(family, count: int = 10, min_tokens: int = LONG_MIN_TOKENS, max
     """Long contexts: the latest turn of at least min_tokens (ShareGPT's own earlier replies as history) of each
     of the first `count` multi-turn sessions of a trace that has one, its last max_tokens tokens at most (what a
     draft window is measured on: the quick trace's first turns are short)."""
-    from eval.bench.workloads import WorkloadSpec, build_trace
+    from eval.workloads import WorkloadSpec, build_trace
     from orchestrator.serve.tokenizer import FamilyTokenizer
 
     context = min(m.context_tokens for m in family.members)

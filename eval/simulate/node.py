@@ -20,14 +20,17 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from eval.composition import core_parts, scheduler_policies, system_family
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.executor import SimExecutor
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_core import EngineCore, Step
 from orchestrator.core.errors import MFSError
 from orchestrator.core.family import FamilySpec
+from orchestrator.core.placement import Placement, SharedPoolPlacement
+from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.types import Request, RequestOutput
+from orchestrator.core.types import Request, RequestOutput, RouteDecision
 
 # Nothing runnable although work is queued (e.g. the only waiting request needs pages a finishing one still
 # holds): the real loop waits 10 ms for a wake-up; so does the simulated one.
@@ -86,14 +89,62 @@ class SharedDevice:
         on_done()
 
 
+class HomePlacement:
+    """MFS's placement on a node of a fleet whose nodes are homes to members (eval/simulate/fleet.py): a request
+    escalated to a member homed elsewhere moves to that member's home, so a warm-up for it here would not be read."""
+
+    def __init__(self, inner: Placement, homes: frozenset[str]) -> None:
+        self.inner = inner
+        self.homes = homes
+
+    def check_fits(self, request: Request) -> None:
+        self.inner.check_fits(request)
+
+    def holds(self, member: str, request: Request) -> bool:
+        return self.inner.holds(member, request)
+
+    def place(self, decision: RouteDecision, request: Request) -> RouteDecision:
+        return self.inner.place(decision, request)
+
+    def accepts_escalation(self, seq: Sequence) -> bool:
+        return self.inner.accepts_escalation(seq)
+
+    def warms_up(self, member: str) -> bool:
+        return member in self.homes
+
+
+def homed_scheduler(homes: frozenset[str]) -> Callable[..., Scheduler]:
+    """MFS's scheduler (with the system's switches) on a node that is home to `homes` (EngineCore's
+    scheduler_factory signature)."""
+    def build(family, config, pool, kv, estimator, tiers=None, events=None, stats=None) -> Scheduler:
+        capacity = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        placement = HomePlacement(SharedPoolPlacement(family, kv, capacity), homes)
+        return Scheduler(family, config, pool, kv, estimator, tiers, events, stats,
+                         policies=scheduler_policies(family, config, placement=placement))
+    return build
+
+
+def moved_out(scheduler: Scheduler, homes: frozenset[str]) -> list[Sequence]:
+    """The escalated requests waiting for a member outside `homes`, which that member's home serves better."""
+    return [seq for seq in scheduler.waiting if seq.num_escalations and seq.kv is None and not seq.is_warmup
+            and seq.member not in homes]
+
+
 class SimNode:
     def __init__(self, name: str, config: MFSConfig, family: FamilySpec | None, clock: VirtualClock,
                  events: EventQueue, make_executor: Callable[[FamilySpec, int, int], SimExecutor],
                  on_output: Callable[[RequestOutput, float], None], scheduler_factory=None,
-                 share_device: bool = False) -> None:
+                 share_device: bool = False, homes: tuple[str, ...] | None = None, tiers=None) -> None:
         """share_device: on one device, each member is a timeline of its own sharing it (SharedDevice): separate
-        deployments' processes; else the members on one device step together (one scheduler, one loop)."""
+        deployments' processes; else the members on one device step together (one scheduler, one loop).
+        homes: the members this node is home to in a fleet with member homes (None: every member). tiers: the
+        tiers source when not the config's own (EngineCore.build)."""
         from orchestrator.serve.tokenizer import family_estimator
+
+        if homes is not None:
+            assert scheduler_factory is None, "member homes are a placement of MFS's one scheduler per node"
+            scheduler_factory = homed_scheduler(frozenset(homes))
+        self.homes = None if homes is None else frozenset(homes)
 
         self.name = name
         self.clock = clock
@@ -101,8 +152,9 @@ class SimNode:
         self.on_output = on_output
         # The family is loaded as the bench loads it when none is given; routing scores prompts with the
         # tokenizer's estimator, as serving does. No thread, no asyncio: this node steps the core itself.
-        self.core = EngineCore.build(config, family, clock=clock, estimator=family_estimator,
-                                     make_executor=make_executor, scheduler_factory=scheduler_factory)
+        self.core = EngineCore.build(config, family if family is not None else system_family(config), clock=clock,
+                                     estimator=family_estimator, make_executor=make_executor,
+                                     **core_parts(config, scheduler_factory, tiers))
         self.family = self.core.family
         self.scheduler = self.core.scheduler
         executor = self.core.executor
@@ -137,6 +189,9 @@ class SimNode:
         router's member homes need it)."""
         return self.scheduler.router.adequate_member(self.scheduler.complexity_of(request))
 
+    def moved_out(self) -> list[Sequence]:
+        return [] if self.homes is None else moved_out(self.scheduler, self.homes)
+
     def move_out(self, seq: Sequence) -> None:
         self.core.move_out(seq)
         self.num_in_flight -= 1
@@ -164,7 +219,7 @@ class SimNode:
     def _finish_step(self, device: Device, step: Step) -> None:
         self.core.finish_step(step)
         if self.on_move_out is not None:
-            for seq in self.scheduler.moved_out():
+            for seq in self.moved_out():
                 self.on_move_out(self, seq)
         if self.scheduler.has_work(device.members):
             self._start_step(device)

@@ -8,15 +8,16 @@ from typing import Any
 from eval.bench.metrics import decode_floor_token_latency, pages_timeline, summarize
 from eval.bench.quality import member_token_share
 from eval.bench.result import without_rows
-from eval.bench.workloads import Trace, natural_lengths
-from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceLibrary, Confidences, request_key
+from eval.workloads import Trace, natural_lengths
+from eval.bench.confidence_file import request_key
+from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceLibrary, Confidences
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
 from eval.simulate.fleet import parse_placement
 from eval.simulate.node import SimNode
 from eval.simulate.published_quality import table_quality
 from eval.simulate.setup import SimSetup, measured_model_path, tiny_setup
-from eval.systems import system_config, system_scheduler
+from eval.systems import system_config, system_scheduler, system_tiers
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
@@ -24,11 +25,13 @@ from orchestrator.serve.tokenizer import FamilyTokenizer
 def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Confidences,
                vocab_size: int, stats_interval_s: float,
                replies: dict[str, list[int]] | None = None,
-               keep_nodes: list | None = None, scheduler_factory=None) -> tuple[SimRun, dict[str, Any]]:
+               keep_nodes: list | None = None, scheduler_factory=None, tiers=None) -> tuple[SimRun, dict[str, Any]]:
     """replies: request key -> token ids of a real run of this system on this trace, replayed (validation).
     keep_nodes: see driver.simulate (a forked worker's shortcut past freeing the nodes).
-    scheduler_factory: the scheduler to run (None: the one system `name` runs, eval.systems.system_scheduler)."""
+    scheduler_factory, tiers: the scheduler and the tiers source to run (None: the ones system `name` runs,
+    eval.systems.system_scheduler and system_tiers)."""
     scheduler_factory = scheduler_factory or system_scheduler(name)
+    tiers = tiers or system_tiers(name)
     lengths = natural_lengths(trace, request_key)
 
     def make_executor(family, num_pages, page_bytes):
@@ -38,8 +41,10 @@ def run_system(name: str, config, setup: SimSetup, trace: Trace, confidences: Co
 
     def make_nodes(clock, events, on_output):
         share = scheduler_factory is not None and setup.colocated_deployments == "shared"
+        # a fleet of several nodes with member homes: each node's homes (the front router reads the same list)
+        homes = setup.member_homes if setup.placement.num_nodes > 1 else None
         return [SimNode(f"node{i}", config, setup.family, clock, events, make_executor, on_output, scheduler_factory,
-                        share_device=share)
+                        share_device=share, homes=homes[i] if homes else None, tiers=tiers)
                 for i in range(setup.placement.num_nodes)]
 
     run = simulate(name, make_nodes, trace, stats_interval_s, keep_nodes, setup.member_homes)
@@ -70,7 +75,8 @@ def split_pilot_runner(setup: SimSetup, config_on, confidences: Confidences, voc
     def run_pilot(fractions: dict[str, float], trace: Trace):
         config = config_on(fractions)
         run, metrics = run_system(f"{system}_split_pilot", config, setup, trace, confidences, vocab_size,
-                                  stats_interval_for(trace), scheduler_factory=system_scheduler(system))
+                                  stats_interval_for(trace), scheduler_factory=system_scheduler(system),
+                                  tiers=system_tiers(system))
         return config, run.records, without_rows(metrics)
 
     return run_pilot

@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from eval.bench.cli import BenchSettings, config_for, parse_overrides, prepare, run_system as run_real
-from eval.simulate.confidence import ConfidenceLibrary, request_key, write_library
+from eval.bench.confidence_file import request_key, write_library
+from eval.bench.step_timing import BACK_TO_BACK_S
+from eval.simulate.confidence import ConfidenceLibrary
 from eval.simulate.cost_model import CostModel, plan_shapes
 from eval.simulate.fleet import Placement
 from eval.simulate.setup import SimSetup
 from eval.simulate.step_table import StepTable, load_table, save_table
-from eval.validate.step_profile import BACK_TO_BACK_S
 from eval.validate.variant_costs import calibrated, fit, probe_scaled, table_calibrated, table_held_out, table_held_out_serving
 
 METRICS = (("mean_token_latency_s", "mean token latency"), ("ttft_p50_s", "TTFT p50"), ("ttft_p90_s", "TTFT p90"),

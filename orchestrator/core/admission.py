@@ -94,10 +94,9 @@ class Admission:
     def try_admit(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int = 0) -> bool:
         if seq.is_warmup and self.running.num_on(seq.member):
             return False
-        compare = self.config.comparison
         # Hashes chain per block size: extend what routing or an earlier member computed.
         seq.hashes = self.kv.block_hashes(seq.member, seq.token_ids, seq.request.cache_salt, known=seq.hashes)
-        allow_shared = compare.reuse_shared_layers and not compare.cold_handover
+        allow_shared = self.handover.rules.warm
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
         if match.num_shared_blocks:
             # A handover holds one residual input page per shared block to its end, beyond

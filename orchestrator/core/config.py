@@ -1,9 +1,10 @@
 """MFS configuration: one dataclass tree, loaded from YAML in one place and validated with clear errors.
 
 Every policy knob lives here (documented in docs/CONFIG.md). The sections an operator sets are pool, scheduler,
-router, escalation, speculation and engine; `comparison` holds the switches the compared systems of eval/ flip (a baseline's
-static split, an ablation's cold handover) and `developer` the engine's implementation toggles: serving MFS
-leaves both at their defaults. Nothing else reads the environment or parses YAML for settings.
+router, escalation, speculation and engine; `developer` holds the engine's implementation toggles, which serving
+MFS leaves at their defaults. What eval's compared systems change beyond these (a baseline's separate deployments,
+an ablation's cold handover) is composed in eval from the core's objects, never read here. Nothing else reads the
+environment or parses YAML for settings.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class PoolConfig:
     host_tier_mb: float = 256.0          # 0 disables the host tier
     disk_tier_mb: float = 0.0            # 0 disables the disk tier
     disk_dir: str = ".cache/mfs/kv"
+    disk_key_file: str | None = None     # a file holding a secret: disk pages carry a keyed checksum (a MAC) too
     member_limits: dict[str, MemberLimit] = field(default_factory=dict)
     session_ttl_s: float | None = None   # cached pages of an idle session become first to evict after this
 
@@ -52,17 +54,17 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001  # per step while no request runs short
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
+    # how much admission leaves free for the running requests' decode, and who is preempted when it runs short
+    # (reservation.py, preemption.py): peak | block (a single server's watermark of decode_reserve_blocks per
+    # admission) | guaranteed_no_evict (TensorRT-LLM's capacity policy of that name)
+    decode_reservation: str = "peak"
+    decode_reserve_blocks: int = 1
+    victim_order: str = "priority_progress"   # priority_progress | youngest (the most recently admitted)
+    swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
     # token-level member scheduling on a shared device (member_turns.py): each member's decodes step at their own
     # frequency, a member's token period at most this many times that of stepping every member; 0: every member
     # steps in every step; None: 2 for independent families, 0 for nested ones (their forwards share layers)
     member_turns: float | None = None
-    # what prices each member's forward in those frequencies: step_costs (the executor's estimate at the member's
-    # batch and context; weight bytes until it has one) or weights (bytes from the member's shape)
-    member_turn_costs: str = "step_costs"
-    # with speculation whose draft member's decodes ride every draft forward (speculation.rides_every_draft), that
-    # member steps in every step it has decodes and the frequencies are the other members' (member_turns.py);
-    # false: it takes turns like any member (docs/BENCHMARKS.md: what each is worth)
-    draft_member_every_step: bool = False
 
 
 @dataclass(slots=True)
@@ -155,37 +157,16 @@ class EngineConfig:
     kind: str = "local"                   # local | triton
     device: str = "auto"                  # auto | cpu | cuda
     dtype: str = "float32"                # float32 | float16 | bfloat16
-    triton_url: str = "127.0.0.1:8001"
+    triton_url: str = "127.0.0.1:8101"      # `mfs triton-up`'s default gRPC port (8000 is `mfs serve`'s)
     triton_metrics_url: str | None = None
     num_threads: int | None = None
     # the orchestrator core (local: scheduler + model; triton: routing + token rules + streams) in its own
     # process (separate) or in the HTTP process (thread); separate keeps the event loop's per-token work and
     # the core off each other's GIL
     process: str = "separate"             # separate | thread
-
-
-@dataclass(slots=True)
-class ComparisonSwitches:
-    """What eval's compared systems flip to run something other than MFS (eval/systems.py); serving MFS leaves
-    every one at its default."""
-
-    static_split: dict[str, float] | None = None   # fixed fraction of the pages per member (no shared pool)
-    # member -> its fraction of pool.host_tier_mb, each part an LRU of its own (separate servers' host memory);
-    # None: one LRU every member shares
-    host_tier_parts: dict[str, float] | None = None
-    cross_member_sharing: bool = True    # nested families share lower-layer pages; False = per-member lineages
-    use_affinity: bool = True            # routing reads the prefix cache and sessions
-    use_load: bool = True                # routing reads load (and may downgrade)
-    warmup: bool = True                  # prefill likely escalations on the next member while it is idle
-    reuse_shared_layers: bool = True     # nested family: an escalation starts the target at the source's exit depth
-    cold_handover: bool = False          # an escalation's target gets no cache from the source
-    decode_reservation: str = "peak"     # peak | block | guaranteed_no_evict (reservation.py)
-    decode_reserve_blocks: int = 1       # block: blocks kept free per admitted request for its decode
-    victim_order: str = "priority_progress"   # priority_progress | youngest (preemption.py)
-    swap_preempted: bool = True          # save a victim's blocks to the host tier when it has room
-    # speculation: each member's server drafts with its own copy of the draft member (pages from its own slice,
-    # a draft cache no other server reads)
-    private_drafts: bool = False
+    # /health turns 503 when the engine has requests in flight and its loop has not gone round for this long
+    # (a hung step: a stuck device, a deadlock); the server keeps running, its supervisor or balancer acts
+    stall_timeout_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -214,7 +195,6 @@ class MFSConfig:
     escalation: EscalationConfig = field(default_factory=EscalationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-    comparison: ComparisonSwitches = field(default_factory=ComparisonSwitches)
     developer: DeveloperFlags = field(default_factory=DeveloperFlags)
 
     def validate(self) -> None:
@@ -222,35 +202,20 @@ class MFSConfig:
         _check(self.pool.num_pages is None or self.pool.num_pages > 0, "pool.num_pages", "must be positive")
         _check(self.pool.kv_memory_mb > 0, "pool.kv_memory_mb", "must be positive")
         _check(self.pool.host_tier_mb >= 0 and self.pool.disk_tier_mb >= 0, "pool.*_tier_mb", "must be >= 0")
-        parts = self.comparison.host_tier_parts
-        if parts is not None:
-            total = sum(parts.values())
-            _check(all(v > 0 for v in parts.values()) and abs(total - 1.0) < 1e-6,
-                   "comparison.host_tier_parts", f"fractions must be positive and sum to 1 (got {total})")
-            _check(not self.comparison.cross_member_sharing, "comparison.host_tier_parts",
-                   "needs comparison.cross_member_sharing: false (each part holds one member's own lineages)")
-        split = self.comparison.static_split
-        if split is not None:
-            total = sum(split.values())
-            _check(all(v > 0 for v in split.values()) and abs(total - 1.0) < 1e-6,
-                   "comparison.static_split", f"fractions must be positive and sum to 1 (got {total})")
         _check(self.scheduler.max_running_requests > 0, "scheduler.max_running_requests", "must be positive")
         _check(self.scheduler.prefill_chunk_tokens > 0, "scheduler.prefill_chunk_tokens", "must be positive")
         _check(self.scheduler.max_batch_tokens > 0, "scheduler.max_batch_tokens", "must be positive")
         sched = self.scheduler
-        compare = self.comparison
         _check(sched.member_turns is None or sched.member_turns == 0 or sched.member_turns >= 1,
                "scheduler.member_turns", f"must be 0 (off), at least 1, or null (got {sched.member_turns})")
-        _check(sched.member_turn_costs in ("weights", "step_costs"), "scheduler.member_turn_costs",
-               f"must be weights or step_costs (got {sched.member_turn_costs!r})")
-        _check(compare.decode_reservation in ("peak", "block", "guaranteed_no_evict"), "comparison.decode_reservation",
-               f"must be peak, block or guaranteed_no_evict, got {compare.decode_reservation!r}")
+        _check(sched.decode_reservation in ("peak", "block", "guaranteed_no_evict"), "scheduler.decode_reservation",
+               f"must be peak, block or guaranteed_no_evict, got {sched.decode_reservation!r}")
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
                "needs 0 < new_token_ratio_min <= new_token_ratio_init <= 1")
         _check(sched.new_token_ratio_decay >= 0, "scheduler.new_token_ratio_decay", "must be >= 0")
         _check(sched.aging_steps is None or sched.aging_steps > 0, "scheduler.aging_steps", "must be positive or null")
-        _check(compare.victim_order in ("priority_progress", "youngest"), "comparison.victim_order",
-               f"must be priority_progress or youngest, got {compare.victim_order!r}")
+        _check(sched.victim_order in ("priority_progress", "youngest"), "scheduler.victim_order",
+               f"must be priority_progress or youngest, got {sched.victim_order!r}")
         _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
                "scheduler.decode_step_token_budget", "must be positive or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
@@ -271,8 +236,12 @@ class MFSConfig:
         _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
         _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
         _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
+        _check(not (self.engine.kind == "triton" and self.speculation.enabled), "speculation.enabled",
+               "in-family speculation runs on the local engine only (engine.kind: local); the Triton path keeps "
+               "one TensorRT-LLM executor per member and never drafts")
         _check(self.engine.process in ("separate", "thread"), "engine.process",
                f"must be separate or thread, got {self.engine.process!r}")
+        _check(self.engine.stall_timeout_s > 0, "engine.stall_timeout_s", "must be positive")
         _check(0 <= self.developer.malloc_mmap_threshold_mb <= 32, "developer.malloc_mmap_threshold_mb",
                "must be in [0, 32] (glibc's ceiling on 64-bit)")
         _check(self.developer.parallel_forwards in (None, 1, 2), "developer.parallel_forwards",
@@ -301,8 +270,10 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------- loading
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> MFSConfig:
-    """Reads YAML (or nothing: defaults), applies dotted overrides ({"pool.num_pages": 512}), validates."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                cls: type[MFSConfig] = MFSConfig) -> MFSConfig:
+    """Reads YAML (or nothing: defaults), applies dotted overrides ({"pool.num_pages": 512}), validates. cls: the
+    dataclass to build (a subclass that adds sections of its own: eval's compared systems)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -321,7 +292,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    config = from_dict(MFSConfig, data, "")
+    config = from_dict(cls, data, "")
     config.validate()
     return config
 

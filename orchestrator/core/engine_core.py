@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.core.complexity import ComplexityEstimator
-from orchestrator.core.config import MFSConfig
+from orchestrator.core.config import ConfigError, MFSConfig
 from orchestrator.core.engine_api import StepExecutor
-from orchestrator.core.errors import InvalidRequestError, MFSError
+from orchestrator.core.errors import EngineUnavailableError, InvalidRequestError, MFSError
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec, dtype_bytes, load_family
 from orchestrator.core.kv_cache import KVCacheManager
@@ -30,7 +30,8 @@ from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.tiers import DiskTier, HostTier, TieredStore, member_host_tier
+from orchestrator.core.step_timers import StepTimers
+from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
 
@@ -43,72 +44,48 @@ SchedulerFactory = Callable[..., Scheduler]
 ExecutorFactory = Callable[[FamilySpec, int, int], StepExecutor]
 # The complexity estimator routing scores prompts with, or how to make it from the family (the edge's tokenizer).
 EstimatorSource = ComplexityEstimator | Callable[[FamilySpec], ComplexityEstimator]
+# The host/disk tiers, or how to make them from the config and the family (eval's separate deployments: a host
+# tier in one part per deployment).
+TiersSource = TieredStore | Callable[[MFSConfig, FamilySpec], TieredStore | None]
 IDLE_WAIT_S = 0.05          # an idle loop re-checks this often even without a wake-up
 NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for pages): do not spin
-
-
-@dataclass(slots=True)
-class StepTimers:
-    """Cumulative wall time of the loop's phases over the steps that ran a model, from the step clock the runner
-    passes in (the serving bench reads deltas of these through /v1/stats)."""
-
-    steps: int = 0
-    schedule_s: float = 0.0          # scheduler.schedule under the lock
-    prepare_s: float = 0.0           # delivering schedule's outputs, tier copies
-    execute_s: float = 0.0           # the model: executor.execute
-    update_s: float = 0.0            # scheduler.update under the lock
-    deliver_s: float = 0.0           # handing the step's outputs to the sinks
-    between_steps_s: float = 0.0     # end of one execute to the start of the next: all that is not the model
-    execute_cpu_s: float = 0.0       # CPU time of the engine thread in execute (wall minus waiting for a core)
-    computed_tokens: int = 0         # tokens the model computed (prefill chunks count every token)
-    last_executed_s: float | None = None
-
-    def record(self, began: float, scheduled: float, executing: float, executed: float, updated: float,
-               delivered: float) -> None:
-        self.steps += 1
-        self.schedule_s += scheduled - began
-        self.prepare_s += executing - scheduled
-        self.execute_s += executed - executing
-        self.update_s += updated - executed
-        self.deliver_s += delivered - updated
-        if self.last_executed_s is not None and executing - self.last_executed_s < 1.0:   # not across idle time
-            self.between_steps_s += executing - self.last_executed_s
-        self.last_executed_s = executed
-
-    def to_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
-                "execute_s": self.execute_s, "update_s": self.update_s, "deliver_s": self.deliver_s,
-                "between_steps_s": self.between_steps_s, "execute_cpu_s": self.execute_cpu_s,
-                "computed_tokens": self.computed_tokens}
+UNHEALTHY_AFTER_FAILED_STEPS = 3   # this many failed steps in a row: the server reports itself unhealthy
 
 
 def build_tiers(config: MFSConfig, family: FamilySpec) -> TieredStore | None:
     """The host/disk tiers the pool config asks for (None when both are off)."""
     pool = config.pool
-    host = None
-    if pool.host_tier_mb > 0:
-        capacity = int(pool.host_tier_mb * 2**20)
-        host = (member_host_tier(capacity, config.comparison.host_tier_parts, host_tier_lineages(family))
-                if config.comparison.host_tier_parts else HostTier(capacity))
-    disk = DiskTier(Path(pool.disk_dir), int(pool.disk_tier_mb * 2**20)) if pool.disk_tier_mb > 0 else None
+    host = HostTier(int(pool.host_tier_mb * 2**20)) if pool.host_tier_mb > 0 else None
+    return with_disk_tier(config, host)
+
+
+def with_disk_tier(config: MFSConfig, host: HostTier | None) -> TieredStore | None:
+    """`host` beside the disk tier the pool config asks for (None when neither is there)."""
+    pool = config.pool
+    disk = None
+    if pool.disk_tier_mb > 0:
+        # the page geometry and KV dtype go into every file: a restart with others finds no page of the wrong shape
+        disk = DiskTier(Path(pool.disk_dir), int(pool.disk_tier_mb * 2**20), page_bytes=pool.page_bytes,
+                        dtype=config.engine.dtype, mac_key=_disk_key(pool.disk_key_file))
     return TieredStore(host, disk) if host is not None or disk is not None else None
 
 
-def host_tier_lineages(family: FamilySpec) -> dict[str, tuple[str, ...]]:
-    """Each deployment's lineages, for a host tier in per-member parts. A drafts_only member has no deployment: its
-    pages are the speculating deployments' draft copies, kept in the largest one's part (a lineage has one part)."""
-    lineages = {m.name: (*m.layer_lineages, m.residual_lineage()) for m in family.members if not m.drafts_only}
-    drafter = family.drafter
-    if drafter is not None:
-        largest = family.serving_names[-1]
-        lineages[largest] = (*lineages[largest], *drafter.layer_lineages, drafter.residual_lineage())
-    return lineages
+def _disk_key(path: str | None) -> bytes | None:
+    """pool.disk_key_file's secret (surrounding whitespace stripped), or None when unset."""
+    if path is None:
+        return None
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"config key 'pool.disk_key_file': cannot read {path}: {exc.strerror}") from None
+    if not key:
+        raise ConfigError(f"config key 'pool.disk_key_file': {path} is empty")
+    return key
 
 
 def serving_family(config: MFSConfig) -> FamilySpec:
-    """The family config.family names, as the local engine serves it: with cross-member sharing off, each member's
-    lineages are its own (no page is shared between members, whatever their weights)."""
-    return load_family(config.family, per_member_lineage=not config.comparison.cross_member_sharing)
+    """The family config.family names, as the local engine serves it."""
+    return load_family(config.family)
 
 
 @dataclass(slots=True)
@@ -139,17 +116,19 @@ class EngineCore:
     def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
                  clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
                  cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None,
-                 tiers: TieredStore | None = None):
+                 tiers: TiersSource | None = None, pool_split: dict[str, float] | None = None,
+                 warm_handover: bool = True):
         """tiers: None takes the ones the config asks for (build_tiers). Prefer EngineCore.build."""
         self.config = config
         self.family = family
         self.clock = clock
         num_pages = config.num_arena_pages()
-        partitions = split_pages(num_pages, config.comparison.static_split) if config.comparison.static_split else None
+        partitions = split_pages(num_pages, pool_split) if pool_split else None
         self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
-        self.tiers = tiers if tiers is not None else build_tiers(config, family)
+        self.tiers = (build_tiers(config, family) if tiers is None
+                      else tiers if isinstance(tiers, TieredStore) else tiers(config, family))
         self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
-                                 self.tiers, record_residuals=records_residuals(config))
+                                 self.tiers, record_residuals=records_residuals(config, warm_handover))
         self.events = EventLog()
         self.stats_counters = Stats()
         # MFS's scheduler, or one eval's baselines compose from the core's scheduler and their own policies
@@ -160,6 +139,10 @@ class EngineCore:
         self.wake = threading.Event()
         self.num_steps = 0
         self.last_error: str | None = None
+        # the real-time loop's liveness (run, step_or_fail): failed steps in a row, and the clock when the loop
+        # last went round (a step ended, failed or not, or an idle wait did); the server's health reads both
+        self.failed_steps = 0
+        self.last_tick_s: float | None = None
         self._sinks: dict[RequestId, Sink] = {}
         # A runner that batches its sinks' hand-overs (one event-loop wake-up or one pipe message per step, not
         # one per request) flushes here: called once after each delivery of a step's outputs.
@@ -172,28 +155,32 @@ class EngineCore:
     def build(cls, config: MFSConfig, family: FamilySpec | None = None, *, clock: Callable[[], float],
               estimator: EstimatorSource, make_executor: ExecutorFactory | None = None,
               scheduler_factory: SchedulerFactory | None = None,
-              tiers: TieredStore | None = None, step_clock: Callable[[], float] | None = None,
-              cpu_clock: Callable[[], float] | None = None) -> EngineCore:
+              tiers: TiersSource | None = None, step_clock: Callable[[], float] | None = None,
+              cpu_clock: Callable[[], float] | None = None, pool_split: dict[str, float] | None = None,
+              warm_handover: bool = True) -> EngineCore:
         """The core for `config`, as every runner assembles it.
 
         family: None loads config.family as the local engine serves it (serving_family). estimator: the one routing
         scores with, or a function of the family that makes it (the edge's tokenizer: orchestrator.serve).
         make_executor(family, num_pages, page_bytes): called once the arena's size is known; None: the runner
         attaches one to `executor` before stepping (LocalServing loads the model when it starts). scheduler_factory: the scheduler to run (None: MFS's); eval's
-        baselines pass theirs. tiers: None takes the ones the config asks for. step_clock, cpu_clock: fill `timers`.
+        baselines pass theirs. tiers: the tiers, or a function of (config, family) that makes them; None takes the ones
+        the config asks for. step_clock, cpu_clock: fill `timers`. pool_split: member -> its fraction of the pages,
+        each member allocating from a slice of its own (eval's separate deployments; None: one pool). warm_handover:
+        whether escalations may reuse the source's shared layers (residual pages are written only then).
         """
         family = family if family is not None else serving_family(config)
         if not isinstance(estimator, ComplexityEstimator):
             estimator = estimator(family)
         core = cls(config, family, estimator, clock, step_clock=step_clock, cpu_clock=cpu_clock,
-                   scheduler_factory=scheduler_factory, tiers=tiers)
+                   scheduler_factory=scheduler_factory, tiers=tiers, pool_split=pool_split, warm_handover=warm_handover)
         if make_executor is not None:
             core.attach_executor(make_executor(family, core.pool.num_pages, config.pool.page_bytes))
         return core
 
     def attach_executor(self, executor: StepExecutor) -> None:
         """The executor the steps run on; its `step_costs` (an engine_api.StepCostEstimator), where it offers one,
-        prices speculation's draft length (and member turns' forwards, scheduler.member_turn_costs)."""
+        prices speculation's draft length (and member turns' forwards)."""
         self.executor = executor
         step_costs = getattr(executor, "step_costs", None)
         if step_costs is None:
@@ -269,6 +256,7 @@ class EngineCore:
         A failed step fails the requests it had (each sink gets an MFSError), never the loop."""
         while is_running():
             if not self.has_work():
+                self.last_tick_s = self.clock()
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
                 continue
@@ -281,10 +269,14 @@ class EngineCore:
             step = self.step()
         except Exception as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
+            self.failed_steps += 1
+            self.last_tick_s = self.clock()
             if on_step_error is not None:
                 on_step_error(exc)
             self.fail_all(f"engine step failed: {self.last_error}")
             return
+        self.failed_steps = 0
+        self.last_tick_s = self.clock()
         if not step.progressed:
             self.wake.wait(NOT_RUNNABLE_WAIT_S)
             self.wake.clear()
@@ -343,12 +335,13 @@ class EngineCore:
             self.on_delivered()
 
     def fail_all(self, message: str) -> None:
-        """Aborts every listened-to request (pages return at the next step) and tells each sink why."""
+        """Aborts every listened-to request (pages return at the next step) and tells each sink why (a 503 at
+        the HTTP edge: the server failed them, not the request)."""
         self.abort_all(message)
         for request_id in list(self._sinks):
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
-                sink(MFSError(message))
+                sink(EngineUnavailableError(message))
         if self.on_delivered is not None:
             self.on_delivered()
 

@@ -119,7 +119,7 @@ def in_warmup_band(config: EscalationConfig, complexity: float) -> bool:
     """True when a request's complexity sits just below a boundary: worth prefilling the next member.
 
     The band is [low, high) so a complexity at `high` (routed to the larger member already) is out.
-    False when escalation is disabled (the caller checks comparison.warmup).
+    False when escalation is disabled (the caller checks HandoverRules.warmup).
     """
     if not config.enabled:
         return False

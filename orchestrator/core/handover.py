@@ -1,6 +1,8 @@
 """Escalation in the scheduler: the handover to a larger member, warm-up prefills, and the pins on the source pages."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from orchestrator.core.escalation import (ConfidenceMonitor, EscalationRates, escalation_target, handover_target,
                                           in_warmup_band)
 from orchestrator.core.events import EventKind
@@ -11,6 +13,22 @@ from orchestrator.core.request_queue import WARMUP_PRIORITY, RunningSet
 from orchestrator.core.reservation import Reservation
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import MemberName, Request, RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class HandoverRules:
+    """What an escalation's target gets from its source. MFS: the source's pages stay cached for the target (a
+    nested family's shared lower layers and exit residuals included) and likely escalations are warmed up on the
+    next member. Separate servers (eval's baselines) get none of it: the conversation is re-sent, cold."""
+
+    warmup: bool = True                 # prefill likely escalations on the next member while it is idle
+    reuse_shared_layers: bool = True    # nested family: the target starts at the source's exit depth
+    cold: bool = False                  # the target gets no cache from the source
+
+    @property
+    def warm(self) -> bool:
+        """The target may reuse the source's shared layers (and the source keeps its pages until then)."""
+        return self.reuse_shared_layers and not self.cold
 
 
 def release_pin(seq: Sequence, kv: KVCacheManager, running: RunningSet) -> bool:
@@ -25,11 +43,12 @@ def release_pin(seq: Sequence, kv: KVCacheManager, running: RunningSet) -> bool:
 
 
 class Handover:
-    def __init__(self, parts: SchedulerParts, reservation: Reservation, placement: Placement) -> None:
+    def __init__(self, parts: SchedulerParts, reservation: Reservation, placement: Placement,
+                 rules: HandoverRules) -> None:
         self.family, self.config, self.kv, self.running, self.waiting = (parts.family, parts.config, parts.kv,
                                                                          parts.running, parts.waiting)
         self.events, self.stats = parts.events, parts.stats
-        self.reservation, self.placement = reservation, placement
+        self.reservation, self.placement, self.rules = reservation, placement, rules
         self.rates = EscalationRates()        # per member: how often its requests escalate out
 
     def can_escalate(self, seq: Sequence) -> bool:
@@ -41,17 +60,16 @@ class Handover:
         if self.can_escalate(seq):
             seq.monitor = ConfidenceMonitor(self.config.escalation)
 
-    def warm_up(self, seq: Sequence, now_s: float, home_members: frozenset[str] | None = None) -> Sequence | None:
+    def warm_up(self, seq: Sequence, now_s: float) -> Sequence | None:
         """A warm-up prefill of a likely escalation's prompt on the next member while that member (and the
-        whole engine: members share the device) is idle; None when not worth it. The caller queues it.
-        home_members: the members this node is home to (None: all); an escalation to any other moves to that
-        member's home, where a warm-up here would not be read."""
+        whole engine: members share the device) is idle, where the placement says it would be read here; None
+        when not worth it. The caller queues it."""
         cfg = self.config.escalation
-        if not (self.config.comparison.warmup and cfg.enabled and seq.monitor is not None
+        if not (self.rules.warmup and cfg.enabled and seq.monitor is not None
                 and in_warmup_band(cfg, seq.complexity)):
             return None
         target = escalation_target(self.family, seq.member, pinned=False)
-        if target is None or (home_members is not None and target not in home_members):
+        if target is None or not self.placement.warms_up(target):
             return None
         if (self.running.num_on(target) or any(s.member == target for s in self.waiting)
                 or len(self.running) > cfg.warmup_max_running):
@@ -79,8 +97,7 @@ class Handover:
         if seq.roll_back_for_handover():
             seq.hashes = seq.hashes[:len(seq.token_ids) // self.kv.tokens_per_block(seq.member)]
         source = seq.member
-        compare = self.config.comparison
-        if compare.reuse_shared_layers and not compare.cold_handover:
+        if self.rules.warm:
             # Keep the source's pages until the target admits the request: under pressure they would
             # otherwise be evicted before the handover reuses them.
             seq.pinned_kv, seq.kv = seq.kv, None

@@ -53,7 +53,7 @@ class SeqKV:
     residual_in: dict[int, PageId] = field(default_factory=dict)  # block -> residual page feeding a handover
     num_registered_blocks: int = 0
     # The pool member its pages are allocated as (None: `member`): a draft's pages come from its target's slice
-    # when each server keeps its own draft (comparison.private_drafts)
+    # when each server keeps its own draft (Speculation's private drafts)
     account: str | None = None
     # The tables cut to the first n blocks as the last chunk got them (n, tables, residual_out): a decoding
     # request asks for the same n for tokens_per_block steps in a row, and copying 28-36 layer tables per

@@ -2,7 +2,7 @@
 
 A member's logical block is one page per layer, plus one residual page when the member records its
 exit-depth hidden states for a nested handover. No pool and no state: the KV cache manager, the
-scheduler's validation and the baseline's split arithmetic (eval/systems.py) all ask this one object.
+scheduler's validation and the baseline's split arithmetic (eval/baseline/static_split.py) all ask this one object.
 """
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, MemberSpec, dtype_bytes
 
 
-def records_residuals(config: MFSConfig) -> bool:
-    """Residual pages are worth writing only when a warm escalation may read them."""
-    compare = config.comparison
-    return config.escalation.enabled and compare.reuse_shared_layers and not compare.cold_handover
+def records_residuals(config: MFSConfig, warm_handover: bool = True) -> bool:
+    """Residual pages are worth writing only when a warm escalation may read them (HandoverRules.warm)."""
+    return config.escalation.enabled and warm_handover
 
 
 class KVLayout:
@@ -37,9 +36,10 @@ class KVLayout:
         }
 
     @classmethod
-    def for_config(cls, family: FamilySpec, config: MFSConfig) -> KVLayout:
+    def for_config(cls, family: FamilySpec, config: MFSConfig, warm_handover: bool = True) -> KVLayout:
         """The layout a server with this config uses (page size, dtype, residuals when escalation reads them)."""
-        return cls(family, config.pool.page_bytes, dtype_bytes(config.engine.dtype), records_residuals(config))
+        return cls(family, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
+                   records_residuals(config, warm_handover))
 
     def tokens_per_block(self, member: str) -> int:
         return self._blocks[member]

@@ -14,6 +14,8 @@ from orchestrator.core.router import SessionAffinity
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import FinishReason, PageId, RequestId, RequestOutput, RequestState
 
+MAX_AGED_SESSIONS = 1 << 16      # sessions whose idle pages pool.session_ttl_s tracks (as router.SessionHomes)
+
 
 class Lifecycle:
     def __init__(self, parts: SchedulerParts, escalation_rates: EscalationRates) -> None:
@@ -121,6 +123,8 @@ class Lifecycle:
             pages = [(p, self.pool.key_of(p)) for p in seq.kv.all_pages()]
             self._session_pages[session] = (now_s, [(p, k) for p, k in pages if k is not None])
             self._session_pages.move_to_end(session)
+            if len(self._session_pages) > MAX_AGED_SESSIONS:    # bounded whatever the clients send: the
+                self._session_pages.popitem(last=False)         # oldest's pages just age by LRU as others do
         seq.drop_pages(self.kv)
         release_pin(seq, self.kv, self.running)
         self.forget(seq)

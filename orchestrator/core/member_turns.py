@@ -20,7 +20,7 @@ while the requests of the small members, the most numerous, wait. A request's ma
 
 The formulas are scale-free, so relative forward costs suffice: weight bytes estimated from the member's shape (a
 decode forward of a small batch reads every weight once), a cost function given by whoever builds the policy, or,
-with scheduler.member_turn_costs = step_costs, the executor's own estimate of each member's decode forward at the
+once the executor offers one (the default), its own estimate of each member's decode forward at the
 batch and context it has (its cost model in simulation, a real engine's fit of its measured steps), which also
 prices what a forward costs beyond reading its weights (a small member's forward is dearer than its bytes say).
 A deterministic credit per member (credit += f each step; the member steps when it reaches 1) turns the
@@ -35,7 +35,7 @@ anyway.
 
 Where the draft member's own decodes also ride every draft forward (speculation.rides_every_draft), they take a
 token in each of a drafting step's k draft forwards without a read of its weights of their own, so its tokens come
-at the pace of the drafting members' steps, not at its own frequency. With scheduler.draft_member_every_step it
+at the pace of the drafting members' steps, not at its own frequency. With riding_draft_member (an ablation's) it
 then stands outside the frequency model (riding_draft_member): it steps in every step it has decodes, and the
 others' frequencies are computed among themselves, so the drafting member with the most work per forward steps
 every step and the draft member's requests always ride. Pure: no clock, no I/O.
@@ -48,7 +48,7 @@ from collections.abc import Callable, Collection, Iterable
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.speculation import StepCost
+from orchestrator.core.draft_length import StepCost
 from orchestrator.core.types import ForwardShape, MemberName
 
 # scheduler.member_turns for an independent family: no member's token period more than doubles. SIMULATED (Qwen3

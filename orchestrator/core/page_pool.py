@@ -110,6 +110,11 @@ class PagePool:
             if part is not None and limit.floor_pages > 0:
                 part.floor_members.append(member)
 
+    @property
+    def is_partitioned(self) -> bool:
+        """Each member allocates from a slice of its own (a static split), not from one shared partition."""
+        return bool(self._partition_index)
+
     def _build_partitions(self, partitions: dict[str, int] | None) -> None:
         if partitions is None:
             self._partitions.append(_Partition(None, self.num_pages, _FreeQueue(0, self.num_pages)))

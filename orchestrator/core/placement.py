@@ -35,6 +35,7 @@ class Placement(Protocol):
     def holds(self, member: str, request: Request) -> bool: ...
     def place(self, decision: RouteDecision, request: Request) -> RouteDecision: ...
     def accepts_escalation(self, seq: Sequence) -> bool: ...
+    def warms_up(self, member: str) -> bool: ...
 
 
 class SharedPoolPlacement:
@@ -58,4 +59,8 @@ class SharedPoolPlacement:
         return decision
 
     def accepts_escalation(self, seq: Sequence) -> bool:
+        return True
+
+    def warms_up(self, member: str) -> bool:
+        """A warm-up prefill for `member` here would be read here (its escalations continue on this pool)."""
         return True

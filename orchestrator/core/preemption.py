@@ -34,7 +34,7 @@ class Youngest:
         return (-s.admit_order,)
 
 
-# comparison.victim_order -> sort key over running requests: the smallest key is preempted first
+# scheduler.victim_order -> sort key over running requests: the smallest key is preempted first
 VICTIM_ORDERS: dict[str, Callable[[Sequence], tuple]] = {o.name: o.key for o in (PriorityProgress, Youngest)}
 
 
@@ -44,12 +44,12 @@ class Preemption:
         self.config, self.pool, self.kv, self.tiers = parts.config, parts.pool, parts.kv, parts.tiers
         self.running, self.waiting, self.events, self.stats = parts.running, parts.waiting, parts.events, parts.stats
         self.reservation, self.release_pins, self.forget = reservation, release_pins, forget
-        self.victim_key = VICTIM_ORDERS[self.config.comparison.victim_order]
+        self.victim_key = VICTIM_ORDERS[self.config.scheduler.victim_order]
 
     def ensure_decode_slots(self, plan: StepPlan, now_s: float, members: Collection[str] | None = None) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages
         are short, escalation pins are given up before a request would preempt itself, and victims are taken in
-        comparison.victim_order from the same pool (slice, under a static split). members: the members this
+        scheduler.victim_order from the same pool (slice, under a static split). members: the members this
         plan is for (None: all); only their requests grow or are preempted (the others' may be in a step on
         their own devices). Returns whether anything was preempted."""
         preempted = False
@@ -85,7 +85,7 @@ class Preemption:
         recomputed either way."""
         kind = "recompute"
         host = self.tiers.host if self.tiers is not None else None
-        if (plan is not None and seq.kv is not None and host is not None and self.config.comparison.swap_preempted
+        if (plan is not None and seq.kv is not None and host is not None and self.config.scheduler.swap_preempted
                 and not seq.is_warmup):
             keyed = [(p, k) for p in seq.kv.all_pages() if (k := self.pool.key_of(p)) is not None]
             if keyed and len(keyed) * self.config.pool.page_bytes <= host.room_bytes(keyed[0][1]):

@@ -112,7 +112,7 @@ class Router:
       pressure        config.pressure_weight * pool_pressure * pages_per_token / the largest pages_per_token
                       (a full pool makes page-hungry members dearer)
     Affinity and session are 0 when use_affinity is False, load and pressure when use_load is False
-    (comparison switches); load alone is 0 when router.load_in_score is off (the default for an independent
+    (a router blind to other members' caches and load: eval's separate deployments); load alone is 0 when router.load_in_score is off (the default for an independent
     family: what the load part does is send a request up a size, config.py). components[member] holds the
     weighted contributions (load and pressure are negative), so they sum to scores[member]. The highest total
     wins, ties go to the smaller member.

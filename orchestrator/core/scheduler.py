@@ -20,7 +20,7 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.events import EventKind, EventLog, Stats, pages_block
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.handover import Handover, release_pin
+from orchestrator.core.handover import Handover, HandoverRules, release_pin
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.core.member_turns import DEFAULT_MEMBER_TURNS, MemberTurns
@@ -33,7 +33,8 @@ from orchestrator.core.reservation import RESERVATIONS
 from orchestrator.core.router import MemberLoad, Router, SessionHomes
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.snapshot import pages_state
-from orchestrator.core.speculation import Speculation, StepCost
+from orchestrator.core.draft_length import StepCost
+from orchestrator.core.speculation import Speculation
 from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
@@ -41,12 +42,21 @@ from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, R
 
 @dataclass(slots=True)
 class SchedulerPolicies:
-    """Policies given by whoever builds the scheduler; None takes MFS's: SharedPoolPlacement (placement.py),
-    MaxRunning (admission.py), EveryMember (batching.py)."""
+    """Policies given by whoever builds the scheduler (eval composes its compared systems from these); None takes
+    MFS's: SharedPoolPlacement (placement.py), MaxRunning (admission.py), EveryMember (batching.py), a Router over
+    the whole family, HandoverRules()."""
 
     placement: Placement | None = None
     running_cap: RunningCap | None = None
     step_members: StepMembers | None = None
+    router: Router | None = None                 # None: MFS's, reading caches and load across the family
+    handover: HandoverRules | None = None        # None: warm handovers and warm-ups (HandoverRules())
+    private_drafts: bool = False                 # each member's server drafts with its own draft copy
+    # member turns (member_turns.py): price each member's forward by its weight bytes only, never by the executor's
+    # step-cost estimate; and a draft member whose decodes ride every draft forward steps in every step it has
+    # decodes (False: it takes turns like any member). eval's ablations flip them.
+    turns_by_weights: bool = False
+    draft_member_every_step: bool = False
 
 
 class Scheduler:
@@ -59,28 +69,24 @@ class Scheduler:
         self.pool = pool
         self.kv = kv
         self.tiers = tiers
-        self.router = Router(family, config.router, use_affinity=config.comparison.use_affinity,
-                             use_load=config.comparison.use_load)
+        policies = policies or SchedulerPolicies()
+        self.router = policies.router or Router(family, config.router)
         sticky = config.router.sticky_sessions
         self.homes = SessionHomes() if (sticky if sticky is not None else not family.is_nested()) else None
-        # the members this node is home to, when a fleet homes members on nodes (eval/simulate/fleet.py); requests
-        # escalated to another member are offered to be moved to its home (moved_out). None: every member
-        self.home_members: frozenset[str] | None = None
         self.estimator = estimator
         self.events = events if events is not None else EventLog()   # an empty log is falsy (__len__)
         self.stats = stats if stats is not None else Stats()
-        policies = policies or SchedulerPolicies()
         self.running = RunningSet()
         self.waiting = WaitingQueue()
         self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
         parts = SchedulerParts(family, config, pool, kv, tiers, self.running, self.waiting, self.capacity_pages,
                                self.events, self.stats)
         self.placement = policies.placement or SharedPoolPlacement(family, kv, self.capacity_pages)
-        self.reservation = RESERVATIONS[config.comparison.decode_reservation](parts)
-        self.handover = Handover(parts, self.reservation, self.placement)
+        self.reservation = RESERVATIONS[config.scheduler.decode_reservation](parts)
+        self.handover = Handover(parts, self.reservation, self.placement, policies.handover or HandoverRules())
         self.escalation_rates = self.handover.rates      # per member: how often its requests escalate out
         self.lifecycle = Lifecycle(parts, self.escalation_rates)
-        self.speculation = Speculation(parts)
+        self.speculation = Speculation(parts, private=policies.private_drafts)
         self.preemption = Preemption(parts, self.reservation, self._release_pins_then_drafts, self.lifecycle.forget)
         self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap,
                                    self.speculation)
@@ -90,10 +96,11 @@ class Scheduler:
             turns = 0.0 if family.is_nested() else DEFAULT_MEMBER_TURNS
         if step_members is None and turns:
             # targets' drafts share the draft member's forwards when their member batches share a step
-            shared_drafts = config.speculation.enabled and not config.comparison.private_drafts
-            riding = shared_drafts and self.speculation.rides and config.scheduler.draft_member_every_step
+            shared_drafts = config.speculation.enabled and not policies.private_drafts
+            riding = shared_drafts and self.speculation.rides and policies.draft_member_every_step
             step_members = MemberTurns(family, turns, shared_drafts=shared_drafts, riding_draft_member=riding)
         self.batches = BatchFormer(config.scheduler, self.stats, step_members)
+        self._turns_by_weights = policies.turns_by_weights
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
                              for m in family.members}
@@ -104,10 +111,10 @@ class Scheduler:
 
     def use_step_cost(self, estimate: StepCost | None, error: Callable[[], float] | None = None) -> None:
         """The executor's step-cost estimate (None: none): speculation's draft length, and member turns' forward
-        costs where scheduler.member_turn_costs is step_costs."""
+        costs (unless they are priced by weight bytes alone)."""
         self.speculation.use_step_cost(estimate, error)
         turns = self.batches.step_members
-        if isinstance(turns, MemberTurns) and self.config.scheduler.member_turn_costs == "step_costs":
+        if isinstance(turns, MemberTurns) and not self._turns_by_weights:
             turns.use_step_cost(estimate)
 
     # ------------------------------------------------------------------ intake
@@ -146,7 +153,7 @@ class Scheduler:
         self.waiting.push(seq)
         self.stats.record_route(decision)
         self.events.emit(EventKind.ROUTE, now_s, request.request_id, decision.member, reason=decision.reason)
-        warm = self.handover.warm_up(seq, now_s, self.home_members)
+        warm = self.handover.warm_up(seq, now_s)
         if warm is not None:
             self.lifecycle.register(warm)
             self.waiting.push(warm)
@@ -157,14 +164,6 @@ class Scheduler:
         if request.complexity_hint is not None:
             return request.complexity_hint
         return self.estimator.score(request.prompt_token_ids)
-
-    def moved_out(self) -> list[Sequence]:
-        """The escalated requests waiting for a member outside this scheduler's home members (set by a fleet that
-        homes members on nodes: eval/simulate/fleet.py), which another node serves better: move_out them."""
-        if self.home_members is None:
-            return []
-        return [seq for seq in self.waiting if seq.num_escalations and seq.kv is None and not seq.is_warmup
-                and seq.member not in self.home_members]
 
     def move_out(self, seq: Sequence) -> Sequence:
         """Takes a waiting request out without ending it (no output; the source pages it kept go back), for
@@ -200,7 +199,7 @@ class Scheduler:
         """Routes, then places; fills by_block_size with the prompt's block hashes so admission can reuse them."""
         matched: dict[str, int] = {}
         by_block_size = {} if by_block_size is None else by_block_size
-        if self.config.comparison.use_affinity and request.pinned_member is None:
+        if self.router.use_affinity and request.pinned_member is None:
             for name in self.family.serving_names:
                 size = self.kv.tokens_per_block(name)
                 if size not in by_block_size:

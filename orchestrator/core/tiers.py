@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import struct
 import tempfile
@@ -11,20 +12,30 @@ from pathlib import Path
 
 from orchestrator.core.types import PageKey, Tier
 
-_MAGIC = b"MFSKV1"
-# magic | lineage length (u16) | block hash length (u16) | data length (u64) | blake2b-16 checksum
-_HEADER = struct.Struct("<6sHHQ16s")
+_MAGIC = b"MFSKV2"
+# magic | layout length (u16) | lineage length (u16) | block hash length (u16) | data length (u64)
+# | blake2b-16 checksum | keyed blake2b-16 (zeros without a key); then layout, lineage, block hash, data.
+# The layout names the page geometry and KV dtype the bytes were written with ("16384B-float32").
+_HEADER = struct.Struct("<6sHHHQ16s16s")
+_NO_MAC = bytes(16)
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 
 
-def _checksum(lineage: bytes, block_hash: bytes, data: bytes) -> bytes:
-    # Covers the key too: a file renamed or half-written under another key is never served.
-    h = hashlib.blake2b(digest_size=16)
-    h.update(lineage)
-    h.update(block_hash)
-    h.update(data)
+def _checksum(layout: bytes, lineage: bytes, block_hash: bytes, data: bytes, key: bytes | None = None) -> bytes:
+    # Covers the layout and the key too: a file renamed, half-written under another key, or written with another
+    # page geometry or dtype is never served. With `key`: the keyed checksum (a MAC), which a writer without the
+    # key cannot forge.
+    h = hashlib.blake2b(digest_size=16, key=key or b"")
+    for part in (layout, lineage, block_hash, data):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
     return h.digest()
+
+
+def disk_layout(page_bytes: int, dtype: str) -> str:
+    """The layout tag of a disk tier's files: pages of another size or dtype are refused (a miss)."""
+    return f"{page_bytes}B-{dtype}"
 
 
 def _counted(counts: Counter[str], lineage: str, delta: int) -> None:
@@ -143,25 +154,6 @@ class HostTier:
             _counted(self.lineage_counts, key.lineage, -1)
 
 
-def member_host_tier(capacity_bytes: int, fractions: dict[str, float],
-                     lineages: dict[str, tuple[str, ...]]) -> HostTier:
-    """The host tier in one part per member (member -> its fraction of capacity_bytes; member -> its lineages):
-    what separate per-member servers have. Each lineage must belong to one member only (per-member lineages)."""
-    if set(fractions) != set(lineages):
-        raise ValueError(f"host tier parts name {sorted(fractions)}; the family has {sorted(lineages)}")
-    part_bytes = {m: int(capacity_bytes * f) for m, f in fractions.items()}
-    largest = max(fractions, key=lambda m: fractions[m])
-    part_bytes[largest] += capacity_bytes - sum(part_bytes.values())
-    part_of: dict[str, str] = {}
-    for member, names in lineages.items():
-        for lineage in names:
-            owner = part_of.setdefault(lineage, member)
-            if owner != member:
-                raise ValueError(f"lineage {lineage} belongs to {owner} and {member}: host tier parts need "
-                                 "per-member lineages (comparison.cross_member_sharing: false)")
-    return HostTier.in_parts(part_bytes, part_of)
-
-
 @dataclass(slots=True)
 class _DiskEntry:
     path: Path
@@ -170,13 +162,23 @@ class _DiskEntry:
 
 class DiskTier:
     """One checksummed file per page under `directory`; survives restarts. Capacity counts data bytes
-    (each file adds a header of ~40 bytes + the key)."""
+    (each file adds a header of ~52 bytes + the layout and the key).
+
+    page_bytes and dtype (when given) are written into every file and checked on the way back: a file written
+    with another page size or KV dtype (a restart with another pool.page_bytes or engine.dtype) is dropped by
+    the start-up scan and is a miss on get, never data of the wrong shape. mac_key adds a keyed checksum beside
+    the plain one: a file whose keyed checksum does not verify (written without the key) is a miss too."""
 
     tier = Tier.DISK
 
-    def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
+    def __init__(self, directory: str | Path, capacity_bytes: int, *, page_bytes: int | None = None,
+                 dtype: str | None = None, mac_key: bytes | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.page_bytes = page_bytes
+        self.layout = (disk_layout(page_bytes, dtype or "") if page_bytes is not None else (dtype or "")).encode()
+        # any length of key: blake2b takes at most 64 bytes, so the tier keys with a digest of it
+        self.mac_key = hashlib.blake2b(mac_key, digest_size=32).digest() if mac_key else None
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -218,15 +220,16 @@ class DiskTier:
             if old_data is not None:
                 evicted.append((old_key, old_data))
         path = self.path_for(key)
-        lineage = key.lineage.encode("utf-8")
-        header = _HEADER.pack(_MAGIC, len(lineage), len(key.block_hash), len(data),
-                              _checksum(lineage, key.block_hash, data))
+        lineage, layout = key.lineage.encode("utf-8"), self.layout
+        mac = _checksum(layout, lineage, key.block_hash, data, self.mac_key) if self.mac_key else _NO_MAC
+        header = _HEADER.pack(_MAGIC, len(layout), len(lineage), len(key.block_hash), len(data),
+                              _checksum(layout, lineage, key.block_hash, data), mac)
         # Temp file + os.replace: readers see the whole old file, the whole new one, or none. No fsync:
         # a power loss may leave garbage under the final name, which the checksum then rejects.
         fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(header + lineage + key.block_hash)
+                f.write(header + layout + lineage + key.block_hash)
                 f.write(data)
             os.replace(tmp, path)
         except OSError:
@@ -265,8 +268,10 @@ class DiskTier:
             raw = path.read_bytes()
         except OSError:
             return None
-        parsed = _parse(raw)
+        parsed = _parse(raw, self.layout, self.mac_key)
         if parsed is None or parsed[0] != key:
+            return None
+        if self.page_bytes is not None and len(parsed[1]) != self.page_bytes:
             return None
         return parsed[1]
 
@@ -279,8 +284,9 @@ class DiskTier:
                 continue
             if not path.name.endswith(_SUFFIX) or not path.is_file():
                 continue
-            parsed = _parse_header(path)
-            if parsed is None or self.path_for(parsed[0]) != path:
+            parsed = _parse_header(path, self.layout)
+            if parsed is None or self.path_for(parsed[0]) != path or \
+                    (self.page_bytes is not None and parsed[1] != self.page_bytes):
                 _unlink(path)
                 continue
             found.append((path.stat().st_mtime, parsed[0], path, parsed[1]))
@@ -296,18 +302,23 @@ class DiskTier:
             _unlink(old.path)
 
 
-def _parse(raw: bytes) -> tuple[PageKey, bytes] | None:
-    """(key, data) of a whole file, or None if anything (magic, lengths, key, checksum) is off."""
+def _parse(raw: bytes, layout: bytes, mac_key: bytes | None) -> tuple[PageKey, bytes] | None:
+    """(key, data) of a whole file, or None if anything (magic, layout, lengths, key, checksums) is off."""
     if len(raw) < _HEADER.size:
         return None
-    magic, lineage_len, hash_len, data_len, checksum = _HEADER.unpack_from(raw)
+    magic, layout_len, lineage_len, hash_len, data_len, checksum, mac = _HEADER.unpack_from(raw)
     start = _HEADER.size
-    if magic != _MAGIC or len(raw) != start + lineage_len + hash_len + data_len:
+    if magic != _MAGIC or len(raw) != start + layout_len + lineage_len + hash_len + data_len:
         return None
+    file_layout = raw[start:start + layout_len]
+    start += layout_len
     lineage = raw[start:start + lineage_len]
     block_hash = raw[start + lineage_len:start + lineage_len + hash_len]
     data = raw[start + lineage_len + hash_len:]
-    if _checksum(lineage, block_hash, data) != checksum:
+    if file_layout != layout or _checksum(file_layout, lineage, block_hash, data) != checksum:
+        return None
+    if mac_key is not None and not hmac.compare_digest(_checksum(file_layout, lineage, block_hash, data, mac_key),
+                                                       mac):
         return None
     try:
         return PageKey(lineage.decode("utf-8"), block_hash), data
@@ -315,16 +326,18 @@ def _parse(raw: bytes) -> tuple[PageKey, bytes] | None:
         return None
 
 
-def _parse_header(path: Path) -> tuple[PageKey, int] | None:
-    """(key, data length) from a file's header only; the checksum is checked on get."""
+def _parse_header(path: Path, layout: bytes) -> tuple[PageKey, int] | None:
+    """(key, data length) from a file's header only, None for another layout; the checksums are checked on get."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
             head = f.read(_HEADER.size)
             if len(head) < _HEADER.size:
                 return None
-            magic, lineage_len, hash_len, data_len, _ = _HEADER.unpack(head)
-            if magic != _MAGIC or size != _HEADER.size + lineage_len + hash_len + data_len:
+            magic, layout_len, lineage_len, hash_len, data_len, _, _ = _HEADER.unpack(head)
+            if magic != _MAGIC or size != _HEADER.size + layout_len + lineage_len + hash_len + data_len:
+                return None
+            if f.read(layout_len) != layout:
                 return None
             lineage = f.read(lineage_len)
             block_hash = f.read(hash_len)

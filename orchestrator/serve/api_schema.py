@@ -1,6 +1,7 @@
 """OpenAI wire format at the edge: request validation into core types, and response/chunk/error builders."""
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,8 +40,10 @@ class ParsedRequest:
 
 # ----------------------------------------------------------------------------- validation
 def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: FamilySpec,
-                  session_id: str | None) -> ParsedRequest:
-    """Validates an OpenAI body; raises InvalidRequestError / ModelNotFoundError naming the field."""
+                  session_id: str | None, tenant: str | None = None) -> ParsedRequest:
+    """Validates an OpenAI body; raises InvalidRequestError / ModelNotFoundError naming the field.
+    tenant: the digest of the request's API key when the server has keys: it salts the prefix hashes and the
+    session key, so one key's requests never share (or learn of) another's cache."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
     ignored = fields.check_fields(kind, body)
@@ -58,8 +61,8 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request = Request(
         request_id=RequestId(f"{prefix}-{uuid.uuid4().hex}"), prompt_token_ids=prompt_ids, sampling=sampling,
-        arrival_s=time.monotonic(), session_id=session_id or user, pinned_member=pinned, profile=_profile(body),
-        cache_salt=_cache_salt(body),
+        arrival_s=time.monotonic(), session_id=session_digest(session_id or user, tenant), pinned_member=pinned,
+        profile=_profile(body), cache_salt=tenant_salt(tenant, _cache_salt(body)),
     )
     return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=stream and include_usage,
                          logprobs=logprobs, top_logprobs=top_logprobs, stop_strings=sampling.stop_strings,
@@ -79,11 +82,11 @@ def _model(body: dict, family: FamilySpec) -> tuple[str, MemberName | None]:
 def _prompt(kind: str, body: dict, tokenizer: FamilyTokenizer, family: FamilySpec, model: str,
             pinned: MemberName | None) -> tuple[list[int], int]:
     """The prompt's token ids and the context they must fit (the pinned member's, else the family's)."""
-    if kind == "chat":
-        prompt_ids, field_name = _chat_prompt(body, tokenizer), "messages"
-    else:
-        prompt_ids, field_name = _completion_prompt(body, tokenizer), "prompt"
     context_tokens = family.member(pinned).context_tokens if pinned else family.context_tokens()
+    if kind == "chat":
+        prompt_ids, field_name = _chat_prompt(body, tokenizer, context_tokens), "messages"
+    else:
+        prompt_ids, field_name = _completion_prompt(body, tokenizer, context_tokens), "prompt"
     if len(prompt_ids) >= context_tokens:
         raise InvalidRequestError(f"prompt is {len(prompt_ids)} tokens; the context of {model} is "
                                   f"{context_tokens} tokens", field_name)
@@ -147,6 +150,24 @@ def _profile(body: dict) -> Profile:
         raise InvalidRequestError("mfs_profile must be 'latency' or 'quality'", "mfs_profile") from None
 
 
+def session_digest(session: str | None, tenant: str | None = None) -> str | None:
+    """What the engine keeps for a session key: a fixed-size digest (32 hex characters), never the client's
+    string, so its session tables cost the same per entry whatever the clients send."""
+    if not session:
+        return None
+    h = hashlib.blake2b(digest_size=16, person=b"mfs-session")
+    h.update((tenant or "").encode())
+    h.update(b"\0" + session.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-hash salt: the API key's digest (fixed length) before the client's own cache_salt, if any."""
+    if tenant is None:
+        return cache_salt
+    return f"key:{tenant}" if cache_salt is None else f"key:{tenant}/{cache_salt}"
+
+
 def _cache_salt(body: dict) -> str | None:
     cache_salt = _opt(body, "cache_salt", str)
     if cache_salt == "":
@@ -187,11 +208,20 @@ def _max_tokens(body: dict) -> tuple[int | None, str]:
     return None, "max_tokens"
 
 
-def _completion_prompt(body: dict, tokenizer: FamilyTokenizer) -> list[int]:
+def _check_text_length(chars: int, tokenizer: FamilyTokenizer, context_tokens: int, field_name: str) -> None:
+    """Refuses, before tokenizing it, a prompt text too long for any prompt of context_tokens to hold."""
+    limit = tokenizer.max_prompt_chars(context_tokens)
+    if chars > limit:
+        raise InvalidRequestError(f"prompt text is {chars} characters; a context of {context_tokens} tokens holds "
+                                  f"at most {limit}", field_name)
+
+
+def _completion_prompt(body: dict, tokenizer: FamilyTokenizer, context_tokens: int) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]           # a batch of one
     if isinstance(prompt, str):
+        _check_text_length(len(prompt), tokenizer, context_tokens, "prompt")
         ids = tokenizer.encode(prompt) if prompt else []
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
@@ -206,7 +236,7 @@ def _completion_prompt(body: dict, tokenizer: FamilyTokenizer) -> list[int]:
     return ids
 
 
-def _chat_prompt(body: dict, tokenizer: FamilyTokenizer) -> list[int]:
+def _chat_prompt(body: dict, tokenizer: FamilyTokenizer, context_tokens: int) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("'messages' must be a non-empty array", "messages")
@@ -217,6 +247,7 @@ def _chat_prompt(body: dict, tokenizer: FamilyTokenizer) -> list[int]:
         if not isinstance(message, dict) or message.get("role") not in _CHAT_ROLES:
             raise InvalidRequestError(f"messages[{i}] needs a 'role' in {sorted(_CHAT_ROLES)}", "messages")
         rendered.append({"role": message["role"], "content": _message_text(message.get("content"), i)})
+    _check_text_length(sum(len(m["content"]) for m in rendered), tokenizer, context_tokens, "messages")
     try:
         ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
     except TokenizerError as exc:

@@ -9,11 +9,11 @@ import argparse
 import importlib
 import sys
 
-from orchestrator.serve.optional import missing_message
+from orchestrator.serve.optional import DISTRIBUTION, missing_message
 
 SUBCOMMANDS = {
     "serve": ("orchestrator.serve.server", "OpenAI-compatible server for a model family"),
-    "bench": ("eval.bench.cli", "MFS against an independent-deployment baseline on ShareGPT traffic"),
+    "bench": ("eval.commands.bench", "MFS against an independent-deployment baseline on ShareGPT traffic"),
     "simulate": ("eval.simulate.cli", "the real core in virtual time on a cost model (SIMULATED figures)"),
     "demo": ("eval.bench.demo", "replay a short ShareGPT multi-turn set through the tiny family and print a table"),
     "triton-up": ("engines.triton.server_process", "start a real Triton Inference Server on a model repository"),
@@ -27,7 +27,7 @@ def version() -> str:
     from importlib.metadata import PackageNotFoundError, version as package_version
 
     try:
-        return package_version("mfs")
+        return package_version(DISTRIBUTION)
     except PackageNotFoundError:
         return "unknown (not installed as a package)"
 

@@ -19,7 +19,13 @@ class ServerSettings:
     """Per-server knobs the HTTP routes enforce (the engine has its own config)."""
 
     api_key: str | None = None
+    api_keys: tuple[str, ...] = ()             # more keys (each a tenant: its own cache salt and request limit)
     request_timeout_s: float | None = 600.0    # config.scheduler.request_timeout_s
+    # requests in flight per API key (per client address without keys); 0 or None: no limit
+    max_client_requests: int | None = 1024
+    header_timeout_s: float = 10.0             # a request head must arrive within this (slowloris)
+    max_header_bytes: int = 64 * 1024          # ... and within this size (431)
+    limit_concurrency: int | None = 4096       # uvicorn: connections + tasks beyond this get a 503
     max_body_bytes: int = 4 * 2**20
     body_timeout_s: float = 30.0               # the whole request body must arrive within this (slow senders)
     # a stream whose client has not taken a chunk for this long is cancelled (slow or stalled readers): the
@@ -27,6 +33,11 @@ class ServerSettings:
     stream_stall_s: float = 30.0
     grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
     node_name: str | None = None               # sent as X-MFS-Node on every response (fleet: which replica)
+    metrics_need_key: bool = False             # /metrics behind the API key too (it is open by default)
+
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key (none: the /v1 routes are open)."""
+        return tuple(dict.fromkeys((*((self.api_key,) if self.api_key else ()), *self.api_keys)))
 
 
 @dataclass(slots=True)

@@ -111,8 +111,8 @@ class Generation:
             self.engine_finished = True
             if out.finish_reason is FinishReason.ERROR or (out.error and out.finish_reason is None):
                 raise MFSError(f"engine error: {out.error or 'unknown'}")
+            delta += self.decoder.flush()          # may still find a stop string in the held-back tail
             self.finish_reason = "stop" if self.decoder.stopped else finish_reason_text(out.finish_reason)
-            delta += self.decoder.flush()
         elif self.decoder.stopped:
             # A stop string ended the answer: the engine stops at its next step and returns the pages.
             self.edge.engine.abort(self.parsed.request.request_id, FinishReason.STOP)

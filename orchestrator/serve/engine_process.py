@@ -10,7 +10,10 @@ Protocol over one duplex `multiprocessing` pipe, pickled tuples, strictly ordere
                   | ("stats", seq) | ("stop",)
   engine -> HTTP: ("ready", None) | ("failed", message) | ("stats", seq, snapshot)
                   | ("out", [pack_output(RequestOutput) | (request_id, ErrorInfo)]) once per step
-                  | ("health", bool) when the child's readiness changes (Triton's child: Triton up or down)
+                  | ("health", bool, reason) when the child's readiness changes (Triton's child: Triton up or
+                    down; the local engine's: UNHEALTHY_AFTER_FAILED_STEPS failed steps in a row, or a good step)
+                  | ("tick",) at least every TICK_S while nothing else was sent: the loop goes round; with
+                    requests in flight and nothing heard for engine.stall_timeout_s, /health turns 503
 Ordering gives the semantics the thread version has: a stats reply sent after a request's final output sees
 that request's bookkeeping; admission errors (queue full, too long) come back as the stream's first item.
 """
@@ -30,7 +33,7 @@ from typing import Any
 
 from orchestrator.core import errors
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.engine_core import EngineCore
+from orchestrator.core.engine_core import UNHEALTHY_AFTER_FAILED_STEPS, EngineCore
 from orchestrator.core.errors import EngineUnavailableError, MFSError
 from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, MemberSpan, Request, RequestId, RequestOutput
@@ -42,6 +45,7 @@ log = logging.getLogger("mfs.engine_process")
 _IDLE_POLL_S = 0.05          # the engine process's wait for a command when it has no work
 _START_TIMEOUT_S = 600.0     # weights load + first import of torch in the child
 _STATS_TIMEOUT_S = 10.0
+TICK_S = 1.0                # the engine process says it is alive at least this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +128,15 @@ class _EngineCore:
         self.core = EngineCore.build(config, clock=time.monotonic, estimator=family_estimator,
                                      make_executor=local_executor_factory(config, own_process=True),
                                      step_clock=time.perf_counter, cpu_clock=time.thread_time)
-        self.outputs: StepOutputs[RequestId] = StepOutputs(lambda items: conn.send(out_message(items)))
+        self.outputs: StepOutputs[RequestId] = StepOutputs(lambda items: self.send(out_message(items)))
         self.core.on_delivered = self.outputs.flush
         self.pending_stats: tuple[int, dict] | None = None
+        self.last_sent_s = time.monotonic()
+        self.failing = False
+
+    def send(self, message: tuple) -> None:
+        self.conn.send(message)
+        self.last_sent_s = time.monotonic()
 
     def handle(self, message: tuple) -> bool:
         """One command; False on stop."""
@@ -159,11 +169,22 @@ class _EngineCore:
                 timeout = 0.0
                 if self.pending_stats is not None:     # outputs before the reply: the ordering promise
                     self.outputs.flush()
-                    conn.send(("stats", *self.pending_stats))
+                    self.send(("stats", *self.pending_stats))
                     self.pending_stats = None
             self.outputs.flush()                       # admission errors
             if core.has_work():
                 core.step_or_fail(lambda exc: log.error("engine step failed", exc_info=exc))
+                self.report_health()
+            if time.monotonic() - self.last_sent_s >= TICK_S:
+                self.send(("tick",))
+
+    def report_health(self) -> None:
+        """A step that keeps failing (every request fails with it) makes the server unhealthy; a good one heals."""
+        failing = self.core.failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS
+        if failing != self.failing:
+            self.failing = failing
+            self.send(("health", not failing, f"{self.core.failed_steps} engine steps failed in a row; the last: "
+                                              f"{self.core.last_error}" if failing else None))
 
 
 # ----------------------------------------------------------------------------- HTTP side
@@ -177,9 +198,7 @@ class ProcessServing:
                  child_main: Callable[[MFSConfig, Any], None] | None = None):
         self.config = config
         self.child_main = child_main or engine_main
-        local = config.engine.kind == "local"
-        self.family = family or load_family(config.family,
-                                            per_member_lineage=local and not config.comparison.cross_member_sharing)
+        self.family = family or load_family(config.family)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = FamilyTokenizer(self.family.members[0].checkpoint_dir)
@@ -192,9 +211,13 @@ class ProcessServing:
         self._stats_seq = itertools.count()
         self._stats_replies: dict[int, list] = {}
         self._stats_cond = threading.Condition()
+        self._stats_futures: dict[int, asyncio.Future] = {}       # stats_async's replies, by sequence number
         self._accepting = False
         self._ready = False
         self._engine_ready = True        # the child's own readiness ("health" messages: Triton up or down)
+        self._engine_problem: str | None = None      # ... and why not, when it says
+        self._last_heard_s = time.monotonic()        # any message from the child: its loop goes round
+        self.stall_timeout_s = config.engine.stall_timeout_s
         self._dead: str | None = None
         # called once (on the pipe reader thread) when the child dies under a running server; `mfs serve`
         # makes it exit the server with ENGINE_DIED_EXIT so its supervisor restarts it
@@ -246,7 +269,20 @@ class ProcessServing:
             self._reader = None
 
     def is_ready(self) -> bool:
-        return self._ready and self._engine_ready and self._dead is None
+        return self._ready and self._engine_ready and self._dead is None and self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """Why /health must say 503 although the engine process runs: it reported a problem, or it has requests
+        in flight and has not been heard from for stall_timeout_s (a step that hangs)."""
+        if self._dead is not None or not self._ready:
+            return None
+        if not self._engine_ready and self._engine_problem:
+            return self._engine_problem
+        silent_s = time.monotonic() - self._last_heard_s
+        if self._streams and silent_s > self.stall_timeout_s:
+            return (f"the engine has made no progress for {silent_s:.0f} s with {len(self._streams)} requests in "
+                    f"flight (engine.stall_timeout_s {self.stall_timeout_s:g})")
+        return None
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
@@ -281,6 +317,24 @@ class ProcessServing:
         snapshot.setdefault("engine", {}).update(process="separate", pid=self._process.pid)
         return snapshot
 
+    async def stats_async(self) -> dict[str, Any]:
+        """stats() for the event loop (the HTTP edge's StatsCache): the reply resolves a future, no thread waits."""
+        process = self._process
+        if self._dead is not None or process is None:
+            raise EngineUnavailableError(self._dead or "engine process is not running")
+        seq = next(self._stats_seq)
+        reply = self._stats_futures[seq] = asyncio.get_running_loop().create_future()
+        self._send(("stats", seq))
+        try:
+            async with asyncio.timeout(_STATS_TIMEOUT_S):
+                snapshot = await reply
+        except TimeoutError:
+            raise EngineUnavailableError("engine process did not answer a stats request") from None
+        finally:
+            self._stats_futures.pop(seq, None)
+        snapshot.setdefault("engine", {}).update(process="separate", pid=process.pid)
+        return snapshot
+
     # ------------------------------------------------------------------ pipe
     def _send(self, message: tuple) -> None:
         if self._conn is None or self._dead is not None:
@@ -296,12 +350,18 @@ class ProcessServing:
         try:
             while True:
                 message = conn.recv()
+                self._last_heard_s = time.monotonic()
                 if message[0] == "out":
                     self._dispatch([(item[0], item[1].exception()) if len(item) == 2
                                     else (item[0], unpack_output(item)) for item in message[1]])
                 elif message[0] == "health":
                     self._engine_ready = message[1]
+                    self._engine_problem = message[2] if len(message) > 2 else None
                 elif message[0] == "stats":
+                    reply = self._stats_futures.pop(message[1], None)
+                    if reply is not None:
+                        _settle(reply, message[2])
+                        continue
                     with self._stats_cond:
                         self._stats_replies[message[1]] = message[2]
                         self._stats_cond.notify_all()
@@ -317,6 +377,9 @@ class ProcessServing:
         self._dispatch([(request_id, EngineUnavailableError(self._dead)) for request_id in list(self._streams)])
         with self._stats_cond:
             self._stats_cond.notify_all()
+        for seq in list(self._stats_futures):
+            if (reply := self._stats_futures.pop(seq, None)) is not None:
+                _settle(reply, EngineUnavailableError(self._dead))
         if process is not None and self.on_death is not None:
             self.on_death(self._dead)
 
@@ -326,6 +389,20 @@ class ProcessServing:
         loop's streams are never read again: nothing to do for them."""
         hand_to_loops([(target, item) for request_id, item in items
                        if (target := self._streams.get(request_id)) is not None])
+
+
+def _settle(reply: asyncio.Future, value: Any) -> None:
+    """From the pipe reader thread: a stats_async reply (a snapshot or an error) to its waiting future."""
+    def settle() -> None:
+        if not reply.done():
+            if isinstance(value, BaseException):
+                reply.set_exception(value)
+            else:
+                reply.set_result(value)
+    try:
+        reply.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:          # its loop has closed: nobody waits
+        pass
 
 
 def _recv_with_timeout(conn, process, timeout_s: float) -> tuple:

@@ -32,12 +32,14 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from orchestrator.serve.client_limits import header_limited_protocol
 from orchestrator.serve.fleet_edge import FleetFront, FrontSettings
+from orchestrator.serve.optional import install_hint
 
 log = logging.getLogger("mfs.fleet")
 POLICIES = ("sticky", "cache_aware", "round_robin")   # round_robin: a cache-blind baseline for comparisons
 MISSING_GATEWAY = ("mfs fleet: the SGLang Model Gateway is not installed; "
-                   "`pip install 'mfs[fleet]'` (package sglang-router)")
+                   f"`{install_hint('fleet')}` (package sglang-router)")
 
 
 @dataclass(slots=True)
@@ -261,8 +263,10 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, log_dir: Path) ->
     front = FleetFront(FrontSettings(keyless_gateway_url=plan.gateway_urls[keyless], keyless_gateway_name=keyless,
                                      sticky_gateway_url=plan.gateway_urls.get("sticky"),
                                      worker_urls=tuple(plan.worker_urls), request_timeout_s=args.request_timeout_s))
+    # the request head's deadline and size, as mfs serve's (orchestrator/serve/client_limits.py)
     server = uvicorn.Server(uvicorn.Config(front, host=args.host, port=args.port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=int(args.grace_s) + 5))
+                                           lifespan="on", timeout_graceful_shutdown=int(args.grace_s) + 5,
+                                           http=header_limited_protocol(10.0, 64 * 1024)))
     stopping = asyncio.Event()
     children = [*plan.replicas, *plan.gateways.values()]
     try:

@@ -23,6 +23,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from orchestrator.serve import gateway_headers as gh
+from orchestrator.serve.client_limits import MAX_SESSION_HEADER_BYTES
 
 log = logging.getLogger("mfs.fleet")
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -44,6 +45,7 @@ class FrontSettings:
     request_timeout_s: float = 600.0        # whole generation; the gateway and replicas have their own too
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0            # the whole body must arrive within this after the headers (408)
 
 
 def _error(status: int, message: str, kind: str) -> tuple[int, bytes]:
@@ -104,18 +106,30 @@ class FleetFront:
     # ------------------------------------------------------------------ generation
     async def _generate(self, scope, receive, send) -> None:
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.settings.max_body_bytes:
-                await self._reply(send, *_error(413, f"request body exceeds {self.settings.max_body_bytes} bytes",
-                                                "invalid_request_error"))
-                return
-            if not message.get("more_body"):
-                break
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):     # a slow sender holds nothing for long
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    if len(body) > self.settings.max_body_bytes:
+                        await self._reply(send, *_error(413, f"request body exceeds {self.settings.max_body_bytes} "
+                                                        "bytes", "invalid_request_error"), close=True)
+                        return
+                    if not message.get("more_body"):
+                        break
+        except TimeoutError:
+            await self._reply(send, *_error(408, f"the request body did not arrive within "
+                                            f"{self.settings.body_timeout_s:g} s", "invalid_request_error"),
+                              close=True)
+            return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        session_header = headers.get(gh.SESSION_HEADER, "")
+        if len(session_header.encode("latin-1")) > MAX_SESSION_HEADER_BYTES:
+            await self._reply(send, *_error(431, f"header {gh.SESSION_HEADER} is {len(session_header)} bytes; the "
+                                            f"limit is {MAX_SESSION_HEADER_BYTES}", "invalid_request_error"))
+            return
         try:
             parsed = orjson.loads(body)         # orjson: a deeply nested body is a ValueError, not a RecursionError
         except ValueError:
@@ -256,9 +270,12 @@ class FleetFront:
         return (200 if ok else 503), json.dumps(body).encode()
 
     @staticmethod
-    async def _reply(send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]})
+    async def _reply(send, status: int, body: bytes, content_type: bytes = b"application/json",
+                     close: bool = False) -> None:
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+        if close:                               # the rest of the body is not read: the connection cannot go on
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -18,17 +18,13 @@ from orchestrator.core.family import FamilySpec
 def local_executor(config: MFSConfig, family: FamilySpec, num_pages: int, own_process: bool = False) -> StepExecutor:
     """The LocalExecutor for `config` over an arena of num_pages. own_process: the engine runs in a process of its
     own (engine.process: separate), not beside an event loop; that decides parallel_forwards' default."""
-    from engines.local.executor import LocalExecutor
+    from engines.local.executor import executor_from_config
 
     device = _device(config.engine.device)
     threads = engine_threads(config.engine.num_threads)
-    developer = config.developer
-    return LocalExecutor(family, num_pages=num_pages, page_bytes=config.pool.page_bytes, dtype=config.engine.dtype,
-                         device=device, num_threads=threads,
-                         malloc_mmap_threshold_mb=developer.malloc_mmap_threshold_mb,
-                         native_attention=developer.native_attention, native_layer_ops=developer.native_layer_ops,
-                         parallel_forwards=parallel_forwards(developer.parallel_forwards, device, threads, own_process),
-                         measure_steps=config.speculation.enabled, drafts_ride=config.speculation.drafts_ride)
+    return executor_from_config(config, family, num_pages, config.pool.page_bytes, device=device, num_threads=threads,
+                                parallel_forwards=parallel_forwards(config.developer.parallel_forwards, device, threads,
+                                                                    own_process))
 
 
 def local_executor_factory(config: MFSConfig, own_process: bool = False) -> ExecutorFactory:

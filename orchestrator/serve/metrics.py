@@ -1,7 +1,9 @@
-"""Prometheus exposition: engine counters read from engine.stats() at scrape time + edge latency histograms."""
+"""Prometheus exposition: engine counters from an engine.stats() snapshot + edge latency histograms, and the
+snapshot cache that /metrics and /v1/stats read (StatsCache)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -16,14 +18,18 @@ _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class EngineStatsCollector(Collector):
-    """Turns one engine.stats() snapshot into metric families, so every scrape is self-consistent."""
+    """Turns one engine.stats() snapshot into metric families, so every scrape is self-consistent. `given`, while
+    set, is the snapshot (or the error getting it) to render instead of calling stats()."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self._stats = stats
+        self.given: dict[str, Any] | Exception | None = None
 
     def collect(self) -> Iterator[Metric]:
         try:
-            s = self._stats()
+            s = self._stats() if self.given is None else self.given
+            if isinstance(s, Exception):
+                raise s
         except Exception:  # a failing engine must not break /metrics; mfs_engine_up says so
             yield _gauge("mfs_engine_up", "1 when engine.stats() answered at this scrape", [], [((), 0)])
             return
@@ -124,7 +130,8 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineStatsCollector(stats))
+        self._engine = EngineStatsCollector(stats)
+        self.registry.register(self._engine)
         self.ttft_s = Histogram("mfs_ttft_seconds", "arrival to first generated token, at the server edge",
                                 ["member"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.tpot_s = Histogram("mfs_tpot_seconds", "mean time per output token after the first, per request",
@@ -150,5 +157,99 @@ class ServerMetrics:
     def count_stalled_stream(self) -> None:
         self.stalled_streams.inc()
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, snapshot: dict[str, Any] | Exception | None = None) -> bytes:
+        """The text exposition; the engine's part from `snapshot` (StatsCache's) when given, else from stats()."""
+        self._engine.given = snapshot
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._engine.given = None
+
+
+class StatsReading:
+    """One engine stats snapshot (or the error getting it), shared by every reader that waited for it; the
+    Prometheus text rendered from it is kept with it, so readers that share a snapshot share one rendering."""
+
+    __slots__ = ("snapshot", "error", "exposition")
+
+    def __init__(self, snapshot: dict[str, Any] | None, error: Exception | None):
+        self.snapshot, self.error, self.exposition = snapshot, error, None
+
+    def render(self, metrics: ServerMetrics) -> bytes:
+        if self.exposition is None:
+            self.exposition = metrics.exposition(self.error if self.error is not None else self.snapshot)
+        return self.exposition
+
+
+class StatsCache:
+    """What /metrics and /v1/stats read instead of asking the engine per request.
+
+    Every reader gets a snapshot the engine took after the reader arrived (so a scrape after a request's last
+    output sees that request's bookkeeping), but readers share snapshots: while one is being taken, newcomers wait
+    for the next, and the engine is asked at most once per `min_interval_s`, one request at a time, however many
+    scrapes arrive; the Prometheus text is rendered once per snapshot. `fetch` is awaited on the event loop: an
+    engine whose snapshot is a round trip (the engine process) answers it without blocking the loop (stats_async);
+    an in-process engine's stats() is a read of its own counters."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[dict[str, Any]]], min_interval_s: float = 0.25):
+        self._fetch = fetch
+        self.min_interval_s = min_interval_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next: asyncio.Future | None = None      # the snapshot newcomers wait for (not yet asked for)
+        self._lock: asyncio.Lock | None = None        # one engine request at a time
+        self._last_asked_s = float("-inf")
+        self._tasks: set[asyncio.Task] = set()
+        self.fetches = 0                              # engine requests made
+        self.waiting = 0                              # readers waiting for a snapshot now
+
+    @classmethod
+    def for_engine(cls, engine, min_interval_s: float = 0.25) -> StatsCache:
+        stats_async = getattr(engine, "stats_async", None)
+
+        async def fetch() -> dict[str, Any]:
+            return await stats_async() if stats_async is not None else engine.stats()
+        return cls(fetch, min_interval_s)
+
+    async def read(self) -> StatsReading:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:                # the first read, or the app runs on a new loop (test clients)
+            self._loop, self._next, self._lock = loop, None, asyncio.Lock()
+        waiting = self._next
+        if waiting is None:
+            waiting = self._next = loop.create_future()
+            task = loop.create_task(self._take(waiting))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self.waiting += 1
+        try:
+            return await asyncio.shield(waiting)  # a reader that leaves does not cancel the others' snapshot
+        finally:
+            self.waiting -= 1
+
+    async def snapshot(self) -> dict[str, Any]:
+        """The snapshot, or the error the engine gave (EngineUnavailableError while it is gone)."""
+        reading = await self.read()
+        if reading.error is not None:
+            raise reading.error
+        return reading.snapshot
+
+    async def _take(self, waiting: asyncio.Future) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with self._lock:
+                wait_s = self._last_asked_s + self.min_interval_s - loop.time()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                self._next = None                 # from here on, newcomers wait for a later snapshot
+                self._last_asked_s = loop.time()
+                self.fetches += 1
+                try:
+                    reading = StatsReading(await self._fetch(), None)
+                except Exception as exc:  # noqa: BLE001 - every reader gets it (/metrics: mfs_engine_up 0)
+                    reading = StatsReading(None, exc)
+                waiting.set_result(reading)
+        finally:
+            if not waiting.done():                # cancelled (the server stops): its readers end too
+                if self._next is waiting:
+                    self._next = None
+                waiting.cancel()

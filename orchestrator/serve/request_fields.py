@@ -136,11 +136,16 @@ def bounded_text(body: dict, name: str) -> None:
 
 
 def refuse_unsupported_sampling(sampling: SamplingParams) -> None:
-    """The Triton engine's check: a 400 naming the first penalty or bias set to a non-neutral value. MFS's Triton
-    client (engines/triton/client.py) sends temperature, top-k, top-p, seed and the end id; the python-backend
-    model of the local engine reads no more, so penalties and a bias would be silently lost."""
+    """The Triton engine's check: a 400 naming the first penalty, bias, top-logprobs count or min_tokens set to a
+    non-neutral value. MFS's Triton client (engines/triton/client.py) sends temperature, top-k, top-p, seed and
+    the end id, and reads back one logprob per token; the python-backend model of the local engine reads no more,
+    so penalties and a bias would be silently lost, top logprobs would come back empty, and an EOS sampled before
+    min_tokens (which Triton does not ban) would be returned as text."""
     for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
-                          ("logit_bias", ())):
+                          ("logit_bias", ()), ("num_top_logprobs", 0), ("min_tokens", 0)):
         if getattr(sampling, name) != neutral:
-            raise InvalidRequestError(f"'{name}' is not supported with the Triton engine (only its neutral value); "
-                                      f"the local engine implements it", name)
+            field = {"num_top_logprobs": "top_logprobs"}.get(name, name)
+            what = ("'top_logprobs' (chat) / 'logprobs' above 0 (completions)" if field == "top_logprobs"
+                    else f"'{field}'")
+            raise InvalidRequestError(f"{what} is not supported with the Triton engine (only its neutral value); "
+                                      f"the local engine implements it", field)

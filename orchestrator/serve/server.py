@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import os
 import signal
 import time
 import uuid
@@ -25,10 +25,11 @@ from orchestrator.serve import gateway_headers
 from orchestrator.serve.edge import Edge, ServerSettings
 from orchestrator.serve.edge_stream import ClientGone, Generation, SSEResponse, unless_disconnected
 from orchestrator.core.engine_api import ServingEngine
-from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, MFSError, PayloadTooLargeError,
-                                      QueueFullError)
+from orchestrator.core.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MFSError,
+                                      PayloadTooLargeError, QueueFullError)
+from orchestrator.serve.client_limits import TENANT_STATE_KEY, ClientLimits, header_limited_protocol, matching_key
 from orchestrator.core.family import FamilySpec
-from orchestrator.serve.metrics import CONTENT_TYPE, ServerMetrics
+from orchestrator.serve.metrics import CONTENT_TYPE, ServerMetrics, StatsCache
 from orchestrator.serve.tokenizer import FamilyTokenizer, IncrementalDecoder
 
 log = logging.getLogger("mfs.server")
@@ -42,9 +43,13 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
     edge = Edge(engine, tokenizer, family, settings, ServerMetrics(engine.stats))
     app = FastAPI(title="MFS", lifespan=_lifespan(edge), docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.edge = edge
-    app.include_router(_v1_routes(edge, created_s=int(time.time())))
-    _add_probe_routes(app, edge)
+    # /metrics and /v1/stats read engine snapshots through one cache: a scrape flood costs the engine at most a
+    # snapshot per StatsCache.min_interval_s and never blocks the loop on a round trip
+    app.state.stats_cache = stats_cache = StatsCache.for_engine(engine)
+    app.include_router(_v1_routes(edge, int(time.time()), stats_cache))
+    _add_probe_routes(app, edge, stats_cache)
     _install_error_handlers(app)
+    app.add_middleware(ClientLimits, api_keys=settings.keys(), max_client_requests=settings.max_client_requests)
     app.add_middleware(_ResponseCounter, metrics=edge.metrics, node_name=settings.node_name,
                        boot_id=uuid.uuid4().hex[:12])
     return app
@@ -66,16 +71,15 @@ def _lifespan(edge: Edge):
 
 
 def _authorizer(settings: ServerSettings):
+    keys = settings.keys()
+
     async def authorize(request: HTTPRequest) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+        if keys and matching_key(request.headers.get("authorization"), keys) is None:
             raise AuthenticationError("missing or incorrect API key (Authorization: Bearer KEY)")
     return authorize
 
 
-def _v1_routes(edge: Edge, created_s: int) -> APIRouter:
+def _v1_routes(edge: Edge, created_s: int, stats_cache: StatsCache) -> APIRouter:
     """/v1: the two generation endpoints, the model list and the stats snapshot, behind the API key."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(edge.settings))])
 
@@ -93,22 +97,30 @@ def _v1_routes(edge: Edge, created_s: int) -> APIRouter:
 
     @v1.get("/stats")
     async def stats() -> dict:
-        return edge.engine.stats()
+        return await stats_cache.snapshot()
 
     return v1
 
 
-def _add_probe_routes(app: FastAPI, edge: Edge) -> None:
-    """/health (503 while starting or draining) and /metrics (Prometheus), open without the API key."""
+def _add_probe_routes(app: FastAPI, edge: Edge, stats_cache: StatsCache) -> None:
+    """/health (503 while starting or draining) and /metrics (Prometheus), open without the API key (/metrics
+    behind it with ServerSettings.metrics_need_key)."""
     @app.get("/health")
     async def health() -> Response:
-        ready = edge.engine.is_ready() and not edge.draining
-        state = "ok" if ready else ("draining" if edge.draining else "starting")
-        return JSONResponse({"status": state, "family": edge.family.name}, status_code=200 if ready else 503)
+        problem = getattr(edge.engine, "health_problem", lambda: None)()   # a stalled or failing engine
+        ready = edge.engine.is_ready() and not edge.draining and problem is None
+        state = "ok" if ready else ("draining" if edge.draining else "unhealthy" if problem else "starting")
+        body = {"status": state, "family": edge.family.name}
+        if problem and not edge.draining:
+            body["reason"] = problem
+        return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    guard = [Depends(_authorizer(edge.settings))] if edge.settings.metrics_need_key else []
+
+    @app.get("/metrics", dependencies=guard)
     async def metrics() -> Response:
-        return Response(edge.metrics.exposition(), media_type=CONTENT_TYPE)
+        reading = await stats_cache.read()
+        return Response(reading.render(edge.metrics), media_type=CONTENT_TYPE)
 
 
 async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
@@ -121,7 +133,11 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     # Behind the fleet gateway the session arrives as its routing key and dropped body fields as headers.
     body = gateway_headers.restore_lifted(body, request.headers)
     session_id = gateway_headers.replica_session_id(request.headers)
-    parsed = parse_request(kind, body, tokenizer=edge.tokenizer, family=edge.family, session_id=session_id)
+    tenant = request.scope.get("state", {}).get(TENANT_STATE_KEY)     # the API key's digest (ClientLimits)
+    # In a worker thread: rendering the chat template and tokenizing take time in proportion to the prompt, and the
+    # tokenizers library releases the GIL while it encodes, so the loop goes on streaming other answers meanwhile.
+    parsed = await asyncio.to_thread(parse_request, kind, body, tokenizer=edge.tokenizer, family=edge.family,
+                                     session_id=session_id, tenant=tenant)
     gen = Generation(edge, parsed, IncrementalDecoder(edge.tokenizer, parsed.stop_strings))
     try:
         if parsed.stream:
@@ -227,8 +243,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--engine", choices=["local", "triton"], help="serving engine (default: config, local)")
-    parser.add_argument("--triton-url", help="Triton gRPC HOST:PORT for --engine triton")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--triton-url", help="Triton gRPC HOST:PORT for --engine triton "
+                                             "(default: config, 127.0.0.1:8101, mfs triton-up's)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (visible in the "
+                        "process list: prefer $MFS_API_KEY or --api-key-file)")
+    parser.add_argument("--api-key-file", help="file of API keys, one per line (# comments); each key is a tenant "
+                        "with its own prefix cache and request limit")
+    parser.add_argument("--max-client-requests", type=int, default=1024,
+                        help="requests in flight per API key (per client address without keys); 0: no limit")
+    parser.add_argument("--metrics-need-key", action="store_true",
+                        help="put /metrics behind the API keys too (open by default)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM grace period for in-flight requests")
     parser.add_argument("--node-name", help="name sent as X-MFS-Node on every response (default HOST:PORT)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -247,11 +271,19 @@ def main(args) -> int:
     except (ConfigError, FamilyError) as exc:
         print(f"mfs serve: {exc}")
         return 2
-    settings = ServerSettings(api_key=args.api_key, request_timeout_s=config.scheduler.request_timeout_s,
-                              grace_s=args.grace_s, node_name=args.node_name or f"{args.host}:{args.port}")
+    try:
+        keys = api_keys(args, os.environ)
+        if args.max_client_requests < 0:
+            raise ValueError("--max-client-requests must be >= 0 (0: no limit)")
+    except (OSError, ValueError) as exc:
+        print(f"mfs serve: {exc}")
+        return 2
+    settings = ServerSettings(api_keys=keys, request_timeout_s=config.scheduler.request_timeout_s,
+                              grace_s=args.grace_s, node_name=args.node_name or f"{args.host}:{args.port}",
+                              max_client_requests=args.max_client_requests or None,
+                              metrics_need_key=args.metrics_need_key)
     app = create_app(engine, engine.tokenizer, engine.family, settings)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=int(args.grace_s) + 5, lifespan="on"))
+    server = _Server(server_config(app, settings, args.host, args.port, args.log_level))
     if hasattr(engine, "on_death"):        # engines in a child process (ProcessServing)
         engine.on_death = server.engine_died
     _say_if_slow_loop()
@@ -263,6 +295,36 @@ def main(args) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return server.exit_code or (0 if server.started else 1)
+
+
+API_KEY_ENV = "MFS_API_KEY"
+
+
+def api_keys(args, environ) -> tuple[str, ...]:
+    """The accepted API keys, from wherever they were given: --api-key, $MFS_API_KEY (comma-separated) and
+    --api-key-file (one per line; blank lines and # comments skipped). None given: the /v1 routes are open."""
+    keys = [args.api_key] if args.api_key else []
+    keys += [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            from_file = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        if not from_file:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+        keys += from_file
+    bad = [k for k in keys if any(c.isspace() for c in k)]
+    if bad:
+        raise ValueError("an API key must not contain whitespace")
+    return tuple(dict.fromkeys(keys))
+
+
+def server_config(app, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for `mfs serve`: the request head's deadline and size, connections + tasks bounded."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          timeout_graceful_shutdown=int(settings.grace_s) + 5,
+                          limit_concurrency=settings.limit_concurrency,
+                          # h11's own bound (a 400) above ours, so an oversized head is always our 431
+                          h11_max_incomplete_event_size=settings.max_header_bytes + 2**20,
+                          http=header_limited_protocol(settings.header_timeout_s, settings.max_header_bytes))
 
 
 def _say_if_slow_loop() -> None:

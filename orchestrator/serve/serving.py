@@ -15,7 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.engine_core import EngineCore, SchedulerFactory, serving_family
+from orchestrator.core.engine_core import UNHEALTHY_AFTER_FAILED_STEPS, EngineCore, serving_family
 from orchestrator.core.errors import EngineUnavailableError
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput
@@ -28,14 +28,15 @@ log = logging.getLogger("mfs.serving")
 
 class LocalServing:
     def __init__(self, config: MFSConfig, family: FamilySpec | None = None,
-                 clock: Callable[[], float] = time.monotonic, scheduler_factory: SchedulerFactory | None = None):
+                 clock: Callable[[], float] = time.monotonic, **core_parts: Any):
+        """core_parts: EngineCore.build's own keywords (scheduler_factory, tiers, ...: eval's compared systems)."""
         self.config = config
         self.family = family or serving_family(config)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = family_tokenizer(self.family)
         self.core = EngineCore.build(config, self.family, clock=clock, estimator=complexity_estimator(self.tokenizer),
-                                     scheduler_factory=scheduler_factory, step_clock=time.perf_counter,
+                                     step_clock=time.perf_counter, **core_parts,
                                      cpu_clock=time.thread_time)
         self._outputs: StepOutputs[StreamTarget] = StepOutputs(self._hand_over)
         self.core.on_delivered = self._outputs.flush      # one event-loop wake-up per step, not per request
@@ -83,7 +84,21 @@ class LocalServing:
             self._thread = None
 
     def is_ready(self) -> bool:
-        return self._ready
+        return self._ready and self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """Why /health must say 503 while the engine thread runs: its steps keep failing, or it has work and its
+        loop has not gone round for engine.stall_timeout_s (a step that hangs)."""
+        core = self.core
+        if not self._ready:
+            return None
+        if core.failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
+            return f"{core.failed_steps} engine steps failed in a row; the last: {core.last_error}"
+        timeout_s = self.config.engine.stall_timeout_s
+        if core.last_tick_s is not None and core.has_work() and core.clock() - core.last_tick_s > timeout_s:
+            return (f"the engine has made no progress for {core.clock() - core.last_tick_s:.0f} s with work "
+                    f"waiting (engine.stall_timeout_s {timeout_s:g})")
+        return None
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:

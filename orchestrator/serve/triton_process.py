@@ -5,20 +5,22 @@ hand-over) and the prefix estimate, per streamed token; in the HTTP process that
 parsing, SSE writing and detokenizing. Here TritonServing runs on an event loop of its own in a child process
 (the same split as the local engine's, orchestrator/serve/engine_process.py); the HTTP process only streams.
 
-It speaks engine_process's pipe protocol unchanged, plus one message: ("health", bool) whenever Triton's
-readiness as TritonServing sees it changes (a Triton outage turns /health 503 in the HTTP process). Outputs
-produced during one turn of the child's loop leave in one ("out", [...]) message.
+It speaks engine_process's pipe protocol unchanged: ("health", bool) whenever Triton's readiness as
+TritonServing sees it changes (a Triton outage turns /health 503 in the HTTP process), ("tick",) every second
+while its loop goes round. Outputs produced during one turn of the child's loop leave in one ("out", [...])
+message.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
 import threading
 
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.types import Request, RequestId
-from orchestrator.serve.engine_process import out_message
+from orchestrator.serve.engine_process import TICK_S, out_message
 from orchestrator.serve.output_stream import Item, StepOutputs
 
 log = logging.getLogger("mfs.triton_process")
@@ -131,6 +133,8 @@ class _TritonChild:
             self.conn.send(("health", ready))
 
     async def _watch_health(self) -> None:
-        while True:
+        for turn in itertools.count(1):
             await asyncio.sleep(_HEALTH_POLL_S)
             self._report_health()
+            if turn % round(TICK_S / _HEALTH_POLL_S) == 0:
+                self.conn.send(("tick",))        # the loop goes round (the HTTP side's stall check)

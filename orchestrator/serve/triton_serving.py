@@ -16,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from engines.triton.client import TritonClient
+from engines.triton.client import TritonClient, check_packable
 from orchestrator.core.block_hash import chain_block_hashes, hash_seed
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import EngineUnavailableError, ModelNotFoundError, QueueFullError
@@ -91,8 +91,7 @@ class TritonServing:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._router = Router(self.family, self.config.router, use_affinity=self.config.comparison.use_affinity,
-                              use_load=self.config.comparison.use_load)
+        self._router = Router(self.family, self.config.router)
         self._accepting = True
         await self.client.connect()
         await self._probe_once()
@@ -179,6 +178,7 @@ class TritonServing:
 
     async def _generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         refuse_unsupported_sampling(request.sampling)
+        check_packable(request.sampling, len(request.prompt_token_ids), request.sampling.max_tokens)
         if not self.is_ready():
             self.stats_counters.on_request_done(request.pinned_member or self.member_names[0], "rejected")
             raise EngineUnavailableError("Triton is not ready")
@@ -400,10 +400,10 @@ class TritonServing:
 
 
 def _default_metrics_url(grpc_url: str) -> str:
-    """Triton's defaults put metrics on gRPC port + 1 (8001 -> 8002)."""
+    """Metrics on the gRPC port + 1, as Triton's own defaults and `mfs triton-up`'s (8101 -> 8102)."""
     host, _, port = grpc_url.rpartition(":")
     try:
         return f"http://{host or '127.0.0.1'}:{int(port) + 1}/metrics"
     except ValueError:
-        return f"http://{grpc_url}:8002/metrics"
+        return f"http://{grpc_url}:8102/metrics"
 

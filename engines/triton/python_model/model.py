@@ -125,7 +125,7 @@ class MemberWorker:
         self.config = load_config(overrides={
             "family": str(family_dir), "pool.num_pages": num_pages, "pool.page_bytes": page_bytes,
             "engine.kind": "local", "engine.device": "cpu", "engine.dtype": dtype, "engine.num_threads": 1,
-            "escalation.enabled": False, "comparison.warmup": False, "pool.host_tier_mb": 0.0,
+            "escalation.enabled": False, "pool.host_tier_mb": 0.0,
         })
         self.kv = KVBlockStats(spec.tokens_per_block(page_bytes, dtype_bytes(dtype)), spec.num_layers)
         self.core = None
@@ -136,21 +136,17 @@ class MemberWorker:
         self._sender = threading.Thread(target=self._send_loop, name=f"mfs-{member}-send", daemon=True)
 
     def start(self) -> None:
-        from engines.local.executor import LocalExecutor
+        from engines.local.executor import LocalExecutor, executor_from_config
         from orchestrator.core.complexity import ComplexityEstimator
         from orchestrator.core.engine_core import EngineCore
 
         cfg = self.config
 
         def make_executor(family, num_pages: int, page_bytes: int) -> LocalExecutor:
-            return LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, dtype=cfg.engine.dtype,
-                                 device="cpu", num_threads=cfg.engine.num_threads,
-                                 malloc_mmap_threshold_mb=cfg.developer.malloc_mmap_threshold_mb,
-                                 native_attention=cfg.developer.native_attention,
-                                 native_layer_ops=cfg.developer.native_layer_ops,
-                                 # auto = 1 here: Triton's own threads share the process
-                                 parallel_forwards=cfg.developer.parallel_forwards or 1,
-                                 measure_steps=cfg.speculation.enabled, drafts_ride=cfg.speculation.drafts_ride)
+            return executor_from_config(cfg, family, num_pages, page_bytes, device="cpu",
+                                        num_threads=cfg.engine.num_threads,
+                                        # auto = 1 here: Triton's own threads share the process
+                                        parallel_forwards=cfg.developer.parallel_forwards or 1)
         self.core = EngineCore.build(cfg, self.family, clock=time.monotonic, estimator=ComplexityEstimator(()),
                                      make_executor=make_executor)
         self._running = True
