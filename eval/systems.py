@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eval.baseline.deployments import DEPLOYMENT_SCHEDULERS
-from eval.baseline.host_tier import deployment_tiers
+from eval.baseline.tier_parts import deployment_tiers
 from eval.baseline.static_split import StaticSplit, pages_rule
 from eval.composition import load_system_config
 from orchestrator.core.config import MFSConfig
@@ -160,7 +160,7 @@ def system_scheduler(name: str) -> SchedulerFactory | None:
 
 def system_tiers(name: str) -> TiersSource | None:
     """The tiers system `name` runs when they are not the config's own: the static-split baselines' separate
-    servers each keep a part of the host tier, sized as its slice (eval/baseline/host_tier.py)."""
+    servers each keep a part of the host tier, sized as its slice (eval/baseline/tier_parts.py)."""
     return deployment_tiers if name in SPLIT_BASELINES else None
 
 

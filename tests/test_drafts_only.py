@@ -7,7 +7,7 @@ import json
 import pytest
 
 from orchestrator.core.config import RouterConfig
-from eval.baseline.host_tier import host_tier_lineages
+from eval.baseline.tier_parts import host_tier_lineages
 from orchestrator.core.errors import ModelNotFoundError
 from orchestrator.core.family import FamilyError, FamilySpec
 from orchestrator.core.router import MemberLoad, Router

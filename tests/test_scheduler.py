@@ -9,7 +9,8 @@ from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.engine_core import EngineCore, drain
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.scheduler import Scheduler
-from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.core.host_tier import HostTier
+from orchestrator.core.tiers import DiskTier, TieredStore
 from orchestrator.core.types import FinishReason, MemberName, Request, RequestId, SamplingParams
 from tests.fakes import FakeExecutor, fake_config, fake_vocab, independent_family, nested_family
 

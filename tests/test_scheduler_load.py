@@ -8,7 +8,8 @@ from __future__ import annotations
 from orchestrator.core.preemption import VICTIM_ORDERS
 from orchestrator.core.events import EventKind
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.tiers import HostTier, TieredStore
+from orchestrator.core.host_tier import HostTier
+from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import MemberName, Request, RequestId, SamplingParams
 from tests.test_scheduler import PROMPT, Harness
 

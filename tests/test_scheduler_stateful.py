@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from orchestrator.core.events import EventKind
-from orchestrator.core.tiers import HostTier, TieredStore
+from orchestrator.core.host_tier import HostTier
+from orchestrator.core.tiers import TieredStore
 from orchestrator.core.types import MemberName, RequestId
 from tests.test_scheduler import Harness
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.core.host_tier import HostTier
+from orchestrator.core.tiers import DiskTier, TieredStore
 from orchestrator.core.types import PageKey, Tier
 
 
@@ -192,7 +193,7 @@ def test_host_tier_parts_are_separate_lrus() -> None:
 def test_member_host_tier_sizes_parts_by_fraction_and_needs_per_member_lineages() -> None:
     import pytest
 
-    from eval.baseline.host_tier import member_host_tier
+    from eval.baseline.tier_parts import member_host_tier
 
     host = member_host_tier(1000, {"s": 0.2, "l": 0.8}, {"s": ("s0", "s1"), "l": ("l0", "l1", "l2")})
     assert host.part_bytes() == {"s": 200, "l": 800}

@@ -31,7 +31,8 @@ from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.step_timers import StepTimers
-from orchestrator.core.tiers import DiskTier, HostTier, TieredStore
+from orchestrator.core.host_tier import HostTier
+from orchestrator.core.tiers import DiskTier, TieredStore
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
 

@@ -1,4 +1,5 @@
-"""Host and disk KV stores for pages evicted from the arena: bounded bytes, LRU, checksummed files."""
+"""The disk KV store (bounded bytes, LRU, checksummed files keyed by page layout) and TieredStore, the host and
+disk tiers together for pages evicted from the arena (the host store is host_tier.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +11,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.core.host_tier import HostTier, count_by_lineage
 from orchestrator.core.types import PageKey, Tier
 
 _MAGIC = b"MFSKV2"
@@ -36,122 +38,6 @@ def _checksum(layout: bytes, lineage: bytes, block_hash: bytes, data: bytes, key
 def disk_layout(page_bytes: int, dtype: str) -> str:
     """The layout tag of a disk tier's files: pages of another size or dtype are refused (a miss)."""
     return f"{page_bytes}B-{dtype}"
-
-
-def _counted(counts: Counter[str], lineage: str, delta: int) -> None:
-    """A tier's entries per lineage, kept as entries come and go: the stats read them every half second, and a
-    pass over a paper-scale host tier's 10^6 keys was a third of a simulation's CPU."""
-    n = counts[lineage] + delta
-    if n:
-        counts[lineage] = n
-    else:
-        del counts[lineage]
-
-
-class _LRU:
-    """Entries LRU by bytes within one capacity: the whole host tier, or one part of it."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
-        self.bytes_used = 0
-        self.entries: OrderedDict[PageKey, bytes] = OrderedDict()   # head = least recently used
-
-
-class HostTier:
-    """Page contents in host memory, LRU by bytes. Capacity counts data bytes.
-
-    In parts (HostTier.in_parts): each part holds the lineages assigned to it and is an LRU of its own size, as
-    separate servers each have their own host memory: one part's saves never evict another part's pages."""
-
-    tier = Tier.HOST
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self._whole: _LRU | None = _LRU(capacity_bytes)
-        self._parts: dict[str, _LRU] = {}
-        self._part_of: dict[str, str] = {}                           # lineage -> its part (parts only)
-        self.capacity_bytes = capacity_bytes
-        self.bytes_used = 0
-        self.lineage_counts: Counter[str] = Counter()                # entries per lineage
-
-    @classmethod
-    def in_parts(cls, part_bytes: dict[str, int], part_of_lineage: dict[str, str]) -> HostTier:
-        """part name -> its bytes, and each lineage's part; a key of a lineage with no part is never stored."""
-        unknown = set(part_of_lineage.values()) - set(part_bytes)
-        if unknown:
-            raise ValueError(f"lineages assigned to parts without bytes: {sorted(unknown)}")
-        tier = cls(sum(part_bytes.values()))
-        tier._whole = None
-        tier._parts = {name: _LRU(n) for name, n in part_bytes.items()}
-        tier._part_of = dict(part_of_lineage)
-        return tier
-
-    def _lru(self, key: PageKey) -> _LRU | None:
-        if self._whole is not None:
-            return self._whole
-        part = self._part_of.get(key.lineage)
-        return self._parts[part] if part is not None else None
-
-    @property
-    def num_entries(self) -> int:
-        if self._whole is not None:
-            return len(self._whole.entries)
-        return sum(len(lru.entries) for lru in self._parts.values())
-
-    def part_bytes(self) -> dict[str, int]:
-        """Each part's capacity ({} when the tier is one LRU)."""
-        return {name: lru.capacity_bytes for name, lru in self._parts.items()}
-
-    def contains(self, key: PageKey) -> bool:
-        lru = self._lru(key)
-        return lru is not None and key in lru.entries
-
-    def keys(self) -> list[PageKey]:
-        if self._whole is not None:
-            return list(self._whole.entries)
-        return [k for lru in self._parts.values() for k in lru.entries]
-
-    def room_bytes(self, key: PageKey) -> int:
-        """Free bytes where `key` would be stored (its part's, in parts)."""
-        lru = self._lru(key)
-        return lru.capacity_bytes - lru.bytes_used if lru is not None else 0
-
-    def put(self, key: PageKey, data: bytes) -> list[tuple[PageKey, bytes]]:
-        """Stores (replacing any old copy); returns the LRU entries evicted to make room (of the key's part)."""
-        self.discard(key)
-        lru = self._lru(key)
-        if lru is None or len(data) > lru.capacity_bytes:
-            return []
-        evicted: list[tuple[PageKey, bytes]] = []
-        while lru.bytes_used + len(data) > lru.capacity_bytes:
-            old_key, old_data = lru.entries.popitem(last=False)
-            lru.bytes_used -= len(old_data)
-            self.bytes_used -= len(old_data)
-            _counted(self.lineage_counts, old_key.lineage, -1)
-            evicted.append((old_key, old_data))
-        lru.entries[key] = bytes(data)
-        lru.bytes_used += len(data)
-        self.bytes_used += len(data)
-        _counted(self.lineage_counts, key.lineage, 1)
-        return evicted
-
-    def get(self, key: PageKey) -> bytes | None:
-        lru = self._lru(key)
-        if lru is None:
-            return None
-        data = lru.entries.get(key)
-        if data is not None:
-            lru.entries.move_to_end(key)
-        return data
-
-    def discard(self, key: PageKey) -> None:
-        lru = self._lru(key)
-        data = lru.entries.pop(key, None) if lru is not None else None
-        if data is not None and lru is not None:
-            lru.bytes_used -= len(data)
-            self.bytes_used -= len(data)
-            _counted(self.lineage_counts, key.lineage, -1)
 
 
 @dataclass(slots=True)
@@ -214,7 +100,7 @@ class DiskTier:
         while self.bytes_used + len(data) > self.capacity_bytes:
             old_key, old = self._entries.popitem(last=False)
             self.bytes_used -= old.data_bytes
-            _counted(self.lineage_counts, old_key.lineage, -1)
+            count_by_lineage(self.lineage_counts, old_key.lineage, -1)
             old_data = self._read(old_key, old.path) if read_evicted else None
             _unlink(old.path)
             if old_data is not None:
@@ -237,7 +123,7 @@ class DiskTier:
             return evicted
         self._entries[key] = _DiskEntry(path, len(data))
         self.bytes_used += len(data)
-        _counted(self.lineage_counts, key.lineage, 1)
+        count_by_lineage(self.lineage_counts, key.lineage, 1)
         return evicted
 
     def get(self, key: PageKey) -> bytes | None:
@@ -260,7 +146,7 @@ class DiskTier:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.bytes_used -= entry.data_bytes
-            _counted(self.lineage_counts, key.lineage, -1)
+            count_by_lineage(self.lineage_counts, key.lineage, -1)
             _unlink(entry.path)
 
     def _read(self, key: PageKey, path: Path) -> bytes | None:
@@ -294,11 +180,11 @@ class DiskTier:
         for _, key, path, data_bytes in sorted(found, key=lambda item: item[0]):
             self._entries[key] = _DiskEntry(path, data_bytes)
             self.bytes_used += data_bytes
-            _counted(self.lineage_counts, key.lineage, 1)
+            count_by_lineage(self.lineage_counts, key.lineage, 1)
         while self.bytes_used > self.capacity_bytes:
             old_key, old = self._entries.popitem(last=False)
             self.bytes_used -= old.data_bytes
-            _counted(self.lineage_counts, old_key.lineage, -1)
+            count_by_lineage(self.lineage_counts, old_key.lineage, -1)
             _unlink(old.path)
 
 

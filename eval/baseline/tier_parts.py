@@ -9,7 +9,8 @@ from __future__ import annotations
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_core import with_disk_tier
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.tiers import HostTier, TieredStore
+from orchestrator.core.host_tier import HostTier
+from orchestrator.core.tiers import TieredStore
 
 
 def deployment_tiers(config: MFSConfig, family: FamilySpec) -> TieredStore | None:
