@@ -593,3 +593,12 @@ def test_fixed_baseline_split_must_name_the_family():
         fixed_split("tiny-s=0.5,tiny-x=0.5", family)
     with pytest.raises(SplitError, match="the family tiny has"):
         fixed_split("tiny-s=0.5,tiny-m=0.5", family)       # tiny-l missing
+
+
+def test_the_recorded_sampling_says_what_the_requests_asked_for():
+    """natural lengths: EOS ends a reply and max_tokens is the cap; exact: ignore_eos at the dataset length."""
+    from eval.bench.cli import sampling_record
+
+    assert sampling_record("natural", 128) == {"temperature": 0.0, "ignore_eos": False, "max_tokens": 128}
+    exact = sampling_record("exact", 64)
+    assert exact["ignore_eos"] is True and "dataset reply's length, at most 64" in exact["max_tokens"]

@@ -282,7 +282,7 @@ def run_bench(settings: BenchSettings, split_pilot: SplitPilot | None = None) ->
     result = {
         "workload": {**trace.at_rate(headline).summary(),
                      "trace_sha256": trace_digest(trace, family.members[0].tokenizer_hash)},
-        "settings": {**_settings_dict(settings), "static_split": split.fractions if split else None,
+        "settings": {**_settings_dict(settings, trace.spec), "static_split": split.fractions if split else None,
                      "static_split_traffic_share": split.traffic_share if split else None,
                      "static_split_requests_by_member": split.requests_by_member if split else None,
                      "baseline_split_mode": split_mode_label(settings.baseline_split), "baseline_split": baseline_split,
@@ -300,11 +300,21 @@ def _record_confidences(settings: BenchSettings, family: FamilySpec, records: li
     notes.append(f"per-token confidences written to {settings.record_confidences} (sequences per member: {counts})")
 
 
-def _settings_dict(settings: BenchSettings) -> dict[str, Any]:
+def _settings_dict(settings: BenchSettings, spec: WorkloadSpec) -> dict[str, Any]:
+    """The settings as run; `sampling` says what every request asked for under the trace's reply lengths."""
     d = asdict(settings)
     d["systems"] = list(settings.systems)
-    d["sampling"] = {"temperature": 0.0, "ignore_eos": True, "max_tokens": "the turn's real reply length (capped)"}
+    d["sampling"] = sampling_record(spec.lengths, spec.max_output_tokens)
     return d
+
+
+def sampling_record(lengths: str, max_output_tokens: int) -> dict[str, Any]:
+    """natural: greedy, EOS ends a reply, max_tokens the cap a chat client sends; exact: every reply the dataset
+    reply's length (ignore_eos), capped."""
+    if lengths == "exact":
+        return {"temperature": 0.0, "ignore_eos": True,
+                "max_tokens": f"the dataset reply's length, at most {max_output_tokens}"}
+    return {"temperature": 0.0, "ignore_eos": False, "max_tokens": max_output_tokens}
 
 
 def _machine() -> dict[str, Any]:
