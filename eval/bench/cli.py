@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from eval.bench.driver import PROBE_TOKENS, pinned_request, probe_decode_step_s, replay, run_request, warm_up  # noqa: F401
+from eval.bench.driver import (PROBE_TOKENS, measure_engine, pinned_request, probe_decode_step_s,  # noqa: F401
+                              replay, run_request, warm_up)
 from eval.baseline.split import (SPLIT_CANDIDATES, SPLIT_PILOT_SESSIONS, SplitError, SplitPilot, choose_baseline_split,
                                  parse_split_mode, split_lines, split_mode_label)
 from eval.bench.confidence_file import write_library
@@ -20,7 +21,7 @@ from eval.bench.quality import add_quality as _add_quality
 from eval.bench.report import TABLE_COLUMNS, decode_floor_line, format_table, paired_line  # noqa: F401 (re-exported)
 from eval.bench.curve import TPOT_SLO_X, TTFT_SLO_X, parse_rates
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
-from eval.bench.metrics import RequestRecord, decode_floor_token_latency, pages_timeline, summarize
+from eval.bench.metrics import RequestRecord
 from eval.bench.result import curve_points, curve_result, rate_point
 from eval.composition import core_parts, load_system_config, system_family
 from eval.systems import (ATTRIBUTION_SYSTEMS, DEFAULT_SYSTEMS, SPLIT_BASELINES, SYSTEMS, RoutedRequest, StaticSplit, best_static_split,
@@ -123,26 +124,9 @@ async def run_system(name: str, config: Any, trace: Trace, on_done=None,
                           **core_parts(config, scheduler_factory or system_scheduler(name), system_tiers(name)))
     await engine.start()
     try:
-        members = list(engine.family.member_names)
-        await warm_up(engine, members, name)
-        before = await probe_decode_step_s(engine, members, f"{name}-before")
-        detach = instrument(engine) if instrument is not None else None
-        records, samples, counters, duration = await replay(engine, trace, name, on_done)
-        if callable(detach):
-            detach()
-        # probed again after the replay, the faster of the two kept: one probe can catch a slow moment
-        # (clocks, a neighbour), and the floor must stay a lower bound
-        after = await probe_decode_step_s(engine, members, f"{name}-after")
+        return await measure_engine(engine, list(engine.family.member_names), trace, name, on_done, instrument)
     finally:
         await engine.stop()
-    step_s = {m: min(v for v in (before.get(m), after.get(m)) if v is not None)
-              for m in members if m in before or m in after}
-    metrics = summarize(records, counters, duration, pages_timeline(samples), members)
-    metrics["solo_decode_step_s"] = step_s
-    metrics["solo_decode_probes_s"] = {"before": before, "after": after}
-    metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(records, step_s)
-    metrics["counters"] = counters
-    return records, metrics
 
 
 # ----------------------------------------------------------------------------- orchestration

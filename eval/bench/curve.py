@@ -96,44 +96,48 @@ def value_at(curve: Sequence[Mapping[str, Any]], name: str, rate: float, key: st
     return None
 
 
-def grid_knee_rate(curve: Sequence[Mapping[str, Any]], factor: float = KNEE_FACTOR) -> float | None:
+def grid_knee_rate(curve: Sequence[Mapping[str, Any]], factor: float = KNEE_FACTOR,
+                   baseline: str = BASELINE) -> float | None:
     """The lowest grid rate where the baseline's mean token latency is >= factor x its lowest-rate value."""
-    if not curve or _metric(curve[0], BASELINE) is None:
+    if not curve or _metric(curve[0], baseline) is None:
         return None
-    target = factor * _metric(curve[0], BASELINE)
-    return next((p["rate"] for p in curve if (_metric(p, BASELINE) or 0.0) >= target), None)
+    target = factor * _metric(curve[0], baseline)
+    return next((p["rate"] for p in curve if (_metric(p, baseline) or 0.0) >= target), None)
 
 
-def knee_rate(curve: Sequence[Mapping[str, Any]], factor: float = KNEE_FACTOR) -> float | None:
+def knee_rate(curve: Sequence[Mapping[str, Any]], factor: float = KNEE_FACTOR,
+              baseline: str = BASELINE) -> float | None:
     """The rate where the baseline's mean token latency reaches factor x its lowest-rate value, interpolated in
     log rate between the last grid point below it and the first at or above it."""
-    grid = grid_knee_rate(curve, factor)
+    grid = grid_knee_rate(curve, factor, baseline)
     if grid is None:
         return None
-    target = factor * _metric(curve[0], BASELINE)
+    target = factor * _metric(curve[0], baseline)
     index = next(i for i, p in enumerate(curve) if p["rate"] == grid)
     below = curve[index - 1]
-    low, high = _metric(below, BASELINE), _metric(curve[index], BASELINE)
+    low, high = _metric(below, baseline), _metric(curve[index], baseline)
     if low is None or low >= target:       # a gap in the baseline's values: the grid reading is all there is
         return grid
     return _crossing(below["rate"], low, grid, high, target)
 
 
-def reductions_at(curve: Sequence[Mapping[str, Any]], rate: float | None) -> dict[str, float | None]:
+def reductions_at(curve: Sequence[Mapping[str, Any]], rate: float | None,
+                  baseline: str = BASELINE) -> dict[str, float | None]:
     """Per system: 1 - its mean token latency / the baseline's, both interpolated at `rate` ({} when None)."""
-    if rate is None or not curve or BASELINE not in curve[0]["systems"]:
+    if rate is None or not curve or baseline not in curve[0]["systems"]:
         return {}
-    base = value_at(curve, BASELINE, rate)
-    names = dict.fromkeys(n for p in curve for n in p["systems"] if n != BASELINE)
+    base = value_at(curve, baseline, rate)
+    names = dict.fromkeys(n for p in curve for n in p["systems"] if n != baseline)
     return {n: reduction(value_at(curve, n, rate), base) for n in names}
 
 
-def mfs_against_at(curve: Sequence[Mapping[str, Any]], rate: float | None) -> dict[str, float | None]:
+def mfs_against_at(curve: Sequence[Mapping[str, Any]], rate: float | None,
+                   baseline: str = BASELINE) -> dict[str, float | None]:
     """Per system other than mfs and the baseline: 1 - mfs's mean token latency / that system's, both interpolated
     at `rate` (what MFS gains over, e.g., the elastic baseline where the reference baseline reaches its knee)."""
     if rate is None or not curve:
         return {}
-    names = dict.fromkeys(n for p in curve for n in p["systems"] if n not in ("mfs", BASELINE))
+    names = dict.fromkeys(n for p in curve for n in p["systems"] if n not in ("mfs", baseline))
     mine = value_at(curve, "mfs", rate)
     return {n: reduction(mine, value_at(curve, n, rate)) for n in names}
 
@@ -146,11 +150,11 @@ def attribution(reductions: Mapping[str, float | None]) -> dict[str, float | Non
 
 
 def default_slo(curve: Sequence[Mapping[str, Any]], ttft_x: float = TTFT_SLO_X,
-                tpot_x: float = TPOT_SLO_X) -> SLO | None:
+                tpot_x: float = TPOT_SLO_X, baseline: str = BASELINE) -> SLO | None:
     """A relative SLO: ttft_x and tpot_x times the lightest-rate baseline's p50 TTFT and p50 TPOT."""
-    if not curve or BASELINE not in curve[0]["systems"]:
+    if not curve or baseline not in curve[0]["systems"]:
         return None
-    light = curve[0]["systems"][BASELINE]
+    light = curve[0]["systems"][baseline]
     ttft, tpot = light.get("ttft_p50_s"), light.get("tpot_p50_s")
     if ttft is None or tpot is None:
         return None
@@ -191,20 +195,22 @@ def capacity_at_slo(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict
     return {name: _capacity(curve, name, slo) for name in names}
 
 
-def capacity_ratio(capacity: Mapping[str, float | None], lower_bound: Sequence[str], name: str = "mfs") -> float | None:
+def capacity_ratio(capacity: Mapping[str, float | None], lower_bound: Sequence[str], name: str = "mfs",
+                   baseline: str = BASELINE) -> float | None:
     """name's capacity / the baseline's: 0 when `name` meets the SLO at no rate; None (undefined) when the baseline
     meets it at no rate or only a lower bound is known for it, or either was not run. When `name`'s own capacity is a
     lower bound, so is the ratio."""
-    base, mine = capacity.get(BASELINE), capacity.get(name)
-    if base is None or mine is None or not base or BASELINE in lower_bound:
+    base, mine = capacity.get(baseline), capacity.get(name)
+    if base is None or mine is None or not base or baseline in lower_bound:
         return None
     return mine / base
 
 
-def summarize_curve(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict[str, Any]:
-    """The top-level curve keys of the bench JSON."""
-    knee, grid_knee = knee_rate(curve), grid_knee_rate(curve)
-    at_knee, at_grid_knee = reductions_at(curve, knee), reductions_at(curve, grid_knee)
+def summarize_curve(curve: Sequence[Mapping[str, Any]], slo: SLO | None, baseline: str = BASELINE) -> dict[str, Any]:
+    """The top-level curve keys of the bench JSON. baseline: the system the knee, the reductions and the capacity
+    ratio are read against ("baseline"; `mfs bench --peer` names its own, as the result's baseline_system)."""
+    knee, grid_knee = knee_rate(curve, baseline=baseline), grid_knee_rate(curve, baseline=baseline)
+    at_knee, at_grid_knee = reductions_at(curve, knee, baseline), reductions_at(curve, grid_knee, baseline)
     capacity = capacity_at_slo(curve, slo)
     highest = curve[-1]["rate"] if curve else None
     lower_bound = sorted(n for n, r in capacity.items() if r and r == highest)
@@ -214,13 +220,13 @@ def summarize_curve(curve: Sequence[Mapping[str, Any]], slo: SLO | None) -> dict
                      "interpolated linearly in log rate between grid points",
         "reduction_at_knee": at_knee.get("mfs"),
         "reductions_at_knee": at_knee,
-        "mfs_against_at_knee": mfs_against_at(curve, knee),
+        "mfs_against_at_knee": mfs_against_at(curve, knee, baseline),
         "attribution_at_knee": attribution(at_knee),
         "knee_grid_rate": grid_knee,
         "reduction_at_grid_knee": at_grid_knee.get("mfs"),
         "capacity_at_slo": capacity,
         "capacity_at_slo_is_lower_bound": lower_bound,
-        "capacity_ratio": capacity_ratio(capacity, lower_bound),
+        "capacity_ratio": capacity_ratio(capacity, lower_bound, baseline=baseline),
         "slo": slo.to_dict() if slo else None,
     }
 
@@ -246,7 +252,7 @@ def format_curve(result: Mapping[str, Any]) -> str | None:
                          + cell(m.get("tpot_p90_s"), 1e3) + cell(m.get("prefix_hit_rate"), 1, 7)
                          + f"{m.get('preemptions', 0):>9}{m.get('reroutes', 0):>9}"
                          + (f"{red * 100:>8.1f}%" if red is not None else f"{'':>9}"))
-    if not any(BASELINE in p["systems"] for p in curve):
+    if not any(result.get("baseline_system", BASELINE) in p["systems"] for p in curve):
         return "\n".join(lines)
     lines.append(_knee_line(result))
     slo = result.get("slo")

@@ -6,7 +6,8 @@ import asyncio
 import time
 from typing import Any
 
-from eval.bench.metrics import RequestRecord, counter_delta
+from eval.bench.metrics import (RequestRecord, counter_delta, decode_floor_token_latency, pages_timeline,
+                               summarize)
 from eval.bench.sessions import ClosedLoopSessions, record_output
 from eval.workloads import Trace
 from orchestrator.core.errors import MFSError
@@ -55,6 +56,31 @@ async def replay(engine: Any, trace: Trace, tag: str, on_done=None) -> tuple[lis
     return sessions.records, samples, counters, duration
 
 
+async def measure_engine(engine: Any, members: list[str], trace: Trace, name: str, on_done=None,
+                         instrument=None, probe=None) -> tuple[list[RequestRecord], dict]:
+    """One system's replay on a started engine: warm-up, the solo decode probes around the replay, the metrics
+    block. instrument(engine), when given, is called right before the replay; a callable it returns, right after.
+    probe: how a solo decode step is timed (probe_decode_step_s; probe_stream_step_s over HTTP)."""
+    probe = probe or probe_decode_step_s
+    await warm_up(engine, members, name)
+    before = await probe(engine, members, f"{name}-before")
+    detach = instrument(engine) if instrument is not None else None
+    records, samples, counters, duration = await replay(engine, trace, name, on_done)
+    if callable(detach):
+        detach()
+    # probed again after the replay, the faster of the two kept: one probe can catch a slow moment
+    # (clocks, a neighbour), and the floor must stay a lower bound
+    after = await probe(engine, members, f"{name}-after")
+    step_s = {m: min(v for v in (before.get(m), after.get(m)) if v is not None)
+              for m in members if m in before or m in after}
+    metrics = summarize(records, counters, duration, pages_timeline(samples), members)
+    metrics["solo_decode_step_s"] = step_s
+    metrics["solo_decode_probes_s"] = {"before": before, "after": after}
+    metrics["decode_floor_token_latency_s"] = decode_floor_token_latency(records, step_s)
+    metrics["counters"] = counters
+    return records, metrics
+
+
 async def run_request(engine: Any, request: Request, record: RequestRecord, clock) -> None:
     try:
         async for out in engine.generate(request):
@@ -99,4 +125,24 @@ async def probe_decode_step_s(engine: Any, members: list[str], tag: str, tokens:
             continue
         if gaps:
             out[member] = percentile(gaps, 50)
+    return out
+
+
+async def probe_stream_step_s(engine: Any, members: list[str], tag: str, tokens: int = PROBE_TOKENS) -> dict[str, float]:
+    """probe_decode_step_s for an engine whose outputs may arrive in bursts (a server's stream read over HTTP:
+    several chunks in one read come out back to back): per member, the time from the first output with tokens to
+    the last over the tokens that came after the first output, of one pinned request running alone."""
+    out: dict[str, float] = {}
+    for member in members:
+        first = last = None
+        after_first = 0
+        async for result in engine.generate(pinned_request(f"{tag}-probe-{member}", member, tokens)):
+            if result.new_token_ids:
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                else:
+                    last, after_first = now, after_first + len(result.new_token_ids)
+        if last is not None and after_first and last > first:
+            out[member] = (last - first) / after_first
     return out

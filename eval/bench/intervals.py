@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.bench.curve import SLO, default_slo, summarize_curve
+from eval.bench.curve import BASELINE, SLO, default_slo, summarize_curve
 from eval.bench.metrics import reduction
 
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; past 30 the nearest lower entry.
@@ -75,11 +75,12 @@ def resummarize(result: Mapping[str, Any]) -> dict[str, Any]:
     when it was given in absolute terms, rebuilt from the curve when it was relative)."""
     curve = result.get("curve") or []
     settings = result.get("settings") or {}
+    baseline = result.get("baseline_system", BASELINE)      # `mfs bench --peer` reads against its own
     if settings.get("slo_ttft_s") is not None and settings.get("slo_tpot_s") is not None:
         slo: SLO | None = SLO(settings["slo_ttft_s"], settings["slo_tpot_s"], (result.get("slo") or {}).get("rule", ""))
     else:
-        slo = default_slo(curve, settings.get("slo_ttft_x", 5.0), settings.get("slo_tpot_x", 2.0))
-    return summarize_curve(curve, slo)
+        slo = default_slo(curve, settings.get("slo_ttft_x", 5.0), settings.get("slo_tpot_x", 2.0), baseline)
+    return summarize_curve(curve, slo, baseline)
 
 
 def intervals_over(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

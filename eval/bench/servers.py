@@ -21,7 +21,7 @@ MODEL = "tiny-l"
 class ServerSpec:
     name: str
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str | None]          # over the caller's environment; None removes a variable
     cwd: Path
 
 
@@ -157,8 +157,9 @@ class Server:
 def launch(spec: ServerSpec, port: int, log_dir: Path) -> Server:
     log_path = log_dir / f"{spec.name}.log"
     with log_path.open("w") as log_file:
-        proc = subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **spec.env},
-                                cwd=spec.cwd, start_new_session=True)
+        env = {k: v for k, v in {**os.environ, **spec.env}.items() if v is not None}
+        proc = subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=spec.cwd,
+                                start_new_session=True)
     return Server(spec, port, proc, log_path)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -33,10 +32,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eval.bench.peer import vllm_python
 from eval.bench.servers import (MODEL, Server, engine_timers, free_port, launch, mfs_spec, process_cpu_s, process_sched_s,
                                 shut_down, timer_delta, vllm_spec, wait_ready)
 
-DEFAULT_VLLM_PYTHON = Path(os.environ.get("MFS_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+DEFAULT_VLLM_PYTHON = vllm_python()            # $MFS_VLLM_PYTHON, else .venv-vllm (`make vllm-venv`)
 _READY_TIMEOUT_S = 300.0
 
 

@@ -35,6 +35,7 @@ class ParsedRequest:
     top_logprobs: int
     stop_strings: tuple[str, ...]
     ignored_fields: list[str] = field(default_factory=list)     # unknown names, accepted without effect
+    return_token_ids: bool = False     # vLLM's field: token_ids per choice, prompt_token_ids once
     created_s: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -66,7 +67,7 @@ def parse_request(kind: str, body: Any, *, tokenizer: FamilyTokenizer, family: F
     )
     return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=stream and include_usage,
                          logprobs=logprobs, top_logprobs=top_logprobs, stop_strings=sampling.stop_strings,
-                         ignored_fields=ignored)
+                         ignored_fields=ignored, return_token_ids=bool(_opt(body, "return_token_ids", bool)))
 
 
 def _model(body: dict, family: FamilySpec) -> tuple[str, MemberName | None]:
@@ -199,13 +200,17 @@ def _type_word(kind: type) -> str:
 
 
 def _max_tokens(body: dict) -> tuple[int | None, str]:
+    """(the limit, the field it came from): max_completion_tokens wins over max_tokens, and both are checked (an
+    invalid max_tokens beside a valid max_completion_tokens is a 400 too, as the schema says)."""
+    found: tuple[int | None, str] = (None, "max_tokens")
     for name in ("max_completion_tokens", "max_tokens"):
         value = _opt(body, name, int)
         if value is not None:
             if value < 1:
                 raise InvalidRequestError(f"'{name}' must be >= 1", name)
-            return value, name
-    return None, "max_tokens"
+            if found[0] is None:
+                found = (value, name)
+    return found
 
 
 def _check_text_length(chars: int, tokenizer: FamilyTokenizer, context_tokens: int, field_name: str) -> None:
@@ -348,7 +353,8 @@ def completion_logprobs(entries: list[dict], text_offset_start: int) -> dict[str
 
 
 def full_response(parsed: ParsedRequest, model: str, text: str, finish_reason: str | None,
-                  logprobs: dict | None, usage_dict: dict, mfs: dict) -> dict[str, Any]:
+                  logprobs: dict | None, usage_dict: dict, mfs: dict, token_ids: list[int] | None = None,
+                  prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
     rid = parsed.request.request_id
     if parsed.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -357,12 +363,25 @@ def full_response(parsed: ParsedRequest, model: str, text: str, finish_reason: s
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": parsed.created_s, "model": model, "choices": [choice],
-            "usage": usage_dict, "mfs": mfs}
+    out = {"id": rid, "object": obj, "created": parsed.created_s, "model": model, "choices": [choice],
+           "usage": usage_dict, "mfs": mfs}
+    _token_ids(parsed, out, choice, token_ids, prompt_token_ids)
+    return out
+
+
+def _token_ids(parsed: ParsedRequest, out: dict, choice: dict, token_ids: list[int] | None,
+               prompt_token_ids: list[int] | None) -> None:
+    """return_token_ids, where vLLM puts them: token_ids in the choice; prompt_token_ids in the choice
+    (completions) or beside the choices (chat)."""
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        (out if parsed.kind == "chat" else choice)["prompt_token_ids"] = prompt_token_ids
 
 
 def chunk(parsed: ParsedRequest, model: str, *, text: str | None = None, role: bool = False,
-          finish_reason: str | None = None, logprobs: dict | None = None, mfs: dict | None = None) -> dict[str, Any]:
+          finish_reason: str | None = None, logprobs: dict | None = None, mfs: dict | None = None,
+          token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
     """One streaming chunk with a single choice (chat: delta; completions: text)."""
     if parsed.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -375,6 +394,7 @@ def chunk(parsed: ParsedRequest, model: str, *, text: str | None = None, role: b
         obj = "text_completion"
     out = {"id": parsed.request.request_id, "object": obj, "created": parsed.created_s, "model": model,
            "choices": [choice]}
+    _token_ids(parsed, out, choice, token_ids, prompt_token_ids)
     if mfs is not None:
         out["mfs"] = mfs
     return out

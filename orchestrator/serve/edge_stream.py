@@ -55,6 +55,9 @@ class Generation:
     engine_finished: bool = False              # the engine ended the request itself (no abort needed)
     first_token_s: float | None = None
     closed: bool = False
+    token_ids: list[int] = field(default_factory=list)     # return_token_ids: every generated id
+    sent_token_ids: int = 0                                # of those, the ones a chunk carried
+    sent_prompt_ids: bool = False
 
     @property
     def done(self) -> bool:
@@ -101,6 +104,8 @@ class Generation:
         if out.new_token_ids and self.first_token_s is None:
             self.first_token_s = now_s
         self.completion_tokens += len(out.new_token_ids)
+        if self.parsed.return_token_ids:
+            self.token_ids.extend(out.new_token_ids)
         entries = []
         if self.parsed.logprobs:
             tops = out.new_top_logprobs or [()] * len(out.new_token_ids)
@@ -144,7 +149,21 @@ class Generation:
 
     def response(self) -> dict:
         return full_response(self.parsed, self.model(), "".join(self.text), self.finish_reason,
-                             self.logprobs_object(self.logprobs, 0), self.usage(), self.mfs())
+                             self.logprobs_object(self.logprobs, 0), self.usage(), self.mfs(), **self.id_fields())
+
+    def unsent_token_ids(self) -> bool:
+        return self.parsed.return_token_ids and len(self.token_ids) > self.sent_token_ids
+
+    def id_fields(self) -> dict[str, list[int]]:
+        """return_token_ids (vLLM's field): the ids generated since the last chunk, and the prompt's ids once."""
+        if not self.parsed.return_token_ids:
+            return {}
+        fields = {"token_ids": self.token_ids[self.sent_token_ids:]}
+        self.sent_token_ids = len(self.token_ids)
+        if not self.sent_prompt_ids:
+            self.sent_prompt_ids = True
+            fields["prompt_token_ids"] = list(self.parsed.request.prompt_token_ids)
+        return fields
 
     async def close(self) -> None:
         """Always runs: aborts an unfinished request, closes the stream, records edge latencies."""
@@ -202,9 +221,10 @@ async def _stream(gen: Generation, first: tuple[str, list[dict]]) -> AsyncIterat
             yield _sse(chunk(parsed, gen.model(), role=True))
         delta, entries = first
         while True:
-            if delta or entries:
+            if delta or entries or gen.unsent_token_ids():
                 yield _sse(chunk(parsed, gen.model(), text=delta,
-                                 logprobs=gen.logprobs_object(entries, gen.text_chars - len(delta))))
+                                 logprobs=gen.logprobs_object(entries, gen.text_chars - len(delta)),
+                                 **gen.id_fields()))
             if gen.done:
                 break
             try:
@@ -214,7 +234,7 @@ async def _stream(gen: Generation, first: tuple[str, list[dict]]) -> AsyncIterat
                 yield _DONE
                 return
         yield _sse(chunk(parsed, gen.model(), text="" if parsed.kind == "completion" else None,
-                         finish_reason=gen.finish_reason, mfs=gen.mfs()))
+                         finish_reason=gen.finish_reason, mfs=gen.mfs(), **gen.id_fields()))
         if parsed.include_usage:
             yield _sse(usage_chunk(parsed, gen.model(), gen.usage()))
         yield _DONE

@@ -16,7 +16,10 @@ from orchestrator.serve.request_fields import (MAX_CONTENT_PARTS, MAX_LOGIT_BIAS
 _STOP_MAX = 4            # api_schema.MAX_STOP_STRINGS (not imported: api_schema imports the tokenizer)
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
-TokenId = Annotated[int, Field(ge=0)]
+# the JSON parser keeps an integer exact up to 64 bits; one past it is a float every integer field refuses
+# (docs/API.md, "Limits"): the schema says so instead of promising any integer
+INT_MAX = 2**64 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT_MAX)]
 
 
 class TextPart(BaseModel):
@@ -37,11 +40,12 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: Name | None = Field(None, description="the family name (routed) or a member name (pinned)")
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="wins over max_tokens")
+    max_tokens: Annotated[int, Field(ge=1, le=INT_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT_MAX)] | None = Field(
+        None, description="wins over max_tokens")
     temperature: Annotated[float, Field(ge=0, le=2)] | None = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
-    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="0 or -1: off")
+    top_k: Annotated[int, Field(ge=-1, le=INT_MAX)] | None = Field(None, description="0 or -1: off")
     seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=_STOP_MAX)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -50,15 +54,19 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: Name | None = Field(None, description="session affinity key when there is no X-Session-ID header")
     ignore_eos: bool | None = False
-    min_tokens: Annotated[int, Field(ge=0)] | None = Field(None, description="at most max_tokens")
+    min_tokens: Annotated[int, Field(ge=0, le=INT_MAX)] | None = Field(None, description="at most max_tokens")
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
     mfs_profile: Literal["latency", "quality"] | None = "latency"
+    return_token_ids: bool | None = Field(False, description="vLLM's: the generated token ids beside the text "
+                                                "(token_ids per choice; prompt_token_ids once)")
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] | None = 1.0
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,12}$")],
                                Annotated[float, Field(ge=-100, le=100)]],
-                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = Field(
+                          # keys that are no token id are refused: pydantic's patternProperties alone allows them
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES,
+                                json_schema_extra={"additionalProperties": False})] | None = Field(
         None, description="token id (in the vocabulary) -> bias added to its logit")
     metadata: dict[str, Any] | None = Field(None, description="accepted, no effect")
     store: bool | None = Field(None, description="accepted, no effect")

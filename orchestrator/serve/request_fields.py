@@ -25,7 +25,7 @@ IGNORED_FIELDS_HEADER = "X-MFS-Ignored-Fields"
 
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "stop_token_ids", "n", "stream", "stream_options", "user", "ignore_eos", "min_tokens", "cache_salt",
-           "mfs_profile", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs",
+           "mfs_profile", "return_token_ids", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs",
            # accepted without effect: bookkeeping fields of the OpenAI API that change no output
            "metadata", "store", "service_tier", "parallel_tool_calls"}
 HONOURED = {"chat": _COMMON | {"messages", "top_logprobs"},
@@ -61,11 +61,21 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# the bookkeeping fields accepted without effect still have the OpenAI API's types (a wrong one: 400 naming it)
+NO_EFFECT_TYPES: dict[str, tuple[type, str]] = {"metadata": (dict, "an object"), "store": (bool, "a boolean"),
+                                                "service_tier": (str, "a string"),
+                                                "parallel_tool_calls": (bool, "a boolean")}
+
+
 def check_fields(kind: str, body: dict) -> list[str]:
-    """Refuses a set unimplemented feature (400 naming it); returns the names accepted and ignored."""
+    """Refuses a set unimplemented feature (400 naming it) and a bookkeeping field of the wrong type; returns the
+    names accepted and ignored."""
     ignored = []
     honoured = HONOURED[kind]
     for name, value in body.items():
+        typed = NO_EFFECT_TYPES.get(name)
+        if typed is not None and value is not None and not isinstance(value, typed[0]):
+            raise InvalidRequestError(f"'{name}' must be {typed[1]}, got {type(value).__name__}", name)
         neutral = _NEUTRAL.get(name)
         if neutral is not None and not neutral(value):
             raise InvalidRequestError(f"'{name}' is not supported by this server (only its neutral value is "

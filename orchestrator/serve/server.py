@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from orchestrator.serve.api_schema import error_body, models_list, parse_request
 from orchestrator.serve.openapi_models import ChatCompletionRequest, CompletionRequest, request_body
@@ -48,6 +50,7 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
     app.state.stats_cache = stats_cache = StatsCache.for_engine(engine)
     app.include_router(_v1_routes(edge, int(time.time()), stats_cache))
     _add_probe_routes(app, edge, stats_cache)
+    _exact_request_schemas(app)
     _install_error_handlers(app)
     app.add_middleware(ClientLimits, api_keys=settings.keys(), max_client_requests=settings.max_client_requests)
     app.add_middleware(_ResponseCounter, metrics=edge.metrics, node_name=settings.node_name,
@@ -67,6 +70,7 @@ def _lifespan(edge: Edge):
             if edge.stopping is not None:
                 await edge.stopping
             await edge.engine.stop(edge.settings.grace_s)    # idempotent; finishes what a drain started
+            edge.close_parse_pool()
     return lifespan
 
 
@@ -102,6 +106,22 @@ def _v1_routes(edge: Edge, created_s: int, stats_cache: StatsCache) -> APIRouter
     return v1
 
 
+def _exact_request_schemas(app: FastAPI) -> None:
+    """/openapi.json with the request bodies' schemas as pydantic writes them: FastAPI's OpenAPI model holds a
+    bound as a float, which turned `seed`'s 2^64 - 1 (and the other integer bounds) into 2^64, a value the server
+    refuses."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = generate()
+            for path, model in (("/v1/completions", CompletionRequest),
+                                ("/v1/chat/completions", ChatCompletionRequest)):
+                document["paths"][path]["post"].update(request_body(model))
+        return app.openapi_schema
+    app.openapi = openapi
+
+
 def _add_probe_routes(app: FastAPI, edge: Edge, stats_cache: StatsCache) -> None:
     """/health (503 while starting or draining) and /metrics (Prometheus), open without the API key (/metrics
     behind it with ServerSettings.metrics_need_key)."""
@@ -128,16 +148,21 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
     if edge.draining:
         raise EngineUnavailableError("server is shutting down")
     settings = edge.settings
-    body = await read_json_body(request, BodyLimits(max_bytes=settings.max_body_bytes,
-                                                    read_timeout_s=settings.body_timeout_s))
+    try:
+        body = await read_json_body(request, BodyLimits(max_bytes=settings.max_body_bytes,
+                                                        read_timeout_s=settings.body_timeout_s))
+    except ClientDisconnect:
+        return Response(status_code=499)      # the client left while sending its body: nobody reads an answer
     # Behind the fleet gateway the session arrives as its routing key and dropped body fields as headers.
     body = gateway_headers.restore_lifted(body, request.headers)
     session_id = gateway_headers.replica_session_id(request.headers)
     tenant = request.scope.get("state", {}).get(TENANT_STATE_KEY)     # the API key's digest (ClientLimits)
     # In a worker thread: rendering the chat template and tokenizing take time in proportion to the prompt, and the
     # tokenizers library releases the GIL while it encodes, so the loop goes on streaming other answers meanwhile.
-    parsed = await asyncio.to_thread(parse_request, kind, body, tokenizer=edge.tokenizer, family=edge.family,
-                                     session_id=session_id, tenant=tenant)
+    # The edge's own few threads (ServerSettings.parse_threads), not asyncio's default executor: see there.
+    parsed = await asyncio.get_running_loop().run_in_executor(edge.parse_pool(), functools.partial(
+        parse_request, kind, body, tokenizer=edge.tokenizer, family=edge.family, session_id=session_id,
+        tenant=tenant))
     gen = Generation(edge, parsed, IncrementalDecoder(edge.tokenizer, parsed.stop_strings))
     try:
         if parsed.stream:
