@@ -226,5 +226,5 @@ def test_bodies_are_parsed_on_the_edges_few_threads_not_asyncios_default_executo
                                               for i in range(16)))
         responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses)
-    assert len(seen) == ServerSettings().parse_threads == 1, seen
+    assert len(seen) <= ServerSettings().parse_threads == 2, seen        # a fixed pool, not one that grows
     assert all(name.startswith("mfs-parse") for name, _ in seen), seen

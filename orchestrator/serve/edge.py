@@ -35,8 +35,9 @@ class ServerSettings:
     # threads that parse and tokenize request bodies off the event loop. Few and fixed: each thread the tokenizer
     # runs on keeps native memory of its own (its malloc arena, its regex caches) that grows as prompts vary, so
     # asyncio's default executor (up to min(32, cores + 4) threads, created under bursts) made the HTTP process's
-    # RSS creep (~7.6 MiB/hour in the 30-minute soak); one thread is what vLLM's API server uses for the same work
-    parse_threads: int = 1
+    # RSS creep (~7.6 MiB/hour in the 30-minute soak). Two, so that one client's long prompt (bounded by the text
+    # limit) never holds up another client's parsing
+    parse_threads: int = 2
     grace_s: float = 10.0                      # SIGTERM: in-flight requests get this long, then are cancelled
     node_name: str | None = None               # sent as X-MFS-Node on every response (fleet: which replica)
     metrics_need_key: bool = False             # /metrics behind the API key too (it is open by default)
