@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from eval.bench.servers import sse_events
 from orchestrator.core.types import (FinishReason, MemberName, MemberSpan, Request, RequestId, RequestOutput,
                                      RouteDecision)
 
@@ -71,8 +72,6 @@ class HttpEngine:
                        route: RouteDecision | None = None) -> AsyncIterator[RequestOutput]:
         """The server's stream as RequestOutputs: one per chunk with token ids; the last one finished, with the
         usage (prompt and cached tokens) and, from `mfs serve`, the members that produced the reply."""
-        import orjson
-
         if self._session is None:
             raise HttpEngineError("HttpEngine.generate before start()")
         headers = {SESSION_HEADER: request.session_id} if request.session_id else {}
@@ -81,13 +80,8 @@ class HttpEngine:
                                       headers=headers) as resp:
             if resp.status != 200:
                 raise HttpEngineError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    break
-                out = parse.event(orjson.loads(payload))
+            async for event in sse_events(resp.content):
+                out = parse.event(event)
                 if out is not None:
                     yield out
         yield parse.final()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,3 +173,16 @@ def shut_down(server: Server) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
+
+
+async def sse_events(lines) -> AsyncIterator[dict]:
+    """The JSON events of a streamed OpenAI response (aiohttp's resp.content), up to `data: [DONE]`."""
+    import orjson
+
+    async for line in lines:
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            return
+        yield orjson.loads(payload)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from eval.bench.peer import vllm_python
 from eval.bench.servers import (MODEL, Server, engine_timers, free_port, launch, mfs_spec, process_cpu_s, process_sched_s,
-                                shut_down, timer_delta, vllm_spec, wait_ready)
+                                shut_down, sse_events, timer_delta, vllm_spec, wait_ready)
 
 DEFAULT_VLLM_PYTHON = vllm_python()            # $MFS_VLLM_PYTHON, else .venv-vllm (`make vllm-venv`)
 _READY_TIMEOUT_S = 300.0
@@ -83,8 +83,6 @@ def prompts(load: Load, tag: int) -> list[list[int]]:
 
 # ----------------------------------------------------------------------------- load generator
 async def _one(session, url: str, body: dict) -> RequestResult:
-    import orjson
-
     sent = time.perf_counter()
     first = last = None
     tokens = 0
@@ -92,13 +90,7 @@ async def _one(session, url: str, body: dict) -> RequestResult:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
                 return RequestResult(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    break
-                event = orjson.loads(payload)
+            async for event in sse_events(resp.content):
                 if "error" in event:
                     return RequestResult(False, error=str(event["error"])[:200])
                 choices = event.get("choices") or ()
