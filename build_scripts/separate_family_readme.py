@@ -50,7 +50,9 @@ So about 96% of training replies are under 100 tokens (median about 36), and eve
 
 {recipe['threads']} CPU threads, bf16 autocast, deterministic for seed {recipe['seed']}; members train one
 after another (smallest first), batch {recipe['batch_size']} x {recipe['window']} tokens, AdamW at lr
-{recipe['lr']} with warm-up and cosine decay; {minutes:.0f} min of training in all:
+{recipe['lr']} with warm-up and cosine decay, then (members whose steps above exceed the first cycle's
+{recipe.get('first_cycle_steps', 700)}) a second cosine cycle restarted at lr {recipe.get('second_cycle_lr', recipe['lr'])}
+(`--extra-steps`, `--extra-lr`); {minutes:.0f} min of training wall time in all:
 
 ```bash
 {recipe['command']}

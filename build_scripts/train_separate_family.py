@@ -46,6 +46,11 @@ On a CPU shared with other work, run it niced with OMP_WAIT_POLICY=PASSIVE: busy
 otherwise burn the little CPU a niced job gets (measured: half the CPU per step, 2-3x the wall time).
 """
 DEFAULT_STEPS = {"sep-s": 700, "sep-m": 700, "sep-l": 700}
+# a second cosine cycle from the first one's last checkpoint (a warm restart at a lower peak): the deeper and the
+# smallest members are furthest from done after one cycle (sep-l's held-out loss was above sep-m's, sep-s rarely
+# ended a greedy reply)
+DEFAULT_EXTRA_STEPS = {"sep-s": 700, "sep-m": 0, "sep-l": 500}
+DEFAULT_EXTRA_LR = 1e-3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "mfs" / "train-tiny-sep"
 
@@ -59,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=f"engines/families/{FAMILY_NAME}")
     parser.add_argument("--steps", default=",".join(str(DEFAULT_STEPS[m]) for m in MEMBERS),
                         help="optimizer steps, one number for every member or one per member small to large")
+    parser.add_argument("--extra-steps", default=",".join(str(DEFAULT_EXTRA_STEPS[m]) for m in MEMBERS),
+                        help="steps of a second cosine cycle after the first, one number or one per member")
+    parser.add_argument("--extra-lr", type=float, default=DEFAULT_EXTRA_LR, help="peak learning rate of that cycle")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--window", type=int, default=1024, help="training sequence length (tokens)")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -78,6 +86,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(steps) not in (1, len(MEMBERS)):
         parser.error(f"--steps: give 1 or {len(MEMBERS)} numbers")
     args.member_steps = dict(zip(MEMBERS, steps * len(MEMBERS) if len(steps) == 1 else steps))
+    extra = [int(s) for s in str(args.extra_steps).split(",")]
+    if len(extra) not in (1, len(MEMBERS)):
+        parser.error(f"--extra-steps: give 1 or {len(MEMBERS)} numbers")
+    args.member_extra_steps = dict(zip(MEMBERS, extra * len(MEMBERS) if len(extra) == 1 else extra))
     return args
 
 
@@ -129,8 +141,21 @@ def run_identity(name: str, args: argparse.Namespace) -> dict:
                      short_replies.EOT_WEIGHT, short_replies.CONTEXT_WEIGHT]}
 
 
+def cycle_identity(name: str, args: argparse.Namespace) -> dict:
+    """The second cycle's settings: a checkpoint past the first cycle must have been trained with these."""
+    return {"extra_steps": args.member_extra_steps[name], "extra_lr": args.extra_lr}
+
+
+def learning_rate(step: int, steps: int, extra_steps: int, args: argparse.Namespace) -> float:
+    """Linear warm-up then cosine decay over the first cycle; the second restarts the cosine at --extra-lr."""
+    if step < steps:
+        warmup = max(1, steps // 20)
+        return args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    return args.extra_lr * 0.5 * (1 + math.cos(math.pi * (step - steps) / extra_steps))
+
+
 def train_member(name: str, index: int, windows, args: argparse.Namespace) -> tuple[EarlyExitLlama, dict]:
-    """AdamW, linear warm-up then cosine decay, loss weighted per token (short_replies); resumes from its checkpoint."""
+    """AdamW over one or two cosine cycles, loss weighted per token (short_replies); resumes from its checkpoint."""
     from tqdm import tqdm
 
     shape = dataclasses.replace(MEMBERS[name], context_tokens=args.window)
@@ -138,6 +163,7 @@ def train_member(name: str, index: int, windows, args: argparse.Namespace) -> tu
     model = EarlyExitLlama(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     steps, identity = args.member_steps[name], run_identity(name, args)
+    extra_steps, cycle = args.member_extra_steps[name], cycle_identity(name, args)
     path = Path(args.checkpoint_dir) / f"{name}.pt"
     state = {"step": 0, "train_s": 0.0}
     if path.is_file():
@@ -145,24 +171,27 @@ def train_member(name: str, index: int, windows, args: argparse.Namespace) -> tu
         if saved["identity"] != identity:
             raise SystemExit(f"{path}: checkpoint of a different run ({saved['identity']} != {identity}); "
                              "delete it or pass another --checkpoint-dir")
+        if saved["step"] > steps and saved.get("cycle") != cycle:
+            raise SystemExit(f"{path}: checkpoint of a different second cycle ({saved.get('cycle')} != {cycle}); "
+                             "delete it or pass another --checkpoint-dir")
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["torch_rng"])
         random.setstate(saved["python_rng"])
         state = {"step": saved["step"], "train_s": saved["train_s"]}
-        print(f"{name}: resuming at step {state['step']}/{steps} from {path}", flush=True)
+        print(f"{name}: resuming at step {state['step']}/{steps + extra_steps} from {path}", flush=True)
 
     def save() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_save({"identity": identity, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        _atomic_save({"identity": identity, "cycle": cycle, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                       "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), **state}, path)
 
     ids, weights = windows
-    warmup = max(1, steps // 20)
-    bar = tqdm(range(state["step"], steps), desc=f"train {name}", mininterval=10, initial=state["step"], total=steps)
+    total = steps + extra_steps
+    bar = tqdm(range(state["step"], total), desc=f"train {name}", mininterval=10, initial=state["step"], total=total)
     started = time.time() - state["train_s"]
     for step in bar:
-        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
+        lr = learning_rate(step, steps, extra_steps, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
         idx = batch_indices(step, args.batch_size, len(ids), args.seed, index)
@@ -178,10 +207,10 @@ def train_member(name: str, index: int, windows, args: argparse.Namespace) -> tu
         bar.set_postfix(loss=f"{per_token.mean().item():.3f}",
                         eot=f"{per_token[eot].mean().item():.2f}" if eot.any() else "-", refresh=False)
         state = {"step": step + 1, "train_s": time.time() - started}
-        if state["step"] % args.save_every == 0 or state["step"] == steps:
+        if state["step"] % args.save_every == 0 or state["step"] in (steps, total):
             save()
     bar.close()
-    if steps == 0 or not path.is_file():
+    if total == 0 or not path.is_file():
         save()
     return model, state
 
@@ -288,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
                          **replies_that_end(member_dir, val_conversations, args)}
         print(f"{name}: {json.dumps(results[name])}", flush=True)
     recipe = {"command": "python -m build_scripts.train_separate_family " + " ".join(argv or sys.argv[1:]),
-              "batch_size": args.batch_size, "window": args.window, "lr": args.lr, "seed": args.seed,
+              "first_cycle_lr": args.lr, "second_cycle_lr": args.extra_lr,
+              "first_cycle_steps": max(args.member_steps.values()), "batch_size": args.batch_size,
+              "window": args.window, "lr": args.lr, "seed": args.seed,
               "bf16_autocast": args.bf16, "threads": args.threads,
               "train_windows": len(data["train"][0]), "val_windows": min(args.eval_windows, len(data["val"][0])),
               "reply_rule": short_replies.REPLY_RULE,

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from eval.bench.fuzz_api import ENDPOINTS, hostile_values, json_values, pages_used_when_idle, request_schemas
+from eval.bench.fuzz_api import ENDPOINTS, from_schema, hostile_values, pages_used_when_idle, request_schemas
 from orchestrator.core.config import load_config
 from orchestrator.serve.factory import build_serving_engine
 from orchestrator.serve.server import ServerSettings, create_app
@@ -30,7 +30,6 @@ from tests.fakes_serving import family_dir, serve_in_thread
 
 COMP, CHAT = ENDPOINTS
 CLIENTS = 4                       # requests in flight at once, one asyncio client each
-TOKEN_ID_FIELDS = {"prompt", "stop_token_ids"}
 SET_LATER = {"max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs", "logprobs", "model"}
 
 
@@ -95,55 +94,6 @@ def _settings(examples: int, shrink: bool = True):
 
 
 # ----------------------------------------------------------------------------- valid bodies from the schema
-def schema_values(schema: dict, api: Api, name: str = "", text_max: int = 40) -> st.SearchStrategy:
-    """Values the JSON Schema subset pydantic emits accepts; token ids inside the vocabulary."""
-    if "anyOf" in schema:
-        return st.one_of([schema_values(s, api, name, text_max) for s in schema["anyOf"]])
-    if "const" in schema:
-        return st.just(schema["const"])
-    if "enum" in schema:
-        return st.sampled_from(schema["enum"])
-    kind = schema.get("type")
-    if kind == "null":
-        return st.none()
-    if kind == "boolean":
-        return st.booleans()
-    if kind == "integer":
-        low, high = schema.get("minimum"), schema.get("maximum")
-        if name in TOKEN_ID_FIELDS:
-            high = api.vocab - 1
-        return st.integers(low, high)
-    if kind == "number":
-        low = schema.get("exclusiveMinimum", schema.get("minimum"))
-        return st.floats(low, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema, allow_nan=False,
-                         allow_infinity=False)
-    if kind == "string":
-        if "pattern" in schema:                  # logit_bias keys: token ids
-            return st.integers(0, api.vocab - 1).map(str)
-        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", text_max), text_max))
-    if kind == "array":
-        return st.lists(schema_values(schema.get("items", {}), api, name, text_max),
-                        min_size=schema.get("minItems", 0), max_size=min(schema.get("maxItems", 4), 4))
-    if kind == "object" or "properties" in schema:
-        properties = schema.get("properties", {})
-        extra = schema.get("additionalProperties")
-        if not properties and schema.get("patternProperties"):      # logit_bias: token id -> bias
-            (pattern, values), = schema["patternProperties"].items()
-            assert pattern == "^[0-9]{1,12}$", pattern
-            return st.dictionaries(st.integers(0, api.vocab - 1).map(str), schema_values(values, api, name, text_max),
-                                   max_size=min(schema.get("maxProperties", 4), 4))
-        if not properties and isinstance(extra, dict):
-            keys = schema_values(schema.get("propertyNames", {"type": "string"}), api, name, text_max)
-            return st.dictionaries(keys, schema_values(extra, api, name, text_max), max_size=4)
-        if not properties:
-            return st.dictionaries(st.text(max_size=8), json_values(), max_size=3)
-        required = set(schema.get("required", ()))
-        values = {k: schema_values(v, api, k, text_max) for k, v in properties.items()}
-        return st.fixed_dictionaries({k: s for k, s in values.items() if k in required},
-                                     optional={k: s for k, s in values.items() if k not in required})
-    return json_values()
-
-
 @st.composite
 def valid_request(draw, api: Api, text_max: int = 40, max_tokens_cap: int | None = 16, min_tokens_cap: int = 8):
     """(path, body): every field the schema's, each optional one present or not; then the documented rules:
@@ -152,10 +102,10 @@ def valid_request(draw, api: Api, text_max: int = 40, max_tokens_cap: int | None
     path = draw(st.sampled_from(ENDPOINTS))
     schema = api.schemas[path]
     properties, required = schema["properties"], set(schema["required"])
-    body = {name: draw(schema_values(properties[name], api, name, text_max)) for name in sorted(required)}
+    body = {name: draw(from_schema(properties[name], name, api.vocab - 1, text_max)) for name in sorted(required)}
     optional = sorted(set(properties) - required - SET_LATER)
     for name in draw(st.lists(st.sampled_from(optional), unique=True, max_size=len(optional))):
-        body[name] = draw(schema_values(properties[name], api, name, text_max))
+        body[name] = draw(from_schema(properties[name], name, api.vocab - 1, text_max))
     if draw(st.booleans()):                      # a stream half the time (its own code path at the edge)
         body["stream"] = True
     if draw(st.booleans()):

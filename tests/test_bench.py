@@ -422,6 +422,56 @@ def test_tiny_end_to_end_bench(tmp_path):
     assert "mfs" in format_table(result)
 
 
+def test_the_baselines_pages_and_host_tier_of_a_separate_family_follow_its_own_layers():
+    """The shipped separate-weight family (tiny-sep): no member records a residual page (nothing nests), so a
+    deployment's slice holds one page per layer per block; every lineage is one member's (host tier parts)."""
+    from eval.baseline.static_split import pages_rule, proportional_split
+    from eval.baseline.tier_parts import host_tier_lineages
+    from eval.composition import system_family
+
+    config = system_config("baseline", "tiny-sep", 1024, {"sep-s": 0.2, "sep-m": 0.3, "sep-l": 0.5})
+    family = system_family(config)
+    assert [m.name for m in family.members] == ["sep-s", "sep-m", "sep-l"] and not family.is_nested()
+    rule = pages_rule(family, config)
+    for member in family.members:
+        assert rule(member.name, 100) == -(-100 // 16) * member.num_layers      # 16 tokens per 16 KiB fp32 page
+    lineages = host_tier_lineages(family)
+    assert sum(map(len, lineages.values())) == len({l for names in lineages.values() for l in names})
+    fractions = proportional_split(family)
+    assert fractions["sep-s"] < fractions["sep-m"] < fractions["sep-l"] and sum(fractions.values()) == pytest.approx(1)
+
+
+def test_separate_family_end_to_end_bench():
+    """`mfs bench --family tiny-sep` (the bench's own run_bench, smallest settings): both systems serve every
+    request of the closed-loop replay; the baseline's split is re-scored on the family's own measured cost model,
+    or, where none is measured, stays the operator's default and the JSON names the command that measures one."""
+    from eval.bench.cli import BenchSettings
+    from eval.commands.bench import run_bench
+    from eval.simulate.paths import fitted_model_path, measured_table_path
+
+    settings = BenchSettings(sessions=2, rate=4.0, kv_pages=512, family="tiny-sep", max_turns=2,
+                             max_prompt_tokens=128, max_output_tokens=6, think_s=0.1, progress=False,
+                             rates=(4.0,), score_quality=False)
+    result = run_bench(settings)
+    assert set(result["systems"]) == {"mfs", "baseline"}
+    lengths = []
+    for m in result["systems"].values():
+        assert m["num_requests"] == result["workload"]["num_requests"] and m["num_failed"] == 0
+        assert set(m["solo_decode_step_s"]) == {"sep-s", "sep-m", "sep-l"}
+        lengths.append(sorted((r["session_id"], r["turn_index"], r["prompt_tokens"], r["output_tokens"])
+                              for r in m["per_request"]))
+    assert lengths[0] == lengths[1]
+    baseline = result["settings"]["configs"]["baseline"]
+    assert set(baseline["comparison"]["static_split"]) == {"sep-s", "sep-m", "sep-l"}
+    assert not baseline["comparison"]["cross_member_sharing"]
+    if measured_table_path("tiny-sep").is_file() or fitted_model_path("tiny-sep").is_file():
+        assert result["baseline_split_rescore"]["pilot"]["simulated"]
+    else:
+        assert result["settings"]["baseline_split"] == result["baseline_proportional"]["fractions"]
+        assert ("python -m eval.simulate.measure --family tiny-sep --out eval/simulate/tables/tiny-sep_measured.json"
+                in result["baseline_proportional"]["note"])
+
+
 def test_bench_cli_saves_and_replays_a_trace(tmp_path, capsys):
     """--save-trace then --trace replays the very same requests (no ShareGPT needed the second time)."""
     from eval.bench.cli import add_arguments, main

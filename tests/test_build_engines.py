@@ -19,17 +19,18 @@ def _params(config) -> dict[str, str]:
     return {k: v.string_value for k, v in config.parameters.items()}
 
 
-def _dry_run(tmp_path, capsys, *extra: str) -> tuple[str, int]:
-    code = build_engines(["--family", str(FAMILY), "--out", str(tmp_path), "--dry-run", "--kv-budget-gb", "2",
+def _dry_run(tmp_path, capsys, *extra: str, family: str = str(FAMILY)) -> tuple[str, int]:
+    code = build_engines(["--family", family, "--out", str(tmp_path), "--dry-run", "--kv-budget-gb", "2",
                           "--trtllm-examples", "/opt/TensorRT-LLM/examples", *extra])
     return capsys.readouterr().out, code
 
 
-def test_dry_run_writes_parsable_tensorrt_llm_configs(tmp_path, capsys):
-    _, code = _dry_run(tmp_path, capsys)
+@pytest.mark.parametrize("family_name", ["tiny", "tiny-sep"])
+def test_dry_run_writes_parsable_tensorrt_llm_configs(family_name, tmp_path, capsys):
+    _, code = _dry_run(tmp_path, capsys, family=family_name)
     assert code == 0
     repo = tmp_path / "triton_repo"
-    for member in MEMBERS:
+    for member in load_family(family_name).member_names:
         config = triton_repo.read_config(repo / member / "config.pbtxt")   # raises if not a ModelConfig
         params = _params(config)
         assert config.name == member and config.backend == "tensorrtllm"
@@ -112,12 +113,14 @@ def test_tokens_per_block_must_be_a_power_of_two():
         BuildSettings(tokens_per_block=48).validate("tiny-s")
 
 
-def test_python_backend_repo_parses_and_carries_the_local_engine_settings(tmp_path, capsys):
-    code = build_engines(["--family", str(FAMILY), "--out", str(tmp_path), "--backend", "python",
+@pytest.mark.parametrize("family_name", ["tiny", "tiny-sep"])
+def test_python_backend_repo_parses_and_carries_the_local_engine_settings(family_name, tmp_path, capsys):
+    """The nested family and the separate-weight one (independent members, no shared layer) alike."""
+    code = build_engines(["--family", family_name, "--out", str(tmp_path), "--backend", "python",
                           "--kv-budget-gb", "0.03"])
     assert code == 0
     repo = tmp_path / "triton_repo"
-    family = load_family(FAMILY)
+    family = load_family(family_name)
     total_pages_bytes = 0
     for member in family.members:
         config = triton_repo.read_config(repo / member.name / "config.pbtxt")
@@ -132,3 +135,4 @@ def test_python_backend_repo_parses_and_carries_the_local_engine_settings(tmp_pa
         assert [t.name for t in config.input] == [t.name for t in triton_repo.interface_inputs()]
     assert total_pages_bytes <= 0.03 * GIB
     assert (repo / triton_repo.MANIFEST_NAME).is_file()
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == sorted(family.member_names)

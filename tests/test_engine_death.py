@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from orchestrator.serve.server import ENGINE_DIED_EXIT
 from tests.fakes_serving import free_port, start_process, stop_process
@@ -60,6 +61,11 @@ def _child_whose_steps(behaviour: str):
 
         engine = engine_process._EngineCore(config, conn)
         real_step, calls = engine.core.step, []
+        if behaviour == "forward":                       # the device fails each forward; the step loop is real
+            def lost(*args, **kwargs):
+                raise RuntimeError("device lost (injected)")
+            for model in engine.core.executor.models.values():
+                model.forward = lost
 
         def step():
             calls.append(1)
@@ -83,6 +89,10 @@ def _failing_child(config, conn) -> None:
 
 def _once_failing_child(config, conn) -> None:
     _child_whose_steps("raise_once")(config, conn)
+
+
+def _forward_failing_child(config, conn) -> None:
+    _child_whose_steps("forward")(config, conn)
 
 
 def _hanging_child(config, conn) -> None:
@@ -121,17 +131,20 @@ def test_a_failed_step_fails_its_requests_with_a_503_and_the_engine_serves_on():
         assert httpx.get(url + "/health").status_code == 200
 
 
-def test_steps_that_keep_failing_turn_health_503_and_say_why():
+@pytest.mark.parametrize("child", [_failing_child, _forward_failing_child], ids=["step", "forward"])
+def test_steps_that_keep_failing_turn_health_503_and_say_why(child):
+    """Also when only the forward fails: the step after each failure, which just ends the failed request, runs
+    nothing and so does not count as a good one."""
     from tests.fakes_serving import serve_in_thread
 
-    engine, app = _serving(_failing_child)
+    engine, app = _serving(child)
     with serve_in_thread(app, timeout_s=180) as url:
         assert httpx.get(url + "/health").status_code == 200
         response = _post(url)
         assert response.status_code == 503 and "device lost (injected)" in response.json()["error"]["message"]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
+            assert _post(url).status_code == 503                              # requests keep coming, and failing
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
         assert "engine steps failed in a row; the last: RuntimeError: device lost" in health.json()["reason"]

@@ -1,11 +1,12 @@
-"""Local engine vs transformers: greedy tokens and fp32 logits (single, batched, prefix hit, chunked, nested handover)."""
+"""Local engine vs transformers: greedy tokens and fp32 logits (single, batched, prefix hit, chunked, nested handover),
+and greedy tokens of every member of the shipped families (nested `tiny`, separate-weight `tiny-sep`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from conftest_engine import (EngineRequest, PageCounter, build_model, hf_generate, hf_logits, llama_config,
-                             nested_pair, qwen2_config, run_to_completion, write_family)
+                             nested_pair, next_chunk, qwen2_config, run_to_completion, write_family)
 from engines.local.executor import LocalExecutor
 from engines.local.scoring import score_tokens
 from orchestrator.core.family import load_family
@@ -197,3 +198,45 @@ def test_attention_accepts_a_strided_sdpa_output(setup, monkeypatch):
     run_to_completion(executor, member, requests, PageCounter(NUM_PAGES))
     for request in requests:
         assert request.generated == hf_generate(model, request.prompt, NEW_TOKENS), request.request_id
+
+
+# ----------------------------------------------------------------------------- the shipped families' own weights
+SHIPPED_QUESTIONS = ("What is the capital of France?", "Write a short poem about the sea.",
+                     "How do I sort a list in Python?", "Explain prefix caching in two sentences.")
+SHIPPED_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-sep"])
+def shipped(request):
+    """(family, one executor over one arena for all its members) for a shipped family: `tiny` (nested: the
+    engine merges a member into a larger one's forward) and `tiny-sep` (three independent networks)."""
+    family = load_family(request.param)
+    page_bytes = 16 * max(m.kv_bytes_per_token_per_layer(4) for m in family.members)
+    return family, LocalExecutor(family, num_pages=NUM_PAGES * 4, page_bytes=page_bytes, num_threads=1)
+
+
+def test_shipped_members_greedy_tokens_match_transformers(shipped):
+    """Every member of each shipped family, all stepping together in one plan on one arena (each its own batch of
+    chat prompts, continuous batching), decodes the tokens LlamaForCausalLM decodes greedily on the same weights."""
+    from transformers import LlamaForCausalLM
+
+    from orchestrator.serve.tokenizer import FamilyTokenizer
+
+    family, executor = shipped
+    tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in SHIPPED_QUESTIONS]
+    requests = {m.name: [EngineRequest(f"{m.name}-{i}", p, SHIPPED_NEW_TOKENS, [[] for _ in range(m.num_layers)])
+                         for i, p in enumerate(prompts)] for m in family.members}
+    pages = PageCounter(NUM_PAGES * 4)
+    while any(not r.done() for rs in requests.values() for r in rs):
+        active = {m: [r for r in rs if not r.done()] for m, rs in requests.items()}
+        batches = [MemberBatch(m, [next_chunk(r, pages, executor.tokens_per_block(m), None) for r in rs])
+                   for m, rs in active.items() if rs]
+        sampled = {s.request_id: s.token_id for s in executor.execute(StepPlan(batches=batches))}
+        for rs in active.values():
+            for r in rs:
+                r.generated.append(sampled[r.request_id])
+    for member in family.members:
+        hf = LlamaForCausalLM.from_pretrained(member.checkpoint_dir, torch_dtype=torch.float32).eval()
+        for request in requests[member.name]:
+            assert request.generated == hf_generate(hf, request.prompt, SHIPPED_NEW_TOKENS), request.request_id

@@ -66,6 +66,38 @@ def test_every_notebook_is_tested():
     assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted([*NAMES, "simulation"])
 
 
+def test_the_fallback_bench_runs_the_family_a_notebook_names():
+    """Every bench notebook names the family its fallback bench runs (a parameter: the nested "tiny" by default,
+    "tiny-sep" for the separate-weight one) and hands it to load_results."""
+    import nbformat
+
+    from eval.bench.notebook_data import fallback_settings
+
+    assert fallback_settings().family == "tiny" and fallback_settings("tiny-sep").family == "tiny-sep"
+    for name in NAMES:
+        nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        parameters = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        assert 'fallback_family = "tiny"' in parameters, name
+        assert any("load_results(results_path, fallback_family)" in c.source for c in nb.cells), name
+
+
+@pytest.mark.slow
+def test_a_notebook_reads_a_separate_family_bench(tmp_path):
+    """latency_vs_load on a bench of the separate-weight family (tiny-sep): nothing in it assumes the nested one."""
+    from eval.bench.cli import BenchSettings
+    from eval.commands.bench import run_bench
+
+    settings = BenchSettings(sessions=2, rate=2.0, kv_pages=512, family="tiny-sep", max_turns=2,
+                             max_prompt_tokens=128, max_output_tokens=6, think_s=0.1, progress=False,
+                             rates=(2.0, 8.0), score_quality=False)
+    results_path = tmp_path / "results.json"
+    results_path.write_text(json.dumps(run_bench(settings)))
+    nb = run_notebook("latency_vs_load", {"results_path": str(results_path), "figures_dir": str(tmp_path / "fig")},
+                      REPO)
+    assert not errors_of(nb), [e.get("evalue") for e in errors_of(nb)]
+    assert list((tmp_path / "fig").glob("*.png"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_executes(name, bench_files, tmp_path):

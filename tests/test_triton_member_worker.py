@@ -51,10 +51,10 @@ def prompt_ids(tokenizer, text="Tell me about rivers, lakes and the sea, and why
     return tokenizer.encode(text)
 
 
-def local_greedy(prompt: list[int], max_tokens: int) -> list[int]:
+def local_greedy(prompt: list[int], max_tokens: int, family: str = str(FAMILY), member: str = MEMBER) -> list[int]:
     from orchestrator.serve.serving import LocalServing
 
-    config = load_config(None, {"family": str(FAMILY), "pool.num_pages": NUM_PAGES, "pool.page_bytes": PAGE_BYTES,
+    config = load_config(None, {"family": family, "pool.num_pages": NUM_PAGES, "pool.page_bytes": PAGE_BYTES,
                                 "engine.dtype": DTYPE, "engine.device": "cpu", "engine.num_threads": 1,
                                 "escalation.enabled": False, "pool.host_tier_mb": 0.0})
 
@@ -62,7 +62,7 @@ def local_greedy(prompt: list[int], max_tokens: int) -> list[int]:
         local = LocalServing(config)
         await local.start()
         try:
-            return (await collect(local, make_request("local", prompt, max_tokens, MEMBER)))[0]
+            return (await collect(local, make_request("local", prompt, max_tokens, member)))[0]
         finally:
             await local.stop(1.0)
     return asyncio.run(go())
@@ -98,3 +98,20 @@ def test_worker_reports_invalid_requests_and_frees_cancelled_ones(worker, tokeni
     while worker.core.has_work() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not worker.core.has_work() and worker.kv_metrics()["used"] == 0
+
+
+def test_a_separate_family_member_answers_as_the_local_engine_does(tokenizer):
+    """A member of the separate-weight family (tiny-sep's sep-l: no layer shared with another member) in its own
+    Triton model answers a chat prompt as LocalServing pinned to it does, ending where it emits EOS (end_id)."""
+    worker = MODEL.MemberWorker("tiny-sep", "sep-l", NUM_PAGES, PAGE_BYTES, DTYPE)
+    worker.start()
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Why is the sea salty?"}])
+        chunks = []
+        inputs = MODEL.GenerationInputs(token_ids=prompt, max_tokens=24, streaming=True,
+                                        end_id=worker.family.member("sep-l").eos_token_ids[0])
+        worker.submit(inputs, chunks.append, lambda: False).result(timeout=120)
+        assert [t for c in chunks for t in c.token_ids] == local_greedy(prompt, 24, "tiny-sep", "sep-l")
+        assert chunks[-1].final and all(c.error is None for c in chunks)
+    finally:
+        worker.stop()

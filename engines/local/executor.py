@@ -10,6 +10,7 @@ import torch
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.draft_length import plan_forwards
+from orchestrator.core.errors import RequestFault
 from orchestrator.core.types import ForwardShape, MemberBatch, PageId, RequestId, SampledToken, SeqChunk, StepPlan
 
 from engines.local.arena import KVArena
@@ -137,12 +138,15 @@ class LocalExecutor:
         """Page loads were already written by the caller; runs the drafts of chunks that speculate
         (engines/local/speculation.py), then one forward per group of nested member batches (one per batch when
         nothing nests; each split in two on two threads with parallel_forwards), samples per batch, returns
-        tokens in chunk order across batches (a drafting chunk's 1 to k + 1 tokens in order, in its place)."""
-        if self.step_costs is None:
-            return self._execute(plan)
+        tokens in chunk order across batches (a drafting chunk's 1 to k + 1 tokens in order, in its place).
+        Raises RequestFault, once every other request is sampled, when some requests' own sampling failed."""
         began = time.perf_counter()
         sampled = self._execute(plan)
-        self.step_costs.observe(ride(plan_forwards(plan), self.last_riders), time.perf_counter() - began)
+        if self.step_costs is not None:
+            self.step_costs.observe(ride(plan_forwards(plan), self.last_riders), time.perf_counter() - began)
+        faults = self.sampler.take_faults()
+        if faults:
+            raise RequestFault(faults, [token for token in sampled if token.request_id not in faults])
         return sampled
 
     def may_ride(self, members: list[str], groups: list[tuple[str, list[int]]] | None = None) -> dict[str, int]:
@@ -163,6 +167,7 @@ class LocalExecutor:
         return {f.member for f in batches if f.member in alone and f.member in drafting and not f.verifies}
 
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
+        self.sampler.take_faults()                                # none of a step that failed as a whole
         self.release(plan.released_requests)
         batches = [b for b in plan.batches if b.chunks]
         groups = merge_groups([self.models[b.member].member for b in batches], self.nested_pairs)
@@ -267,18 +272,23 @@ class LocalExecutor:
                 plain_rows.append(row)
                 plain_chunks.append(chunk)
                 row += 1
-        plain = iter(self.sampler.sample(logits[plain_rows], plain_chunks, eos) if plain_chunks else [])
+        plain = ({t.request_id: t for t in self.sampler.sample(logits[plain_rows], plain_chunks, eos)}
+                 if plain_chunks else {})
         out: list[SampledToken] = []
         row = 0
         for chunk in batch.chunks:
             if chunk.draft is not None:
                 drafts = drafted[chunk.request_id]
                 n = 1 + len(drafts.tokens)
-                out.extend(accept(self.sampler, logits[row:row + n], verify_rows(chunk, drafts.tokens), drafts, eos,
-                                  member.context_tokens))
+                try:
+                    out.extend(accept(self.sampler, logits[row:row + n], verify_rows(chunk, drafts.tokens), drafts,
+                                      eos, member.context_tokens))
+                except Exception as exc:                          # its own verification: it fails alone
+                    self.sampler.fault(chunk, exc, logits.shape[-1])
                 row += n
             elif chunk.sample:
-                out.append(next(plain))
+                if chunk.request_id in plain:                     # not when its own sampling failed
+                    out.append(plain[chunk.request_id])
                 row += 1
         return out
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from orchestrator.core.errors import InvalidRequestError, MFSError
 from orchestrator.core.types import RequestId, SampledToken, SamplingParams, SeqChunk
 
 
@@ -29,6 +30,7 @@ class Sampler:
         # the tokens generated so far by each request with penalties (index = generation step): a rollback or a
         # recompute samples step g again, and the list is cut back to g first
         self._generated: dict[RequestId, list[int]] = {}
+        self.faults: dict[RequestId, MFSError] = {}     # the requests whose own sampling failed (fault)
 
     def release(self, request_ids: Sequence[RequestId]) -> None:
         for request_id in request_ids:
@@ -54,22 +56,58 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, chunks: Sequence[SeqChunk],
                eos_token_ids: Sequence[int] = ()) -> list[SampledToken]:
-        """logits [len(chunks), vocab] float32, one row per sampling chunk; returns one token per row."""
+        """logits [len(chunks), vocab] float32, one row per sampling chunk; returns one token per row, in order,
+        but for a request whose own part failed (its penalties, bias or bans, its draw): that one gets no token
+        and its error is kept in `faults`, the others are sampled exactly as they would have been."""
         if not chunks:
             return []
         logits = logits.float()
-        processed = self.adjust(logits, chunks, eos_token_ids)
+        try:
+            processed = self.adjust(logits, chunks, eos_token_ids)
+        except Exception as exc:
+            if len(chunks) == 1:
+                self.fault(chunks[0], exc, logits.shape[-1])
+                return []
+            # one request's input broke the batched adjustment, before any draw: each row alone finds which
+            return [token for row in range(len(chunks))
+                    for token in self.sample(logits[row:row + 1], chunks[row:row + 1], eos_token_ids)]
         drawn = [row for row, chunk in enumerate(chunks) if chunk.sampling.temperature >= MIN_SAMPLING_TEMPERATURE]
         chosen = None                                              # all greedy, nothing adjusted: the raw top-1
+        failed: list[int] = []
         if processed is not logits or drawn:
             chosen = processed.argmax(dim=-1)                      # a banned token may be the raw top-1
             for row in drawn:
-                chosen[row] = self.draw(self.distribution(processed[row], chunks[row].sampling), chunks[row])
+                try:
+                    chosen[row] = self.draw(self.distribution(processed[row], chunks[row].sampling), chunks[row])
+                except Exception as exc:                           # its own draw: the others' are unaffected
+                    self.fault(chunks[row], exc, logits.shape[-1])
+                    failed.append(row)
+        if failed:
+            kept = [row for row in range(len(chunks)) if row not in failed]
+            logits, chosen, chunks = logits[kept], chosen[kept], [chunks[row] for row in kept]
+            if not chunks:
+                return []
         tokens = self.tokens(logits, chunks, chosen)
         for chunk, token in zip(chunks, tokens):
             if chunk.sampling.penalized:
                 self.record(chunk.request_id, chunk.num_generated, [token.token_id])
         return tokens
+
+    def fault(self, chunk: SeqChunk, exc: Exception, vocab: int) -> None:
+        """Keeps a request's own sampling error for the executor (take_faults): the request's input (a token id
+        outside the model's vocabulary: a 400) or the server's (a 500)."""
+        bias_ids = [token for token, _ in chunk.sampling.logit_bias]
+        for param, ids in (("logit_bias", bias_ids), ("stop_token_ids", chunk.sampling.stop_token_ids)):
+            if any(not 0 <= t < vocab for t in ids):
+                self.faults[chunk.request_id] = InvalidRequestError(
+                    f"{param} names token ids outside the model's vocabulary [0, {vocab})", param)
+                return
+        self.faults[chunk.request_id] = MFSError(f"sampling failed for this request: {type(exc).__name__}: {exc}")
+
+    def take_faults(self) -> dict[RequestId, MFSError]:
+        """The requests whose own sampling failed since the last call, with their errors."""
+        faults, self.faults = self.faults, {}
+        return faults
 
     def adjust(self, logits: torch.Tensor, chunks: Sequence[SeqChunk],
                eos_token_ids: Sequence[int] = ()) -> torch.Tensor:

@@ -174,9 +174,12 @@ class RideDecodes:
         if not rows:
             return
         stopped = set()
-        for row, token in zip(rows, self.sampler.sample(logits, rows, self.eos)):
-            self.tokens[row.request_id].append(token)
-            if _stops(row, 0, token.token_id, self.eos, self.context):
+        tokens = {token.request_id: token for token in self.sampler.sample(logits, rows, self.eos)}
+        for row in rows:
+            token = tokens.get(row.request_id)                  # None: its own sampling failed, it stops here
+            if token is not None:
+                self.tokens[row.request_id].append(token)
+            if token is None or _stops(row, 0, token.token_id, self.eos, self.context):
                 stopped.add(row.request_id)
         if stopped:
             self.going = [c for c in self.going if c.request_id not in stopped]

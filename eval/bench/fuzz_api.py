@@ -28,14 +28,19 @@ from hypothesis import strategies as st
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GREEDY = {"model": "tiny-l", "prompt": "The river runs past the old mill and", "max_tokens": 12, "temperature": 0}
 _SMALL_INTS = {"max_tokens", "max_completion_tokens", "min_tokens"}     # keep valid answers short
+TOKEN_ID_FIELDS = {"prompt", "stop_token_ids"}
 FAILURES = ("5xx", "4xx_without_error_body", "stream_error", "dropped")
 
 
 # ----------------------------------------------------------------------------- bodies from the schema
-def from_schema(schema: dict, name: str = "", vocab_size: int = 4096) -> st.SearchStrategy:
-    """A strategy for the JSON Schema subset pydantic emits (anyOf, const, enum, scalar bounds, arrays, objects)."""
+def from_schema(schema: dict, name: str = "", max_token_id: int = 4096 + 2, text_max: int = 40) -> st.SearchStrategy:
+    """A strategy for the JSON Schema subset pydantic emits (anyOf, const, enum, scalar bounds, arrays, objects):
+    token ids (TOKEN_ID_FIELDS, logit_bias keys) in [0, max_token_id] (the vocabulary's for valid bodies, a few past
+    it for hostile ones), texts of at most text_max characters, the fields of _SMALL_INTS at most 8."""
+    def inner(sub: dict, field: str = name) -> st.SearchStrategy:
+        return from_schema(sub, field, max_token_id, text_max)
     if "anyOf" in schema:
-        return st.one_of([from_schema(s, name, vocab_size) for s in schema["anyOf"]])
+        return st.one_of([inner(s) for s in schema["anyOf"]])
     if "const" in schema:
         return st.just(schema["const"])
     if "enum" in schema:
@@ -49,28 +54,34 @@ def from_schema(schema: dict, name: str = "", vocab_size: int = 4096) -> st.Sear
         low, high = schema.get("minimum"), schema.get("maximum")
         if name in _SMALL_INTS:
             high = 8
-        if name in ("prompt", "stop_token_ids"):
-            high = vocab_size - 1 + 2       # mostly ids in the vocabulary, a few just past it
+        if name in TOKEN_ID_FIELDS:
+            high = max_token_id
         return st.integers(None if low is None else int(low), None if high is None else int(high))
     if kind == "number":
         exclusive = "exclusiveMinimum" in schema
         low = schema.get("exclusiveMinimum", schema.get("minimum"))
         return st.floats(low, schema.get("maximum"), allow_nan=False, allow_infinity=False, exclude_min=exclusive)
     if kind == "string":
-        if "pattern" in schema:
-            return st.integers(0, vocab_size + 2).map(str)
-        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 40), 40))
+        if "pattern" in schema:                  # logit_bias keys: token ids
+            return st.integers(0, max_token_id).map(str)
+        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", text_max), text_max))
     if kind == "array":
-        return st.lists(from_schema(schema.get("items", {}), name, vocab_size), min_size=schema.get("minItems", 0),
+        return st.lists(inner(schema.get("items", {})), min_size=schema.get("minItems", 0),
                         max_size=min(schema.get("maxItems", 4), 4))
     if kind == "object" or "properties" in schema:
         properties = schema.get("properties", {})
-        required = set(schema.get("required", ()))
         extra = schema.get("additionalProperties")
+        if not properties and schema.get("patternProperties"):      # logit_bias: token id -> bias
+            (pattern, values), = schema["patternProperties"].items()
+            assert pattern == "^[0-9]{1,12}$", pattern
+            return st.dictionaries(st.integers(0, max_token_id).map(str), inner(values),
+                                   max_size=min(schema.get("maxProperties", 4), 4))
         if not properties and isinstance(extra, dict):
-            keys = from_schema(schema.get("propertyNames", {"type": "string", "pattern": "digits"}), name, vocab_size)
-            return st.dictionaries(keys, from_schema(extra, name, vocab_size), max_size=4)
-        strategies = {k: from_schema(v, k, vocab_size) for k, v in properties.items()}
+            return st.dictionaries(inner(schema.get("propertyNames", {"type": "string"})), inner(extra), max_size=4)
+        if not properties:                       # free-form (metadata)
+            return st.dictionaries(st.text(max_size=8), json_values(), max_size=3)
+        required = set(schema.get("required", ()))
+        strategies = {k: inner(v, k) for k, v in properties.items()}
         return st.fixed_dictionaries({k: s for k, s in strategies.items() if k in required},
                                      optional={k: s for k, s in strategies.items() if k not in required})
     return json_values()
@@ -97,7 +108,7 @@ def hostile_values() -> st.SearchStrategy:
 def hostile_request(draw, schemas: dict[str, dict], vocab_size: int) -> tuple[str, bytes]:
     """(path, raw body): a schema body, often mutated, or garbage."""
     path = draw(st.sampled_from(ENDPOINTS))
-    body = draw(from_schema(schemas[path], vocab_size=vocab_size))
+    body = draw(from_schema(schemas[path], max_token_id=vocab_size + 2))   # a few ids past the vocabulary
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = draw(st.integers(1, 8))        # chat's default is the rest of the context: too slow
     how = draw(st.sampled_from(("valid", "replace", "replace", "unknown", "drop", "bytes", "garbage")))

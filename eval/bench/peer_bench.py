@@ -7,13 +7,19 @@ MFS's KV arena split as the core's baselines split it, with prefix caching. In f
   routing rule for the baselines), re-placed when that server is too small for it; the baseline of the curve
   (the result's baseline_system: the knee, the reductions and the capacity ratio are read against it);
 - vllm_per_member_sticky: the same, with a session's later turns kept on its first turn's server.
-MFS runs as `mfs serve` (the arena only: no host or disk tier, so both sides have the same KV memory).
+MFS runs as `mfs serve` (the arena only: no host or disk tier, so both sides have the same KV memory). Beside them,
+eval's own compared systems can run in the same harness (`baseline`, `baseline_elastic`: the separate deployments
+that `mfs bench` composes in-process from the core, eval/systems.py), each served by `mfs serve`'s server
+(eval/bench/serve_system.py) on the same arena, `baseline` split by the vLLM servers' fractions; clients name the
+family, as they do for MFS, and the deployments route each turn by complexity and keep sessions, as in-process.
+Without vllm_per_member, `baseline` (else `baseline_elastic`) is the curve's baseline.
 
 The load is `mfs bench`'s own: the same trace (same flags: --quick, --rates, --trace, --seed ...) replayed
 closed-loop by eval/bench/driver.py through eval/bench/http_engine.py's client, the same metrics and curve keys.
-Every replay starts cold: a fresh `mfs serve` per (rate, system); the vLLM servers start once and their prefix
-caches are emptied (/reset_prefix_cache) before each replay. Engine counters (preemptions, evictions) are not read
-over HTTP on either side; prefix hits come from each reply's usage (cached_tokens).
+Every replay starts cold: a fresh `mfs serve` (or compared system's server) per (rate, system); the vLLM servers
+start once and their prefix caches are emptied (/reset_prefix_cache) before each replay. Engine counters
+(preemptions, evictions) are not read over HTTP on either side; prefix hits come from each reply's usage
+(cached_tokens).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,13 +42,14 @@ from eval.bench.cli import (BenchSettings, _machine, _progress, _settings_dict, 
 from eval.bench.driver import measure_engine, probe_stream_step_s
 from eval.bench.http_engine import HttpEngine
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
-from eval.bench.peer import (BINDINGS, BLOCK_TOKENS, MFS_NO_TIERS, KVShare, arena_bytes, kv_shares, member_server_spec,
-                             mfs_server_spec, peer_record, vllm_python, vllm_version)
+from eval.bench.peer import (BINDINGS, BLOCK_TOKENS, MFS_NO_TIERS, KVShare, arena_bytes, compared_server_spec,
+                             kv_shares, member_server_spec, mfs_server_spec, peer_record, vllm_python, vllm_version)
 from eval.bench.quality import add_quality
 from eval.bench.report import format_table
 from eval.bench.result import curve_points, curve_result, rate_point
-from eval.bench.servers import Server, free_port, launch, shut_down, wait_ready
+from eval.bench.servers import Server, ServerSpec, free_port, launch, shut_down, wait_ready
 from eval.composition import load_system_config
+from eval.systems import system_config
 from eval.workloads import trace_digest
 from orchestrator.core.config import config_to_dict
 from orchestrator.core.family import FamilySpec
@@ -49,16 +57,21 @@ from orchestrator.core.router import Router
 from orchestrator.serve.tokenizer import complexity_estimator, family_tokenizer
 
 PEERS = ("vllm",)
-# system -> its balancer (None: MFS itself)
-PEER_SYSTEMS = {"mfs": None, "vllm_per_member": "complexity", "vllm_per_member_sticky": "sticky"}
-PEER_BASELINE = "vllm_per_member"
+# system -> its balancer over the peer's servers (None: served by `mfs serve`'s server: MFS, or a compared system)
+PEER_SYSTEMS = {"mfs": None, "baseline": None, "baseline_elastic": None, "vllm_per_member": "complexity",
+                "vllm_per_member_sticky": "sticky"}
+DEFAULT_PEER_SYSTEMS = ("mfs", "vllm_per_member", "vllm_per_member_sticky")
+# eval's compared systems in this harness (eval/systems.py), served by eval/bench/serve_system.py
+COMPARED_SYSTEMS = ("baseline", "baseline_elastic")
+# the curve's baseline: the first of these that runs (else the first system)
+PEER_BASELINES = ("vllm_per_member", "baseline", "baseline_elastic", "vllm_per_member_sticky")
 READY_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
     peer: str = "vllm"
-    systems: tuple[str, ...] = tuple(PEER_SYSTEMS)
+    systems: tuple[str, ...] = DEFAULT_PEER_SYSTEMS
     python: Path | None = None                  # the vLLM venv's python (None: vllm_python())
     threads: int = 1                            # OpenMP threads per vLLM server
     binding: str = "nobind"
@@ -106,11 +119,12 @@ async def reset_prefix_caches(urls: dict[str, str]) -> None:
 
 
 async def replay_system(name: str, trace, family: FamilySpec, urls: dict[str, str], balancer, on_done=None):
-    """One system's replay through its HTTP front: MFS's server, or the balancer over the members' servers."""
+    """One system's replay through its HTTP front: its own server (MFS's, or a compared system's: urls[name], asked
+    for the family, which it routes), or the balancer over the members' servers."""
     members = list(family.serving_names)
     if balancer is None:
-        engines = {"mfs": HttpEngine(urls["mfs"], family.name)}
-        front: Any = engines["mfs"]
+        engines = {name: HttpEngine(urls[name], family.name)}
+        front: Any = engines[name]
     else:
         await reset_prefix_caches(urls)
         engines = {m: HttpEngine(urls[m], m) for m in members}
@@ -124,15 +138,25 @@ async def replay_system(name: str, trace, family: FamilySpec, urls: dict[str, st
             await engine.stop()
 
 
-def run_mfs(family_arg: str, family: FamilySpec, overrides: dict[str, Any], trace, log_dir: Path, on_done=None):
-    """A fresh `mfs serve --family family_arg` for one replay (a cold cache, as each replay of `mfs bench` has)."""
+def run_served(name: str, spec_for: Callable[[int], ServerSpec], family: FamilySpec, trace, log_dir: Path,
+               on_done=None):
+    """A fresh server (spec_for(port): `mfs serve`, or a compared system's) for one replay of system `name` (a cold
+    cache, as each replay of `mfs bench` has)."""
     port = free_port()
-    server = launch(mfs_server_spec(family_arg, port, overrides, log_dir / "mfs.yaml"), port, log_dir)
+    server = launch(spec_for(port), port, log_dir)
     try:
         run_coroutine(wait_ready(server.base_url, server.proc, READY_TIMEOUT_S))
-        return run_coroutine(replay_system("mfs", trace, family, {"mfs": server.base_url}, None, on_done))
+        return run_coroutine(replay_system(name, trace, family, {name: server.base_url}, None, on_done))
     finally:
         shut_down(server)
+
+
+def served_spec(name: str, settings: BenchSettings, overrides: dict[str, Any], compared: dict[str, Any],
+                log_dir: Path) -> Callable[[int], ServerSpec]:
+    """How system `name`'s server starts on a port: `mfs serve` with MFS's overrides, or a compared system's."""
+    if name == "mfs":
+        return lambda port: mfs_server_spec(settings.family, port, overrides, log_dir / "mfs.yaml")
+    return lambda port: compared_server_spec(name, compared[name], port, log_dir / f"{name}.yaml")
 
 
 def run_peer_bench(settings: BenchSettings, peer: PeerSettings, log_dir: Path) -> dict[str, Any]:
@@ -140,7 +164,8 @@ def run_peer_bench(settings: BenchSettings, peer: PeerSettings, log_dir: Path) -
         raise ValueError("--mix-phases sets each session's difficulty in the trace; `mfs serve` cannot be told it "
                          "over HTTP, so --peer runs without it")
     settings = replace(settings, systems=peer.systems)
-    family, trace, _, notes = prepare(settings)
+    # the compared systems take the peer's split below, not the in-process bench's: prepare computes none
+    family, trace, _, notes = prepare(replace(settings, systems=("mfs",)))
     if any(s.complexity is not None for s in trace.sessions):
         raise ValueError("the trace sets session difficulties, which `mfs serve` cannot be told over HTTP")
     overrides = {"pool.num_pages": settings.kv_pages, **MFS_NO_TIERS, **settings.extra_overrides}
@@ -148,12 +173,16 @@ def run_peer_bench(settings: BenchSettings, peer: PeerSettings, log_dir: Path) -
     total = arena_bytes(config)
     fractions = fixed_split(settings.baseline_split, family) or proportional_split(family)
     shares = kv_shares(family, total, fractions, peer.block_tokens, config.engine.dtype)
+    # eval's compared systems as `mfs bench` composes them, on MFS's arena without tiers, split as the peer is
+    compared = {name: system_config(name, settings.family, settings.kv_pages, fractions,
+                                    {**MFS_NO_TIERS, **settings.extra_overrides}, fractions)
+                for name in peer.systems if name in COMPARED_SYSTEMS}
     router, estimator = Router(family, config.router), complexity_estimator(family_tokenizer(family))
     rates = curve_rates(settings, trace)
     headline = settings.rate if settings.rate in rates and not settings.trace_file else rates[0]
     if settings.trace_file and trace.spec.rate_sessions_per_s in rates:
         headline = trace.spec.rate_sessions_per_s
-    baseline = PEER_BASELINE if PEER_BASELINE in peer.systems else peer.systems[0]
+    baseline = next((s for s in PEER_BASELINES if s in peer.systems), peer.systems[0])
     uses_peer = any(PEER_SYSTEMS[s] for s in peer.systems)
     version = vllm_version(peer.python or vllm_python()) if uses_peer else "not run"
     servers = PeerServers(family, shares, peer, config.engine.dtype, log_dir)
@@ -170,7 +199,8 @@ def run_peer_bench(settings: BenchSettings, peer: PeerSettings, log_dir: Path) -
                 if progress is not None:
                     progress.set_postfix_str(f"{name} @ {rate:g}/s")
                 if PEER_SYSTEMS[name] is None:
-                    records, metrics = run_mfs(settings.family, family, overrides, at_rate, log_dir, on_done)
+                    records, metrics = run_served(name, served_spec(name, settings, overrides, compared, log_dir),
+                                                  family, at_rate, log_dir, on_done)
                 else:
                     balancer = make_balancer(PEER_SYSTEMS[name], router, estimator,
                                              {m: s.max_model_len for m, s in shares.items()})
@@ -190,6 +220,11 @@ def run_peer_bench(settings: BenchSettings, peer: PeerSettings, log_dir: Path) -
                  f"split {', '.join(f'{m} {s.kv_bytes}' for m, s in shares.items())}; "
                  + ("MFS without host or disk tier" if not tiers_mb else
                     f"MFS ALSO keeps {tiers_mb:g} MB of host/disk KV tiers (--set): the KV memory is not equal"))
+    if compared:
+        notes.append(f"{', '.join(compared)}: eval's separate deployments (eval/systems.py) served by mfs serve's "
+                     f"server on MFS's arena without tiers"
+                     + ("; baseline's static slices " + ", ".join(f"{m} {f:.3f}" for m, f in fractions.items())
+                       if "baseline" in compared else ""))
     return {
         "workload": {**trace.at_rate(headline).summary(),
                      "trace_sha256": trace_digest(trace, family.members[0].tokenizer_hash)},
@@ -197,7 +232,9 @@ def run_peer_bench(settings: BenchSettings, peer: PeerSettings, log_dir: Path) -
                                                                                   peer.threads, peer.binding),
                      "baseline_split_mode": "fixed" if fixed_split(settings.baseline_split, family) else "proportional",
                      "baseline_split": fractions, "mfs_overrides": overrides,
-                     "configs": {"mfs": config_to_dict(config)}, "machine": _machine()},
+                     "configs": {"mfs": config_to_dict(config),
+                                 **{name: config_to_dict(c) for name, c in compared.items()}},
+                     "machine": _machine()},
         "baseline_system": baseline,
         **curve_result(settings, headline, head, rates, curve_points(points), baseline),
         "notes": list(dict.fromkeys(notes)),
@@ -211,8 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="instead of the in-process systems: `mfs serve` against one vLLM-CPU server per member "
                             "with equal KV memory, behind a complexity balancer and a session-sticky one, all over "
                             "HTTP on the same trace (docs/BENCHMARKS.md, Method)")
-    group.add_argument("--peer-systems", default=",".join(PEER_SYSTEMS), metavar="S1,S2,...",
-                       help=f"with --peer: comma list of {', '.join(PEER_SYSTEMS)}")
+    group.add_argument("--peer-systems", default=",".join(DEFAULT_PEER_SYSTEMS), metavar="S1,S2,...",
+                       help=f"with --peer: comma list of {', '.join(PEER_SYSTEMS)} (baseline, baseline_elastic: "
+                            "eval's own separate deployments, served over HTTP on the same memory)")
     group.add_argument("--peer-python", type=Path, default=None,
                        help="with --peer: the python of vLLM-CPU's venv (default $MFS_VLLM_PYTHON, else "
                             ".venv-vllm/bin/python from `make vllm-venv`)")

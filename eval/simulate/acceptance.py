@@ -9,9 +9,10 @@ Published: vLLM's draft-model speculative decoding (github.com/vllm-project/vllm
 2.61 at k = 3 at temperature 1. A verify of k drafts, each kept with probability a until the first rejection,
 yields (1 - a^(k+1)) / (1 - a) tokens; solving that for each figure gives a per-token acceptance of about 0.76
 greedy and 0.72 sampled. No figure for another pair of these families is at hand, so every pair of the Qwen3 and
-Llama 3.1 families gets these (labelled so). The tiny family's figures are measured on its own members by the
-local engine (tables/tiny_speculation.json, written by `python -m eval.simulate.measure_speculation`); a pair the
-file lacks gets 0.7, labelled assumed. `mfs simulate --acceptance X` sets every pair to X.
+Llama 3.1 families gets these (labelled so). A shipped tiny family's figures are measured on its own members by the
+local engine (tables/<family>_speculation.json, e.g. tables/tiny_speculation.json, written by
+`python -m eval.simulate.measure_speculation --family F`); a pair the file lacks, or a family with no such file,
+gets 0.7, labelled assumed. `mfs simulate --acceptance X` sets every pair to X.
 """
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.simulate.paths import TABLES_DIR
+from eval.simulate.paths import speculation_table_path
 
 SPECULATION_FORMAT = "mfs-speculation-table/1"      # eval/simulate/measure_speculation.py
-TINY_TABLE = TABLES_DIR / "tiny_speculation.json"
 PUBLISHED_SOURCE = ("published: vLLM draft-model speculative decoding (vllm-project/vllm pull request 24322), "
                     "MT-Bench, Qwen3-32B verifying Qwen3-1.7B")
 # (temperature, k, tokens per verify) as published
@@ -92,9 +92,10 @@ def pairs_of(member_names: list[str]) -> list[str]:
 
 
 def acceptance_table(family: str, member_names: list[str], override: float | None = None,
-                     tiny_table: Path = TINY_TABLE) -> AcceptanceTable:
+                     measured: Path | None = None) -> AcceptanceTable:
     """The figures for `family`'s pairs: --acceptance when given, the published ones for a paper-scale family,
-    the tiny family's measured table when it exists, else the assumed 0.7."""
+    the family's measured table (`measured`, by default tables/<family>_speculation.json) when it exists, else the
+    assumed 0.7."""
     pairs = pairs_of(member_names)
     if override is not None:
         if not 0.0 <= override < 1.0:
@@ -106,8 +107,9 @@ def acceptance_table(family: str, member_names: list[str], override: float | Non
         notes = ["every pair of this family gets the published Qwen3-1.7B -> Qwen3-32B figure (no figure for the "
                  "pair itself is at hand)"]
         return AcceptanceTable({p: published for p in pairs}, published, notes)
-    if tiny_table.is_file():
-        return load_table(tiny_table, pairs)
+    measured = measured or speculation_table_path(family)
+    if measured.is_file():
+        return load_table(measured, pairs)
     assumed = Acceptance(ASSUMED_ACCEPTANCE, ASSUMED_ACCEPTANCE, "assumed (not measured yet)")
     return AcceptanceTable({p: assumed for p in pairs}, assumed)
 

@@ -24,16 +24,17 @@ from eval.bench.cli import (BenchSettings, mixed_in_phases, add_arguments as add
 from eval.bench.intervals import parse_seeds, run_file, write_over_runs
 from eval.bench.result import curve_points, curve_result, rate_point
 from eval.simulate.acceptance import acceptance_table
-from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceFileError, ConfidenceLibrary, Confidences
+from eval.simulate.confidence import ConfidenceFileError, ConfidenceLibrary, Confidences
 from eval.simulate.cost_model import MIXED_STEPS
 from eval.simulate.escalation_model import EscalationModelError, default_model_text, parse_model
-from eval.simulate.families import DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE
+from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, HOST_TIER_GIB_PER_GPU, PRESETS, TOKENIZER_NOTE,
+                                    default_library, recorded_members)
 from eval.simulate.fleet import PlacementError, parse_placement
 from eval.simulate.published_quality import BENCHMARK
 from eval.simulate.replay import cost_model_label, run_system, split_pilot_runner, stats_interval_for
-from eval.simulate.setup import (SimSetup, drafter_memory, is_paper_family, measured_model_path, paper_setup,
+from eval.simulate.setup import (SimSetup, drafter_memory, is_paper_family, paper_setup,
                                  pooled_setups, private_draft_memory, tiny_setup)
-from eval.simulate.step_table import StepTableError, save_table
+from eval.simulate.step_table import StepTableError
 from eval.composition import load_system_config
 from eval.systems import ELASTIC_BASELINES, SPLIT_BASELINES, needs_split, system_config, system_scheduler
 from eval.machine import machine
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_arguments(parser)
     parser.set_defaults(out="sim.json")
     parser.add_argument("--cost-model", choices=("measured", "aiconfigurator"), default=None,
-                        help="measured: step table of the local engine on this machine (tiny family); "
+                        help="measured: the family's step table of the local engine on this machine (the shipped "
+                             "tiny families; eval/simulate/tables/<family>_measured.json); "
                              "aiconfigurator: NVIDIA's TensorRT-LLM performance database (paper-scale families)")
     parser.add_argument("--step-table", default=None, metavar="FILE", help="an mfs-step-table/1 file to use")
     parser.add_argument("--gpu", default="h200_sxm", help="aiconfigurator system: h200_sxm, h100_sxm, a100_sxm, l40s, ...")
@@ -94,8 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(never preempts); max_utilization packs on the expected reply length and preempts when "
                              "a decode runs short (TensorRT-LLM's two policies; default: guaranteed_no_evict, its "
                              "default, for the aiconfigurator trtllm backend, else max_utilization)")
-    parser.add_argument("--confidences", default=str(DEFAULT_LIBRARY), metavar="FILE",
-                        help="mfs-confidences/1 file recorded by mfs bench --record-confidences")
+    parser.add_argument("--confidences", default=None, metavar="FILE",
+                        help="mfs-confidences/1 file recorded by mfs bench --record-confidences (default: the "
+                             "family's own eval/simulate/data/<family>_confidences.json, else the tiny family's)")
     parser.add_argument("--escalation-model", default=None, metavar="MODEL",
                         help="when simulated requests escalate: 'recorded' (the --confidences file: the tiny family's "
                              "default) or 'parametric:P1,...@MEAN' (a probability per member but the largest and the "
@@ -104,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", type=float, default=None, metavar="A",
                         help="speculation: the per-token acceptance of every draft->target pair, greedy and sampled "
                              "(default: the published Qwen3 figure, about 0.76 greedy, for paper-scale families; the "
-                             "tiny family's measured table, else 0.7 assumed: eval/simulate/acceptance.py)")
+                             "family's measured table, else 0.7 assumed: eval/simulate/acceptance.py)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--max-turns", type=int, default=None)
@@ -216,16 +219,9 @@ def _build_setup(args: argparse.Namespace, settings: BenchSettings) -> SimSetup:
                              "(--set pool.host_tier_mb=MB to change it)")
     if args.cost_model == "aiconfigurator":
         raise PlacementError(f"--cost-model aiconfigurator covers {', '.join(PRESETS)}; {args.family} uses measured")
-    path = measured_model_path(args.step_table)
-    notes = []
-    if not path.is_file():           # no model yet: profile the engine now
-        from eval.simulate.measure import measure_table
-
-        save_table(measure_table(args.family), path)
-        notes.append(f"step table measured now on this machine and saved to {path}")
-    setup = tiny_setup(args.family, str(path), placement, settings.kv_pages)
-    setup.notes += notes
-    return setup
+    # the family's own measured cost model (missing: one line naming the command that measures it; step costs are
+    # timed with the machine otherwise idle, never in the middle of a simulation)
+    return tiny_setup(args.family, args.step_table, placement, settings.kv_pages)
 
 
 def build_trace_for(settings: BenchSettings, setup: SimSetup, tokenizer: FamilyTokenizer, tokenizer_hash: str) -> Trace:
@@ -383,7 +379,8 @@ def _run_forked(configs: dict, setups: dict, args: tuple, jobs: int) -> dict[str
 
 
 def load_confidences(args: argparse.Namespace, settings: BenchSettings, setup: SimSetup, tiny):
-    """The recorded tiny-family confidences, or the stated parametric model (the paper-scale default)."""
+    """The recorded confidences (--confidences, else the simulated family's own recording, else the tiny
+    family's), or the stated parametric model (the paper-scale default)."""
     # one probability per member requests go to but the largest (a drafts_only member never escalates)
     routed = setup.family.serving_names if setup.family is not None else setup.member_names
     text = args.escalation_model or ("recorded" if not is_paper_family(args.family)
@@ -391,8 +388,8 @@ def load_confidences(args: argparse.Namespace, settings: BenchSettings, setup: S
     if text != "recorded":
         min_tokens = load_system_config(settings.extra_overrides or None).escalation.min_tokens
         return parse_model(text, routed, min_tokens, settings.seed)
-    confidences = ConfidenceLibrary.load(args.confidences, seed=settings.seed)
-    confidences.map_members(setup.member_names, tiny.member_names)
+    confidences = ConfidenceLibrary.load(args.confidences or default_library(setup.family_name), seed=settings.seed)
+    confidences.map_members(setup.member_names, recorded_members(confidences, tiny.member_names))
     return confidences
 
 
@@ -482,7 +479,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                           "systems": [n for n in settings.systems if setups[n] is separate]}}),
                       "confidences": confidences.describe(),
                       "acceptance": setup.acceptance.describe() if setup.acceptance is not None else None,
-                      "tokenizer": ("the shipped tiny family's tokenizer (the simulated family's own)" if
+                      "tokenizer": (f"{tiny.name}'s own tokenizer (the simulated family's)" if
                                     setup.family is None else TOKENIZER_NOTE),
                       "trace_build_s": round(trace_s, 1), "simulate_s": round(sim_s, 1),
                       "core": {"compiled_modules": compiled.active_modules()}},

@@ -1,5 +1,6 @@
-"""Families to simulate: the shipped tiny family as it is, or a paper-scale family described by its members' HF
-configs (from aiconfigurator's model_configs, carried in the step table), and how GPU memory becomes KV pages.
+"""Families to simulate: a shipped tiny family as it is (the nested `tiny`, the separate-weight `tiny-sep`), or a
+paper-scale family described by its members' HF configs (from aiconfigurator's model_configs, carried in the step
+table), and how GPU memory becomes KV pages; which recorded confidences a family's simulated replies read.
 
 A paper-scale member is a MemberSpec built from its HF config: its real layer count and KV shape (so pages and
 tokens per block follow the real model), lineages of its own (the members are separately trained models: no
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from eval.simulate.confidence import ConfidenceLibrary
+from eval.simulate.paths import DEFAULT_LIBRARY, confidences_path
 from eval.weights import weight_bytes
-from orchestrator.core.family import FamilySpec, MemberSpec, load_family
+from orchestrator.core.family import FamilyError, FamilySpec, MemberSpec, load_family
 from orchestrator.core.types import MemberName
 
 # name -> members (simulated name, HF model id), small to large
@@ -107,3 +111,19 @@ class DeviceMemory:
         return {"gpus": self.gpus, "memory_gib": round(self.memory_bytes / 2**30, 2),
                 "weights_gib": round(self.weight_bytes / 2**30, 2), "free_fraction": self.free_fraction,
                 "kv_gib": round(self.kv_bytes / 2**30, 2), "page_bytes": self.page_bytes, "num_pages": self.num_pages}
+
+
+def default_library(family_name: str) -> Path:
+    """The confidences a family's simulated replies read by default: its own recording when one is kept
+    (eval/simulate/paths.py), else the nested tiny family's (members borrowed by relative size, said in the JSON)."""
+    own = confidences_path(family_name)
+    return own if own.is_file() else DEFAULT_LIBRARY
+
+
+def recorded_members(library: ConfidenceLibrary, fallback: list[str]) -> list[str]:
+    """The recorded family's members small to large (its family.yaml, where it is a shipped family), for
+    ConfidenceLibrary.map_members; `fallback` where the recorded family is not on disk."""
+    try:
+        return load_family(library.family).member_names
+    except FamilyError:
+        return fallback

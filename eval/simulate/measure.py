@@ -9,8 +9,13 @@ short real LocalServing run (pinned requests streamed through the engine thread 
 drives it) gives the serving loop's cost between back-to-back steps (step_overhead_ms), measured the way
 eval.validate.step_profile measures it.
 
-    python -m eval.simulate.measure --out eval/simulate/tables/tiny_measured.json
+    python -m eval.simulate.measure --family tiny --out eval/simulate/tables/tiny_measured.json
+    python -m eval.simulate.measure --family tiny-sep --out eval/simulate/tables/tiny-sep_measured.json
     python -m eval.simulate.measure --ride-overlap-into eval/simulate/tables/tiny_measured.json   # only that
+
+A family's table is eval/simulate/tables/<family>_measured.json (its family.yaml name; the default --out), what
+`mfs simulate --family F --cost-model measured` and `mfs bench`'s split pilot read. Step times are wall-clock
+times: measure with nothing else running on the machine.
 """
 from __future__ import annotations
 
@@ -198,8 +203,10 @@ def add_ride_overlaps(path: str, family_name: str = "tiny") -> StepTable:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.simulate.measure", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="tiny")
-    parser.add_argument("--out", default="eval/simulate/tables/tiny_measured.json")
+    parser.add_argument("--family", default="tiny", help="shipped family name or family directory")
+    parser.add_argument("--out", default=None,
+                        help="the table to write (default: eval/simulate/tables/<family>_measured.json, what mfs "
+                             "simulate reads for that family)")
     parser.add_argument("--ride-overlap-into", metavar="TABLE",
                         help="measure only ride_overlap (nested members merged into a larger member's forward) and "
                              "write it into this existing table")
@@ -209,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.ride_overlap_into}: ride_overlap " + ", ".join(
             f"{n} {m.ride_overlap:.2f}" for n, m in table.members.items()))
         return 0
+    from eval.simulate.paths import measured_table_path
+    from orchestrator.core.family import load_family
+
+    out = args.out or str(measured_table_path(load_family(args.family).name))
     table = measure_table(args.family)
-    save_table(table, args.out)
-    print(f"wrote {args.out}: step overhead {table.step_overhead_ms:.2f} ms; decode batch 1 @128: " + ", ".join(
+    save_table(table, out)
+    print(f"wrote {out}: step overhead {table.step_overhead_ms:.2f} ms; decode batch 1 @128: " + ", ".join(
         f"{n} {m.decode_ms(1, 128):.2f} ms" for n, m in table.members.items()))
     return 0
 

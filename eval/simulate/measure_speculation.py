@@ -5,7 +5,7 @@ costs for k = 1..4 at batch 1, 4 and 16.
 Acceptance does not depend on timing: it is what the table records. Costs are wall-clock times of this machine;
 on a shared machine they are noisy, and the table says so (re-measure them alone before using them).
 
-    python -m eval.simulate.measure_speculation --out eval/simulate/tables/tiny_speculation.json
+    python -m eval.simulate.measure_speculation --family tiny      # writes eval/simulate/tables/tiny_speculation.json
     python -m eval.simulate.measure_speculation --costs --device cuda --out speculation_cuda.json
 
 `SpeculativeRun` is the core's speculation bookkeeping in miniature (orchestrator/core/types.py, DraftSpec): it
@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.simulate.paths import speculation_table_path
 from orchestrator.core.config import SpeculationConfig
+from orchestrator.core.family import load_family
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import (DraftSpec, MemberBatch, PageId, Request, RequestId, SampledToken, SamplingParams,
                                      SeqChunk, StepPlan)
@@ -341,8 +343,6 @@ def build_executor(family, device: str, dtype: str, page_bytes: int = 16384, num
 def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float32", costs: bool = False,
             prompts: int = 10, new_tokens: int = NEW_TOKENS, ks=COST_K, batches=COST_BATCH,
             draft_windows: tuple[int, ...] = (0,), long: bool = False) -> dict[str, Any]:
-    from orchestrator.core.family import load_family
-
     family = load_family(family_name)
     executor = build_executor(family, device, dtype, num_pages=LONG_ARENA_PAGES if long else ARENA_PAGES)
     started = time.perf_counter()
@@ -404,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"long contexts ({LONG_MIN_TOKENS}-{LONG_MAX_TOKENS} tokens of multi-turn ShareGPT "
                              "sessions) instead of the quick trace's first turns (13-237 tokens): where a draft "
                              "window hides most of the context")
-    parser.add_argument("--out", default="eval/simulate/tables/tiny_speculation.json")
+    parser.add_argument("--out", default=None,
+                        help="the table to write (default: eval/simulate/tables/<family>_speculation.json, what "
+                             "mfs simulate reads for that family)")
     args = parser.parse_args(argv)
     try:
         windows = _ints(args.draft_window)
@@ -415,10 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     table = measure(args.family, args.device, args.dtype, args.costs, args.prompts, args.new_tokens,
                     ks=_ints(args.cost_k), batches=_ints(args.cost_batch), draft_windows=windows,
                     long=args.long_prompts)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+    out = Path(args.out) if args.out else speculation_table_path(load_family(args.family).name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1) + "\n")
     print_table(table)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -10,15 +10,16 @@ from eval.bench.quality import member_token_share
 from eval.bench.result import without_rows
 from eval.workloads import Trace, natural_lengths
 from eval.bench.confidence_file import request_key
-from eval.simulate.confidence import DEFAULT_LIBRARY, ConfidenceLibrary, Confidences
+from eval.simulate.confidence import ConfidenceLibrary, Confidences
 from eval.simulate.driver import STATS_INTERVAL_S, SimRun, no_full_collections, simulate
 from eval.simulate.executor import SimExecutor
+from eval.simulate.families import default_library, recorded_members
 from eval.simulate.fleet import parse_placement
 from eval.simulate.node import SimNode
 from eval.simulate.published_quality import table_quality
-from eval.simulate.setup import SimSetup, measured_model_path, tiny_setup
+from eval.simulate.setup import SimSetup, measured_model_path, missing_model, tiny_setup
 from eval.systems import system_config, system_scheduler, system_tiers
-from orchestrator.core.family import FamilySpec, load_family
+from orchestrator.core.family import FamilySpec
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 
@@ -90,17 +91,16 @@ def measured_split_pilot(settings, family: FamilySpec) -> tuple[Any, str]:
     """`mfs bench`'s split pilot, simulated on this machine's measured cost model (eval/simulate/tables/), so the
     real bench spends no wall time on it: (PilotRunner, cost model label), or (None, why) when that model does not
     price every member of the family."""
-    path = measured_model_path(None)
+    path = measured_model_path(None, family.name)
     if not path.is_file():
-        return None, f"no measured cost model at {path}"
+        return None, missing_model(settings.family, family.name, None)
     setup = tiny_setup(settings.family, str(path), parse_placement("colocated", "colocated"), settings.kv_pages)
     described = setup.cost.describe()
     priced = set(described.get("coefficients_s") or described.get("members") or ())
     if not set(family.member_names) <= priced:
-        return None, f"the measured cost model prices {sorted(priced)}, not {family.name}'s members"
-    tiny = load_family("tiny")
-    confidences = ConfidenceLibrary.load(DEFAULT_LIBRARY, seed=settings.seed)
-    confidences.map_members(setup.member_names, tiny.member_names)
+        return None, f"the measured cost model {path} prices {sorted(priced)}, not {family.name}'s members"
+    confidences = ConfidenceLibrary.load(default_library(family.name), seed=settings.seed)
+    confidences.map_members(setup.member_names, recorded_members(confidences, family.member_names))
     tokenizer = FamilyTokenizer(family.members[0].checkpoint_dir)
 
     def config_on(fractions: dict[str, float]):

@@ -3,7 +3,8 @@ system's config (the bench's own system definitions, eval.systems, plus the sett
 
 Paper-scale families take their member configs and step costs from an aiconfigurator step table; the table is
 built once per (family, GPU, backend, tensor-parallel sizes) and kept in eval/simulate/tables/ (so a run needs
-aiconfigurator only when no table exists yet).
+aiconfigurator only when no table exists yet). A family run on this machine (the shipped tiny families) takes its
+step costs from its own measured cost model (eval/simulate/paths.py names the files; eval.simulate.measure makes one).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, DRAFTS_ONLY, FREE_GPU_
                                     HOST_TIER_GIB_PER_GPU, PRESETS, DeviceMemory, page_bytes_for, paper_family,
                                     tensor_parallel)
 from eval.simulate.fleet import Placement, PlacementError, member_homes
+from eval.simulate.paths import fitted_model_path, measure_command, measured_table_path
 from eval.simulate.step_table import StepTable, StepTableError, load_table, save_table
 from eval.weights import member_weight_bytes, weight_bytes
 from orchestrator.core.config import MFSConfig
@@ -25,8 +27,6 @@ from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.page_pool import split_pages
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
-MEASURED_TABLE = TABLES_DIR / "tiny_measured.json"       # execute() timed offline on a grid (eval.simulate.measure)
-FITTED_MODEL = TABLES_DIR / "tiny_fitted.json"           # fitted to the validation's real bench steps (validate.py)
 # A GPU deployment's scheduler: TensorRT-LLM's defaults are max_batch_size 2048 and max_num_tokens 8192; MFS's
 # defaults are sized for the 2-core CPU engine. These apply to paper-scale families (docs/CONFIG.md, simulate).
 # router.load_saturation_tokens: the default (4096) is a few tiny-family requests; on a GPU a member holds
@@ -143,22 +143,33 @@ def is_paper_family(name: str) -> bool:
     return name in PRESETS
 
 
-def measured_model_path(table_path: str | None) -> Path:
-    """The measured cost model to use: the given file; by default the model fitted to real bench runs (it carries
-    the serving loop's cost under the bench's load), else the offline grid (either may be missing)."""
-    return Path(table_path) if table_path else (FITTED_MODEL if FITTED_MODEL.is_file() else MEASURED_TABLE)
+def measured_model_path(table_path: str | None, family_name: str = "tiny") -> Path:
+    """The measured cost model to use: the given file; by default the family's model fitted to real bench runs (it
+    carries the serving loop's cost under the bench's load), else its offline grid (either may be missing)."""
+    if table_path:
+        return Path(table_path)
+    fitted = fitted_model_path(family_name)
+    return fitted if fitted.is_file() else measured_table_path(family_name)
+
+
+def missing_model(family: str, family_name: str, table_path: str | None) -> str:
+    """One line saying the measured cost model is missing and how to make it."""
+    if table_path:
+        return f"no step table at {table_path}"
+    return (f"no measured cost model for {family_name} at {measured_table_path(family_name)}: measure it on this "
+            f"machine, with nothing else running, with `{measure_command(family, family_name)}`")
 
 
 def tiny_setup(family: str, table_path: str | None, placement: Placement, kv_pages: int) -> SimSetup:
-    """The shipped family (or a family directory) on the measured step table of this machine."""
+    """A shipped family (or a family directory) on its measured step table of this machine."""
     if placement.kind != "colocated":
         raise PlacementError("the measured cost model describes this machine's one local engine: use --placement "
                              "colocated or fleet:N (nodes of this machine)")
-    path = measured_model_path(table_path)
-    if not path.is_file():
-        raise StepTableError(f"no measured cost model at {path} (mfs simulate profiles the engine to make one)")
-    cost = load_cost_model(path, "measured")
     spec = load_family(family)
+    path = measured_model_path(table_path, spec.name)
+    if not path.is_file():
+        raise StepTableError(missing_model(family, spec.name, table_path))
+    cost = load_cost_model(path, "measured")
     from orchestrator.core.config import load_config
 
     page_bytes = load_config(overrides={"family": family}).pool.page_bytes

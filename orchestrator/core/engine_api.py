@@ -21,8 +21,8 @@ class StepExecutor(Protocol):
     page_bytes: int
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
-        """Release plan.released_requests, run every batch (page loads are already written), sample,
-        return the sampled tokens in chunk order."""
+        """Release plan.released_requests, run every batch (page loads already written), sample, return the sampled
+        tokens in chunk order; raises RequestFault when some requests' own work failed (the others' done)."""
         ...
 
     def read_page(self, page: PageId) -> bytes: ...

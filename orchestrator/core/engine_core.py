@@ -22,7 +22,7 @@ from typing import Any
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import ConfigError, MFSConfig
 from orchestrator.core.engine_api import StepExecutor
-from orchestrator.core.errors import EngineUnavailableError, InvalidRequestError, MFSError
+from orchestrator.core.errors import EngineUnavailableError, InvalidRequestError, MFSError, RequestFault
 from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec, dtype_bytes, load_family
 from orchestrator.core.kv_cache import KVCacheManager
@@ -36,7 +36,7 @@ from orchestrator.core.tiers import DiskTier, TieredStore
 from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
 
-# A request's destination: every RequestOutput in order, or one MFSError when the engine step failed.
+# A request's destination: every RequestOutput in order, or one MFSError when the engine failed the request.
 # Called on the engine thread; it must not block or raise (hand the item to another thread's queue).
 Sink = Callable[[RequestOutput | MFSError], None]
 # Builds the scheduler from the pieces EngineCore made (Scheduler's own signature): eval's baselines pass one.
@@ -120,9 +120,7 @@ class EngineCore:
                  tiers: TiersSource | None = None, pool_split: dict[str, float] | None = None,
                  warm_handover: bool = True):
         """tiers: None takes the ones the config asks for (build_tiers). Prefer EngineCore.build."""
-        self.config = config
-        self.family = family
-        self.clock = clock
+        self.config, self.family, self.clock = config, family, clock
         num_pages = config.num_arena_pages()
         partitions = split_pages(num_pages, pool_split) if pool_split else None
         self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
@@ -164,12 +162,12 @@ class EngineCore:
         family: None loads config.family as the local engine serves it (serving_family). estimator: the one routing
         scores with, or a function of the family that makes it (the edge's tokenizer: orchestrator.serve).
         make_executor(family, num_pages, page_bytes): called once the arena's size is known; None: the runner
-        attaches one to `executor` before stepping (LocalServing loads the model when it starts). scheduler_factory: the scheduler to run (None: MFS's); eval's
-        baselines pass theirs. tiers: the tiers, or a function of (config, family) that makes them; None takes the ones
-        the config asks for. step_clock, cpu_clock: fill `timers`. pool_split: member -> its fraction of the pages,
-        each member allocating from a slice of its own (eval's separate deployments; None: one pool). warm_handover:
-        whether escalations may reuse the source's shared layers (residual pages are written only then).
-        """
+        attaches one to `executor` before stepping (LocalServing loads the model when it starts). scheduler_factory:
+        the scheduler to run (None: MFS's); eval's baselines pass theirs. tiers: the tiers, or a function of (config,
+        family) that makes them; None takes the ones the config asks for. step_clock, cpu_clock: fill `timers`.
+        pool_split: member -> its fraction of the pages, each member allocating from a slice of its own (eval's
+        separate deployments; None: one pool). warm_handover: whether escalations may reuse the source's shared
+        layers (residual pages are written only then)."""
         family = family if family is not None else serving_family(config)
         if not isinstance(estimator, ComplexityEstimator):
             estimator = estimator(family)
@@ -192,25 +190,26 @@ class EngineCore:
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: Request, sink: Sink) -> RouteDecision:
         """Queues the request; its outputs go to sink. Raises InvalidRequest/QueueFull at once (nothing queued)."""
-        self._claim_sink(request.request_id, sink)
-        try:
-            with self.lock:
-                decision = self.scheduler.add_request(request, self.clock())
-        except BaseException:
-            self._sinks.pop(request.request_id, None)
-            raise
-        self.wake.set()
-        return decision
+        return self._enqueue(request.request_id, sink, lambda: self.scheduler.add_request(request, self.clock()))
 
     def detach(self, request_id: RequestId) -> None:
         """The caller stops listening (its outputs are dropped from now on); abort() ends the request."""
         self._sinks.pop(request_id, None)
 
-    def _claim_sink(self, request_id: RequestId, sink: Sink) -> None:
-        """A live request's id is refused before its sink could be replaced (its outputs would go astray)."""
+    def _enqueue(self, request_id: RequestId, sink: Sink, add: Callable[[], Any]) -> Any:
+        """add() under the lock, the request's sink claimed first (given back if add raises). A live request's id is
+        refused before its sink could be replaced (its outputs would go astray)."""
         if request_id in self._sinks:
             raise InvalidRequestError(f"duplicate request id {request_id}", param="request_id")
         self._sinks[request_id] = sink
+        try:
+            with self.lock:
+                added = add()
+        except BaseException:
+            self._sinks.pop(request_id, None)
+            raise
+        self.wake.set()
+        return added
 
     def move_out(self, seq: Sequence) -> Sequence:
         """Takes a waiting request out, unended, for another node's core to move_in (Scheduler.move_out)."""
@@ -221,14 +220,7 @@ class EngineCore:
 
     def move_in(self, seq: Sequence, sink: Sink) -> None:
         """Continues a request another node's core moved out; its outputs go to sink (Scheduler.move_in)."""
-        self._claim_sink(seq.request_id, sink)
-        try:
-            with self.lock:
-                self.scheduler.move_in(seq, self.clock())
-        except BaseException:
-            self._sinks.pop(seq.request_id, None)
-            raise
-        self.wake.set()
+        self._enqueue(seq.request_id, sink, lambda: self.scheduler.move_in(seq, self.clock()))
 
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:
@@ -256,27 +248,28 @@ class EngineCore:
         """The engine loop: steps while there is work, sleeps on `wake` otherwise, until is_running() is False.
         A failed step fails the requests it had (each sink gets an MFSError), never the loop."""
         while is_running():
-            if not self.has_work():
+            if self.has_work():
+                self.step_or_fail(on_step_error)
+            else:
                 self.last_tick_s = self.clock()
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
-                continue
-            self.step_or_fail(on_step_error)
 
     def step_or_fail(self, on_step_error: Callable[[Exception], None] | None = None) -> None:
-        """One step of a real-time loop; if it raises, the requests it had fail (each sink gets an MFSError),
-        never the loop. A step that could run nothing (e.g. waiting for pages) waits for a wake-up: no spin."""
+        """One step of a real-time loop; if it raises (a fault no request is known to cause), every listened-to
+        request fails, never the loop. Only a step that ran ends a run of failed ones (not the next, which only ends the failed
+        requests). A step that could run nothing (e.g. waiting for pages) waits for a wake-up: no spin."""
         try:
             step = self.step()
         except Exception as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            self.failed_steps += 1
+            self.last_error, self.failed_steps = f"{type(exc).__name__}: {exc}", self.failed_steps + 1
             self.last_tick_s = self.clock()
             if on_step_error is not None:
                 on_step_error(exc)
-            self.fail_all(f"engine step failed: {self.last_error}")
+            message = f"engine step failed: {self.last_error}"       # the server's fault, not the requests': 503
+            self.fail({request_id: EngineUnavailableError(message) for request_id in list(self._sinks)})
             return
-        self.failed_steps = 0
+        self.failed_steps = 0 if step.ran else self.failed_steps
         self.last_tick_s = self.clock()
         if not step.progressed:
             self.wake.wait(NOT_RUNNABLE_WAIT_S)
@@ -294,7 +287,7 @@ class EngineCore:
         has no batch nothing runs (step.ran is False) and the requests it released are released here.
         members: plan only these members' requests (a device of their own: the simulator's per-member timelines);
         device: its name, for an executor that prices each device on its own (the simulated one)."""
-        tick = self.step_clock or _no_clock
+        tick, cpu = self.step_clock or float, self.cpu_clock or float     # float() is 0.0: not timed
         began = tick()
         with self.lock:
             plan, outputs = self.scheduler.schedule(self.clock(), members)
@@ -306,19 +299,21 @@ class EngineCore:
             if plan.released_requests:   # execute() releases them itself when it runs
                 self.executor.release(plan.released_requests)
             return step
-        cpu = self.cpu_clock
-        step.executing_s, cpu_began = tick(), cpu() if cpu is not None else 0.0
-        step.sampled = self.executor.execute(plan) if device is None else self.executor.execute(plan, device)
+        step.executing_s, cpu_began = tick(), cpu()
+        try:
+            step.sampled = self.executor.execute(plan) if device is None else self.executor.execute(plan, device)
+        except RequestFault as fault:       # some requests' own work failed: they fail alone, the others go on
+            step.sampled = fault.sampled
+            self.fail(fault.errors)
         step.executed_s = tick()
-        if cpu is not None:
-            self.timers.execute_cpu_s += cpu() - cpu_began
+        self.timers.execute_cpu_s += cpu() - cpu_began
         self.num_steps += 1
         return step
 
     def finish_step(self, step: Step) -> None:
         """The step's second half: the sampled tokens into their requests (update), and their outputs delivered."""
         assert step.sampled is not None, "finish_step of a step that ran nothing"
-        tick = self.step_clock or _no_clock
+        tick = self.step_clock or float
         with self.lock:
             outputs = self.scheduler.update(step.plan, step.sampled, self.clock())
         updated = tick()
@@ -335,14 +330,17 @@ class EngineCore:
         if outputs and self.on_delivered is not None:
             self.on_delivered()
 
-    def fail_all(self, message: str) -> None:
-        """Aborts every listened-to request (pages return at the next step) and tells each sink why (a 503 at
-        the HTTP edge: the server failed them, not the request)."""
-        self.abort_all(message)
-        for request_id in list(self._sinks):
+    def fail(self, errors: dict[RequestId, MFSError]) -> None:
+        """Aborts these requests (pages return at the next step) and tells each sink its error (a step that
+        failed: every listened-to request, a 503; a RequestFault: its requests, each with its own error)."""
+        with self.lock:
+            for request_id, error in errors.items():
+                self.scheduler.abort(request_id, error.message)
+        for request_id, error in errors.items():
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
-                sink(EngineUnavailableError(message))
+                sink(error)
+        self.wake.set()
         if self.on_delivered is not None:
             self.on_delivered()
 
@@ -375,10 +373,6 @@ def drain(core: EngineCore, max_steps: int, step: Callable[[], object] | None = 
     if core.has_work():
         raise RuntimeError(f"work remains after {max_steps} steps")
     return max_steps
-
-
-def _no_clock() -> float:
-    return 0.0
 
 
 def copy_tier_pages(plan: StepPlan, tiers: TieredStore, executor: StepExecutor) -> tuple[list, list[PageId]]:

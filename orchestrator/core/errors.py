@@ -1,5 +1,7 @@
-"""Typed errors the edges translate: each maps to one HTTP status in the server."""
+"""Typed errors the edges translate: each maps to one HTTP status in the server; RequestFault, an executor's."""
 from __future__ import annotations
+
+from orchestrator.core.types import RequestId, SampledToken
 
 
 class MFSError(Exception):
@@ -57,3 +59,12 @@ class RequestTimeoutError(MFSError):
     status_code = 504
     error_type = "timeout"
     code = "request_timeout"
+
+
+class RequestFault(Exception):
+    """An executor's step that failed for some of its requests only (their own sampling), raised once the others
+    are done: `errors` fails each of those alone (request id -> its MFSError), `sampled` has the others' tokens."""
+
+    def __init__(self, errors: dict[RequestId, MFSError], sampled: list[SampledToken]):
+        super().__init__("; ".join(f"{request_id}: {error.message}" for request_id, error in errors.items()))
+        self.errors, self.sampled = errors, sampled

@@ -101,14 +101,15 @@ def unpack_output(packed: tuple) -> RequestOutput:
 
 
 # ----------------------------------------------------------------------------- engine side (child process)
-def engine_main(config: MFSConfig, conn) -> None:
+def engine_main(config: MFSConfig, conn, parts: Callable[[MFSConfig], dict[str, Any]] | None = None) -> None:
     """The child: builds the core (EngineCore.build, as LocalServing does, with the local executor) and runs its
     step loop, taking commands between steps. Signals are the parent's business (it drains, then sends "stop");
-    a closed pipe ends it."""
+    a closed pipe ends it. parts(config): more EngineCore.build keywords, made in the child (eval's compared
+    systems pass their family, scheduler and tiers; a picklable function, as the child is spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        core = _EngineCore(config, conn)
+        core = _EngineCore(config, conn, parts(config) if parts is not None else {})
     except Exception as exc:  # the parent reports it and exits
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -123,11 +124,11 @@ class _EngineCore:
     """The EngineCore and its local executor, driven by the pipe: a step's outputs collect through each request's
     sink and leave in one message per step (EngineCore.on_delivered)."""
 
-    def __init__(self, config: MFSConfig, conn):
+    def __init__(self, config: MFSConfig, conn, parts: dict[str, Any] | None = None):
         self.conn = conn
         self.core = EngineCore.build(config, clock=time.monotonic, estimator=family_estimator,
                                      make_executor=local_executor_factory(config, own_process=True),
-                                     step_clock=time.perf_counter, cpu_clock=time.thread_time)
+                                     step_clock=time.perf_counter, cpu_clock=time.thread_time, **(parts or {}))
         self.outputs: StepOutputs[RequestId] = StepOutputs(lambda items: self.send(out_message(items)))
         self.core.on_delivered = self.outputs.flush
         self.pending_stats: tuple[int, dict] | None = None

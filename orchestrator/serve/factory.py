@@ -5,8 +5,19 @@ benchmarks ask here rather than choosing a class themselves.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_api import ServingEngine
+
+_builder: Callable[[MFSConfig], ServingEngine] | None = None
+
+
+def serve_engines_from(builder: Callable[[MFSConfig], ServingEngine] | None) -> None:
+    """From now on in this process, build_serving_engine(config) is builder(config) (None: the default again): a
+    launcher serves an engine assembled elsewhere (eval's compared systems) through the same server and CLI."""
+    global _builder
+    _builder = builder
 
 
 def build_serving_engine(config: MFSConfig) -> ServingEngine:
@@ -14,6 +25,8 @@ def build_serving_engine(config: MFSConfig) -> ServingEngine:
     for 'triton': TritonServing (MFS routing over Triton) in a child process behind ProcessServing ('separate')
     or in the HTTP process ('thread').
     Imports are deferred so a local deployment never needs the Triton client's packages, and back."""
+    if _builder is not None:
+        return _builder(config)
     separate = config.engine.process == "separate"     # the orchestrator core in its own process
     if config.engine.kind == "triton":
         if separate:
