@@ -211,6 +211,21 @@ def start_process(cmd: list[str], log_path: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 300.0) -> None:
+    """Polls url/health until 200 (or the process exits); fails with the server's log otherwise."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    assert httpx.get(url + "/health", timeout=2).status_code == 200, log_path.read_text()
+
+
 def stop_process(proc: subprocess.Popen) -> None:
     """SIGTERM to the whole group (the graceful path under test), SIGKILL if it hangs."""
     if proc.poll() is None:

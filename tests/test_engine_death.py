@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from orchestrator.serve.server import ENGINE_DIED_EXIT
-from tests.fakes_serving import free_port, start_process, stop_process
+from tests.fakes_serving import free_port, start_process, stop_process, wait_healthy
 
 
 def test_killing_the_engine_process_fails_streams_and_exits_the_server_non_zero(tmp_path):
@@ -24,15 +24,7 @@ def test_killing_the_engine_process_fails_streams_and_exits_the_server_non_zero(
     proc = start_process([sys.executable, "-m", "orchestrator.serve.cli", "serve", "--port", str(port),
                           "--log-level", "warning"], log_path)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert httpx.get(url + "/health", timeout=2).status_code == 200, log_path.read_text()
+        wait_healthy(url, proc, log_path)
         engine_pid = httpx.get(url + "/v1/stats", timeout=10).json()["engine"]["pid"]
         assert engine_pid != proc.pid
         body = {"model": "tiny-l", "prompt": "The river", "max_tokens": 900, "ignore_eos": True, "stream": True}

@@ -4,13 +4,12 @@ across the family or pinned to a member; greedy replies end with EOS ("stop") wh
 from __future__ import annotations
 
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.fakes_serving import free_port, start_process, stop_process
+from tests.fakes_serving import free_port, start_process, stop_process, wait_healthy
 
 FAMILY = "tiny-sep"
 MEMBERS = ("sep-s", "sep-m", "sep-l")
@@ -34,15 +33,7 @@ def url(tmp_path_factory):
                           "--config", str(config), "--port", str(port), "--log-level", "warning"], log_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert httpx.get(base + "/health", timeout=2).status_code == 200, log_path.read_text()
+        wait_healthy(base, proc, log_path)
         yield base
     finally:
         stop_process(proc)
