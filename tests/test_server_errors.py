@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -118,6 +119,31 @@ def test_body_too_large_is_413(served):
     response = http.post(COMP, json={"model": "tiny", "prompt": "x" * (128 * 1024)})
     assert_error(response, 413, None)
     assert http.get("/health").status_code == 200
+
+
+def test_a_body_longer_than_any_servable_request_is_refused_before_it_is_read(family, tokenizer):
+    """The body limit follows the family's context: the longest prompt text it could hold, every character in
+    JSON's longest escape, with a full logit_bias, still fits; one byte past the limit is a 413 answered from the
+    Content-Length alone, while the body has not been sent."""
+    engine = FakeServingEngine(family.name, family.member_names, tokenizer.encode(FAKE_TEXT))
+    app = create_app(engine, tokenizer, family, ServerSettings())
+    limit = app.state.edge.body_limit_bytes()
+    assert limit < ServerSettings().max_body_bytes
+    longest = {"model": family.name, "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(1024)},
+               "prompt": "\U0001F600" * tokenizer.max_prompt_chars(family.context_tokens())}
+    body = json.dumps(longest, ensure_ascii=True, indent=2).encode()
+    assert len(body) <= limit
+    with serve_in_thread(app) as url:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            response = http.post(COMP, content=body, headers={"content-type": "application/json"})
+            assert response.status_code != 413, response.text
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(f"POST {COMP} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {limit + 1}\r\n\r\n".encode())
+            head = conn.recv(65536).decode("latin-1")
+        assert head.startswith("HTTP/1.1 413"), head
+        assert f"over the limit of {limit}" in head
 
 
 def test_queue_full_is_429_with_retry_after(served):

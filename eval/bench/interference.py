@@ -3,7 +3,8 @@
 Starts `mfs serve` once (the shipped tiny family, the server's default settings) and runs victim streams: --streams
 concurrent greedy completions of tiny-l (a fixed prompt, temperature 0, ignore_eos, --tokens tokens each). A
 stream's figure is its time per streamed token, (last token - first token) / (tokens - 1), and its largest gap
-between two tokens (a stall shows there). Each victim run happens under one condition:
+between two tokens (a stall shows there). Each victim run happens under one condition (the disturbers in a process
+of their own, as other machines' clients would be: their work never delays the victims' event loop):
 
   quiet          the victims alone
   big_prompts    two clients POSTing a ~4 MB prompt to /v1/completions in a loop (the server refuses it: 4xx)
@@ -30,6 +31,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import signal
 import statistics
 import sys
@@ -136,33 +138,66 @@ def big_prompt_body(prompt_bytes: int) -> bytes:
     return orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0})
 
 
-async def victim_run(url: str, condition: str, streams: int, tokens: int, dist: Disturbance,
-                     big_body: bytes) -> dict:
-    """The victims under one condition, the disturbers running from before the first victim's request (each has had
-    an answer) until the last victim's last token (then each finishes the request it has in flight, bounded)."""
+async def disturb(condition: str, url: str, dist: Disturbance, conn) -> None:
+    """The disturbers of one condition until the parent says stop: "ready" once each has had an answer, then
+    the answers by status when they have finished (each request in flight is finished, bounded)."""
     answers: Counter = Counter()
     stop = asyncio.Event()
+    big_body = big_prompt_body(dist.prompt_bytes) if condition == "big_prompts" else b""
+    loop = asyncio.get_running_loop()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         tasks = [asyncio.create_task(d) for d in disturbers(condition, http, url, dist, stop, answers, big_body)]
         lead_until_s = time.monotonic() + DRAIN_TIMEOUT_S
         while sum(answers.values()) < len(tasks) and time.monotonic() < lead_until_s:
-            await asyncio.sleep(0.01)          # the disturbance is under way before the first victim starts
-        try:
+            await asyncio.sleep(0.01)
+        conn.send("ready")
+        await loop.run_in_executor(None, conn.recv)        # "stop"
+        stop.set()
+        _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    conn.send(dict(sorted(answers.items())))
+
+
+def disturber_process(condition: str, url: str, dist: Disturbance, conn) -> None:
+    asyncio.run(disturb(condition, url, dist, conn))
+
+
+async def victim_run(url: str, condition: str, streams: int, tokens: int, dist: Disturbance) -> dict:
+    """The victims under one condition. The disturbers run in a process of their own (as other clients would
+    be other machines: their sending and parsing never delays the victims' own event loop), from before the
+    first victim's request (each has had an answer) until the last victim's last token."""
+    answers: dict = {}
+    process = None
+    loop = asyncio.get_running_loop()
+    if condition != "quiet":
+        context = multiprocessing.get_context("spawn")
+        conn, child_conn = context.Pipe()
+        process = context.Process(target=disturber_process, args=(condition, url, dist, child_conn), daemon=True)
+        process.start()
+        if not await loop.run_in_executor(None, conn.poll, READY_TIMEOUT_S):
+            process.kill()
+            raise RuntimeError(f"{condition}: the disturbers got no answer within {READY_TIMEOUT_S:g} s")
+        conn.recv()
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
             victims = await asyncio.gather(*(stream(http, url, tokens) for _ in range(streams)))
-        finally:
-            stop.set()
-            if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        if process is not None:
+            conn.send("stop")
+            if await loop.run_in_executor(None, conn.poll, 2 * DRAIN_TIMEOUT_S):
+                answers = conn.recv()
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
     per_token = [v["s_per_token"] for v in victims if v["s_per_token"] is not None]
     return {"condition": condition,
             "mean_s_per_token": statistics.mean(per_token) if per_token else None,
             "max_gap_s": max((v["max_gap_s"] for v in victims if v["max_gap_s"] is not None), default=None),
-            "victim_tokens": [v["tokens"] for v in victims], "victims": victims,
-            "disturber_answers": dict(sorted(answers.items()))}
+            "victim_tokens": [v["tokens"] for v in victims], "victims": victims, "disturber_answers": answers}
 
 
 # ----------------------------------------------------------------------------- the rounds
@@ -184,14 +219,13 @@ def progress(label: str, run: dict) -> None:
 
 
 async def interference(url: str, rounds: int, streams: int, tokens: int, dist: Disturbance) -> dict:
-    big_body = big_prompt_body(dist.prompt_bytes)
-    warmup = await victim_run(url, "quiet", streams, tokens, dist, big_body)
+    warmup = await victim_run(url, "quiet", streams, tokens, dist)
     progress("[warm-up]  ", warmup)
     per_round: list[list[dict]] = []
     for r in range(rounds):
         runs: list[dict] = []
         for condition in round_order(r):
-            run = await victim_run(url, condition, streams, tokens, dist, big_body)
+            run = await victim_run(url, condition, streams, tokens, dist)
             run["round"] = r
             if condition != "quiet":
                 run["paired_quiet_s_per_token"] = runs[-1]["mean_s_per_token"]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from orchestrator.core.engine_api import ServingEngine
 from orchestrator.core.family import FamilySpec
 from orchestrator.serve.metrics import ServerMetrics
+from orchestrator.serve.request_body import servable_body_bytes
+from orchestrator.serve.request_fields import MAX_LOGIT_BIAS_ENTRIES
 from orchestrator.serve.tokenizer import FamilyTokenizer
 
 
@@ -27,7 +29,7 @@ class ServerSettings:
     header_timeout_s: float = 10.0             # a request head must arrive within this (slowloris)
     max_header_bytes: int = 64 * 1024          # ... and within this size (431)
     limit_concurrency: int | None = 4096       # uvicorn: connections + tasks beyond this get a 503
-    max_body_bytes: int = 4 * 2**20
+    max_body_bytes: int = 4 * 2**20            # never more than the family's context can use (Edge.body_limit_bytes)
     body_timeout_s: float = 30.0               # the whole request body must arrive within this (slow senders)
     # a stream whose client has not taken a chunk for this long is cancelled (slow or stalled readers): the
     # request is aborted, its pages return and its buffered output is dropped
@@ -60,6 +62,13 @@ class Edge:
     loop: asyncio.AbstractEventLoop | None = None
     stopping: asyncio.Future | None = None
     parse_executor: ThreadPoolExecutor | None = None     # settings.parse_threads threads (parse_pool)
+
+    def body_limit_bytes(self) -> int:
+        """The body size refused from Content-Length: max_body_bytes, or less where no request the family's
+        context can hold comes near it (request_body.servable_body_bytes)."""
+        context = self.family.context_tokens()
+        return min(self.settings.max_body_bytes, servable_body_bytes(
+            self.tokenizer.max_prompt_chars(context), context, MAX_LOGIT_BIAS_ENTRIES))
 
     def parse_pool(self) -> ThreadPoolExecutor:
         """The executor request bodies are parsed and tokenized on (made on first use; the lifespan's end shuts

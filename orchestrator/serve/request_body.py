@@ -21,6 +21,16 @@ class BodyLimits:
     read_timeout_s: float = 30.0       # the whole body must arrive within this after the headers
 
 
+def servable_body_bytes(prompt_chars: int, context_tokens: int, logit_bias_entries: int) -> int:
+    """The longest body a request this server could serve may have, read from the family's context: every prompt
+    character in JSON's longest escape (12 bytes: a surrogate pair's two \\uXXXX), each context token's share of
+    message and content-part fields (128 bytes: a part costs at least one token of the chat template), a full
+    logit_bias (40 bytes an entry), all of it indented (x2), and 64 KiB for the other fields. A longer body is
+    refused from its Content-Length, before it is read: reading and parsing megabytes only to refuse them for
+    their length is what lets one client slow every stream."""
+    return 2 * (12 * prompt_chars + 128 * context_tokens + 40 * logit_bias_entries) + 64 * 2**10
+
+
 class BodyTimeoutError(MFSError):
     status_code = 408
     error_type = "invalid_request_error"
@@ -31,7 +41,7 @@ async def read_json_body(request: HTTPRequest, limits: BodyLimits) -> Any:
     """The parsed body; InvalidRequestError / PayloadTooLargeError / BodyTimeoutError for anything else."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_bytes:
-        raise PayloadTooLargeError(f"request body exceeds {limits.max_bytes} bytes")
+        raise PayloadTooLargeError(f"request body is {int(declared)} bytes, over the limit of {limits.max_bytes}")
     try:
         async with asyncio.timeout(limits.read_timeout_s):
             body = await _read_bytes(request, limits.max_bytes)

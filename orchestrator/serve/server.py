@@ -149,7 +149,7 @@ async def _generate(edge: Edge, kind: str, request: HTTPRequest) -> Response:
         raise EngineUnavailableError("server is shutting down")
     settings = edge.settings
     try:
-        body = await read_json_body(request, BodyLimits(max_bytes=settings.max_body_bytes,
+        body = await read_json_body(request, BodyLimits(max_bytes=edge.body_limit_bytes(),
                                                         read_timeout_s=settings.body_timeout_s))
     except ClientDisconnect:
         return Response(status_code=499)      # the client left while sending its body: nobody reads an answer
