@@ -24,8 +24,8 @@ SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline
 # MFS with one mechanism switched off each: what `--attribution` runs beside mfs and the baseline; the points of
 # reduction at the knee that each loses are what that mechanism is worth (eval/bench/curve.py attribution).
 # mfs_no_spec: speculation (worth nothing where MFS runs without it: the tiny family's default); mfs_separate_drafts:
-# the draft member's own batch riding in the drafts' forwards (speculation.drafts_ride: the catch-up, and with
-# rides_every_draft every draft forward).
+# the draft member's own batch riding in the drafts' forwards (speculation.drafts_ride: the catch-up, and in a
+# family of separate weights every draft forward).
 ATTRIBUTION_SYSTEMS = ("no_shared_pool", "no_family_routing", "no_warm_handover", "no_layer_sharing", "no_tiers",
                        "mfs_no_spec", "mfs_separate_drafts")
 # What separate deployments of the members are, against one family server: the only configuration in which the

@@ -165,9 +165,9 @@ def test_the_draft_members_own_batch_rides_in_the_catch_up_forward_on_one_device
 
 
 def test_the_draft_members_own_decodes_riding_every_draft_forward_get_a_token_in_each():
-    """rides_every_draft: a decode of the draft member with ride_tokens n is a row of the first n draft forwards
-    (contexts 300, 301, 302), not of its batch's forward, and gets the stream's next n tokens; the core's
-    description of the step with Riders costs the same."""
+    """A decode of the draft member with ride_tokens n is a row of the first n draft forwards (contexts 300, 301,
+    302), not of its batch's forward, and gets the stream's next n tokens; the core's description of the step with
+    Riders costs the same."""
     model = _table_model()
     family = independent_family()
     own = [SeqChunk(request_id=RequestId("s0"), token_ids=[5], start_pos=300, block_tables=[[0]], sample=True,

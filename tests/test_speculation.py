@@ -373,14 +373,12 @@ def test_draft_length_is_zero_while_the_estimate_has_no_figure_yet():
     assert h.tokens("a") == _plain_tokens("a", PROMPT, 16)
 
 
-@pytest.mark.parametrize("window", [0, 4])
-def test_a_planned_steps_forwards_are_those_its_draft_length_priced(window):
+def test_a_planned_steps_forwards_are_those_its_draft_length_priced():
     """plan_forwards (what a measuring engine fits on) reads back from the DraftSpecs the shapes step_forwards
-    priced for the k the policy chose; with a draft window, both at the keys the window leaves."""
+    priced for the k the policy chose."""
     from orchestrator.core.draft_length import plan_forwards
 
-    h = SpecHarness(**{"pool.num_pages": 1024, "speculation.draft_window": window,
-                       "speculation.draft_sink_tokens": 1})
+    h = SpecHarness(**{"pool.num_pages": 1024})
     priced = FakeStepCost(0.020, 0.0001)
     seen = []
 
@@ -400,10 +398,9 @@ def test_a_planned_steps_forwards_are_those_its_draft_length_priced(window):
     assert plan_forwards(plan) in seen                  # the chosen k's forwards, as priced
     assert any(f.is_draft for f in plan_forwards(plan))
     specs = [c.draft for b in plan.batches for c in b.chunks if c.draft is not None]
-    assert {(d.window, d.sink_tokens) for d in specs} == {(window, 1)}
     draft_contexts = [n for f in plan_forwards(plan) if f.is_draft for n in f.decode_contexts]
     furthest = max(d.start_pos + len(d.token_ids) + d.num_tokens - 2 for d in specs)     # the last draft row's
-    assert max(draft_contexts) == (min(4, furthest) if window else furthest)
+    assert max(draft_contexts) == furthest
 
 
 class _DecodingSeq:

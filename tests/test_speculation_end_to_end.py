@@ -23,10 +23,11 @@ COMPLEXITY = {"tiny-m": 0.5, "tiny-l": 0.95}       # routed there (escalation of
 def _tiny_core(speculate: bool, measured: bool = False, rides: bool = False) -> EngineCore:
     config = load_config(overrides={"family": "tiny", "pool.num_pages": 512, "pool.host_tier_mb": 0,
                                     "escalation.enabled": False, "speculation.enabled": speculate,
-                                    "speculation.fixed_k": 3, "speculation.rides_every_draft": rides})
+                                    "speculation.fixed_k": 3})
     ticks = itertools.count()
     core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
                             make_executor=local_executor_factory(config))
+    core.scheduler.speculation.rides = rides    # rides: tiny-s's decodes ride as a family of separate weights' do
     if not measured:
         core.scheduler.speculation.use_step_cost(None)
     return core
@@ -139,7 +140,7 @@ def test_the_draft_members_own_batch_rides_in_the_drafts_catch_up_forward_and_ke
 
 @pytest.mark.parametrize("max_tokens", [20, 13])
 def test_the_draft_members_own_decodes_ride_every_draft_forward_and_keep_their_tokens(max_tokens):
-    """With rides_every_draft, tiny-s's own requests decode a token in each of the k draft forwards the engine runs
+    """Riding every draft forward, tiny-s's own requests decode a token in each of the k draft forwards the engine runs
     for tiny-l's request (k tokens in the step, no forward of their own): every request's tokens are still those
     without speculation, to the last one (13: a ride cut short by max_tokens), and every page returns."""
     plain, _, _ = _mixed(False, max_tokens=max_tokens)
@@ -165,14 +166,16 @@ def test_a_ride_ends_where_plain_decoding_would_stop_on_a_stop_token():
 
 
 
-@pytest.mark.parametrize("family_name,setting,expect", [("independent", None, True), ("independent", False, False),
-                                                        ("nested", None, False), ("nested", True, True)])
-def test_rides_are_on_by_default_for_separate_weights_only(family_name, setting, expect):
-    """rides_every_draft unset: a family of separate weights rides; a nested family's draft member has its batch
-    merged into its host's forward instead, so it rides only when set."""
+@pytest.mark.parametrize("family_name,overrides,expect", [
+    ("independent", {}, True), ("independent", {"speculation.drafts_ride": False}, False),
+    ("independent", {"comparison.private_drafts": True}, False), ("nested", {}, False)])
+def test_rides_are_for_a_family_of_separate_weights_drafting_with_its_own_draft_member(family_name, overrides,
+                                                                                         expect):
+    """A family of separate weights rides where its draft member's batch rides at all and drafts are its own; a
+    nested family's draft member has its batch merged into its host's forward instead."""
     from tests.fakes import independent_family, nested_family
     from tests.test_scheduler import Harness
 
     family = independent_family() if family_name == "independent" else nested_family()
-    h = Harness(family=family, **{"speculation.enabled": True, "speculation.rides_every_draft": setting})
+    h = Harness(family=family, **{"speculation.enabled": True, **overrides})
     assert h.scheduler.speculation.rides is expect

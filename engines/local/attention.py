@@ -22,58 +22,39 @@ class AttnGroup:
     key_lengths: torch.Tensor | None = None   # decode group: [seqs] int64 keys per sequence (the native kernel's)
 
 
-def outside_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int, sink_tokens: int) -> torch.Tensor:
-    """[queries, keys] True where a windowed row (SeqChunk.window) may not read the key: past the sinks and more
-    than window - 1 positions before the query."""
-    return (key_pos[None, :] >= sink_tokens) & (key_pos[None, :] <= query_pos[:, None] - window)
-
-
 def prefill_group(row0: int, n: int, start: int, table: torch.Tensor, num_groups: int,
-                  dtype: torch.dtype, window: int = 0, sink_tokens: int = 0) -> AttnGroup:
-    """table [layers, blocks]: one chunk's pages; its n queries attend causally to positions [0, start + n)
-    (with a window, to the sinks and their last `window` positions only)."""
+                  dtype: torch.dtype) -> AttnGroup:
+    """table [layers, blocks]: one chunk's pages; its n queries attend causally to positions [0, start + n)."""
     device = table.device
     total = start + n
     query_pos = torch.arange(start, total, device=device)
     key_pos = torch.arange(total, device=device)
     mask = torch.zeros(n, total, dtype=dtype, device=device)
     mask.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
-    if window > 0:
-        mask.masked_fill_(outside_window(key_pos, query_pos, window, sink_tokens), float("-inf"))
     mask = mask.repeat(num_groups, 1)[None, None]                   # [1, 1, groups * n, keys]
     return AttnGroup(rows=slice(row0, row0 + n), num_seqs=1, q_tokens=n, pages=list(table.unbind(0)),
                      num_keys=total, mask=mask)
 
 
 def decode_group(members: list[int], rows: list[int], tables: torch.Tensor, lengths: list[int],
-                 num_blocks: int, num_tokens: int, dtype: torch.dtype,
-                 windows: list[tuple[int, int]] | None = None) -> AttnGroup:
-    """members: indices into tables [chunks, layers, blocks]; rows: their token rows; lengths: keys per sequence;
-    windows: per sequence (window, sink_tokens) of a windowed draft row (window 0: none)."""
+                 num_blocks: int, num_tokens: int, dtype: torch.dtype) -> AttnGroup:
+    """members: indices into tables [chunks, layers, blocks]; rows: their token rows; lengths: keys per sequence."""
     device = tables.device
     pages = tables[torch.tensor(members, device=device), :, :num_blocks]           # [seqs, layers, blocks]
     pages = pages.transpose(0, 1).contiguous().view(tables.shape[1], -1)        # [layers, seqs * blocks]
     longest = max(lengths)
-    # a window that hides a key: only the masked torch path reads keys selectively (no in-place kernel)
-    windowed = windows is not None and any(0 < w < n - s for (w, s), n in zip(windows, lengths))
     mask = None
-    if min(lengths) != longest or windowed:      # equal lengths, no window: slicing the keys is the whole mask
+    if min(lengths) != longest:                 # equal lengths: slicing the keys is the whole mask
         key_pos = torch.arange(longest, device=device)
         length_tensor = torch.tensor(lengths, device=device)
         hidden = key_pos[None, :] >= length_tensor[:, None]                      # [seqs, keys]
-        if windowed:
-            assert windows is not None
-            for i, ((window, sink), n) in enumerate(zip(windows, lengths)):
-                if window > 0:
-                    query = torch.tensor([n - 1], device=device)
-                    hidden[i] |= outside_window(key_pos, query, window, sink)[0]
         mask = torch.zeros(len(members), 1, 1, longest, dtype=dtype, device=device)
         mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
     all_rows = rows == list(range(num_tokens))
     row_index = slice(0, num_tokens) if all_rows else torch.tensor(rows, device=device)
     return AttnGroup(rows=row_index, num_seqs=len(members), q_tokens=1,
                      pages=list(pages.unbind(0)), num_keys=longest, mask=mask,
-                     key_lengths=None if windowed else torch.tensor(lengths, dtype=torch.int64, device=device))
+                     key_lengths=torch.tensor(lengths, dtype=torch.int64, device=device))
 
 
 def attend(q: torch.Tensor, kv_rows: tuple[torch.Tensor, torch.Tensor], group: AttnGroup, layer: int,

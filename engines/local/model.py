@@ -245,15 +245,12 @@ class PagedCausalLM:
                 decode.append(c)
                 decode_rows.append(row0)
             else:
-                chunk = chunks[active[c]]
                 groups.append(prefill_group(row0, n, start, tables[c, :, :num_blocks[c]], self.num_groups,
-                                            self.torch_dtype, chunk.window, chunk.sink_tokens))
+                                            self.torch_dtype))
             row0 += n
         if decode:
-            windows = [(chunks[active[c]].window, chunks[active[c]].sink_tokens) for c in decode]
             groups.append(decode_group(decode, decode_rows, tables, [starts[c] + 1 for c in decode],
-                                       max(num_blocks[c] for c in decode), t, self.torch_dtype,
-                                       windows if any(w for w, _ in windows) else None))
+                                       max(num_blocks[c] for c in decode), t, self.torch_dtype))
         every_row = len(active) == len(chunks)
         rows = None if every_row else torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in active]).to(device)
         freqs = position_tensor[:, None].float() * self.weights.inv_freq[None, :]   # [t, head_dim // 2]

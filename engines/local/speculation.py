@@ -10,12 +10,9 @@ Per step, for every drafting chunk (batched over the requests drafting with the 
    reads the keys of rows 0..j (and nothing past its own position) through the ordinary paged decode path;
 3. `accept` keeps the drafts the rule allows and appends one token of the target's (the correction, or the bonus
    when all k are kept), 1 to k + 1 SampledTokens, num_drafted = k on the first.
-A decode chunk of the drafting member itself with ride_tokens = n (the core's rides_every_draft) rides the draft
+A decode chunk of the drafting member itself with ride_tokens = n (the core's Speculation.rides) rides the draft
 forwards: a row of each of its first n, sampled as plain decoding samples it at that position, so it gets n tokens
 for no forward of its own (`draft`'s riders; it leaves early where plain decoding would stop).
-A draft with a window (DraftSpec.window, speculation.draft_window) runs its rows with SeqChunk.window set: each
-attends to the sinks and its last `window` positions only (engines/local/attention.py masks the rest; riders and
-the verify attend to everything).
 K/V the target and the draft wrote past the accepted length is garbage: the core never counts it as computed, and
 a later step overwrites it.
 
@@ -108,8 +105,7 @@ def draft(model: PagedCausalLM, run: Callable[[PagedCausalLM, list[SeqChunk]], t
     drafts = {c.request_id: Drafts() for c in chunks}
     rows = [SeqChunk(request_id=c.request_id, token_ids=list(c.draft.token_ids), start_pos=c.draft.start_pos,
                      block_tables=c.draft.block_tables, sample=True, sampling=c.sampling,
-                     num_generated=c.num_generated, window=c.draft.window, sink_tokens=c.draft.sink_tokens)
-            for c in chunks]
+                     num_generated=c.num_generated) for c in chunks]
     active = list(chunks)
     rider_logits = None
     decoding = RideDecodes(sampler, decoders, model.member.eos_token_ids, model.member.context_tokens)
@@ -119,8 +115,7 @@ def draft(model: PagedCausalLM, run: Callable[[PagedCausalLM, list[SeqChunk]], t
             active = [c for c in active if c.draft.num_tokens > step]
             rows = [SeqChunk(request_id=c.request_id, token_ids=[drafts[c.request_id].tokens[-1]],
                              start_pos=c.start_pos + step, block_tables=c.draft.block_tables, sample=True,
-                             sampling=c.sampling, num_generated=c.num_generated + step, window=c.draft.window,
-                             sink_tokens=c.draft.sink_tokens) for c in active]
+                             sampling=c.sampling, num_generated=c.num_generated + step) for c in active]
         ride = decoding.rows(step)
         extra = list(riders) if step == 0 else []
         if not rows and not ride and not extra:

@@ -116,16 +116,13 @@ def acceptance_table(family: str, member_names: list[str], override: float | Non
 
 def load_table(path: Path, pairs: list[str]) -> AcceptanceTable:
     """The acceptance measured in an mfs-speculation-table/1 file (one entry per pair and temperature:
-    draft, target, temperature, per_token_acceptance; entries measured under a draft window, `draft_window` > 0,
-    are not the pair's figure and are left out)."""
+    draft, target, temperature, per_token_acceptance)."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("format") != SPECULATION_FORMAT:
         raise ValueError(f"{path}: not an {SPECULATION_FORMAT} file")
     source = str(data.get("source", f"measured ({path.name})"))
     by_pair: dict[str, dict[str, float]] = {}
     for entry in data["acceptance"]:
-        if entry.get("draft_window"):
-            continue
         kind = "greedy" if float(entry["temperature"]) == 0 else "sampled"
         by_pair.setdefault(f"{entry['draft']}->{entry['target']}", {})[kind] = float(entry["per_token_acceptance"])
     table = {p: Acceptance(v.get("greedy", ASSUMED_ACCEPTANCE), v.get("sampled", v.get("greedy", ASSUMED_ACCEPTANCE)),

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from eval.simulate.paths import speculation_table_path
-from orchestrator.core.config import SpeculationConfig
 from orchestrator.core.family import load_family
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import (DraftSpec, MemberBatch, PageId, Request, RequestId, SampledToken, SamplingParams,
@@ -43,10 +42,6 @@ COST_BATCH = (1, 4, 16)
 COST_CONTEXT = 128
 REPEATS = 5
 ARENA_PAGES = 4096
-LONG_ARENA_PAGES = 32768              # --long-prompts: 20 requests of ~1,000 tokens, target and draft pages
-LONG_MIN_TOKENS, LONG_MAX_TOKENS = 512, 896   # --long-prompts: a turn's context, at least / its last at most
-# the sink positions a windowed draft keeps: the server's own default (speculation.draft_sink_tokens)
-SINK_TOKENS = SpeculationConfig().draft_sink_tokens
 COSTS_NOTE = (f"costs: wall-clock medians of {REPEATS} runs after a warm-up, decodes at {COST_CONTEXT} tokens of "
               "context; verify_ms = step_ms - draft_ms. Timed while other work may have shared the machine: "
               "re-measure them alone (--costs) before using them as figures")
@@ -71,8 +66,6 @@ class Decode:
     finished: bool = False
     dropped: int = 0                # tokens the engine returned after the request's stop
     verified: list[tuple[int, int, bool]] = field(default_factory=list)   # (k, tokens returned, ended there)
-    window: int = 0                 # the draft's attention window (DraftSpec.window; 0: none)
-    sink_tokens: int = 0
     seq: Sequence = field(init=False)   # the core's record of it on `target`: what its stop rule reads
 
     def __post_init__(self) -> None:
@@ -120,8 +113,7 @@ class SpeculativeRun:
         if k > 0:
             self._grow(d.draft_tables, d.drafter, start + k)
             draft = DraftSpec(member=d.drafter, num_tokens=k, token_ids=sequence[d.draft_done:],
-                              start_pos=d.draft_done, block_tables=d.draft_tables, window=d.window,
-                              sink_tokens=d.sink_tokens)
+                              start_pos=d.draft_done, block_tables=d.draft_tables)
         self._grow(d.tables, d.target, start + 1 + k)
         return SeqChunk(request_id=RequestId(d.request_id), token_ids=[sequence[-1]], start_pos=start,
                         block_tables=d.tables, sample=True, sampling=d.sampling, num_generated=len(d.tokens),
@@ -177,28 +169,6 @@ def workload_prompts(tokenizer_hash: str, count: int = 10, max_tokens: int = 256
     return [p[-max_tokens:] for p in prompts[:count]]
 
 
-def long_prompts(family, count: int = 10, min_tokens: int = LONG_MIN_TOKENS, max_tokens: int = LONG_MAX_TOKENS,
-                 seed: int = 0) -> list[list[int]]:
-    """Long contexts: the latest turn of at least min_tokens (ShareGPT's own earlier replies as history) of each
-    of the first `count` multi-turn sessions of a trace that has one, its last max_tokens tokens at most (what a
-    draft window is measured on: the quick trace's first turns are short)."""
-    from eval.workloads import WorkloadSpec, build_trace
-    from orchestrator.serve.tokenizer import FamilyTokenizer
-
-    context = min(m.context_tokens for m in family.members)
-    spec = WorkloadSpec(name="multiturn", num_sessions=8 * count, seed=seed, context_tokens=context,
-                        max_prompt_tokens=context, max_turns=16, history="dataset", conversation_pool=40 * count)
-    trace = build_trace(spec, FamilyTokenizer(family.members[0].checkpoint_dir))
-    prompts = []
-    for session in trace.sessions:
-        longest = max(session.turns, key=lambda turn: len(turn.prompt_token_ids)).prompt_token_ids
-        if len(longest) >= min_tokens:
-            prompts.append(longest[-max_tokens:])
-        if len(prompts) == count:
-            break
-    return prompts
-
-
 def acceptance_stats(decodes: list[Decode]) -> dict[str, Any]:
     """Per-token acceptance over the verify steps that did not end their request (a stop cuts the tokens a
     step returns): accepted drafts / drafts the target judged (all accepted ones, plus one per step that
@@ -224,25 +194,21 @@ def draft_pairs(family) -> list[tuple[str, str]]:
 
 
 def measure_acceptance(executor, family, prompts: list[list[int]], k: int = DRAFT_TOKENS,
-                       new_tokens: int = NEW_TOKENS, temperatures=TEMPERATURES, seed: int = 0,
-                       window: int = 0, sink_tokens: int = SINK_TOKENS) -> list[dict]:
+                       new_tokens: int = NEW_TOKENS, temperatures=TEMPERATURES, seed: int = 0) -> list[dict]:
     """Every pair and temperature: each prompt decoded new_tokens with drafts of k tokens (unseeded sampling
-    from fixed per-request streams, so the table is reproducible); window: the drafts' attention window
-    (speculation.draft_window, 0: none) past sink_tokens sinks."""
+    from fixed per-request streams, so the table is reproducible)."""
     rows = []
     for drafter, target in draft_pairs(family):
         for temperature in temperatures:
             decodes = [Decode(f"{drafter}>{target}@{temperature}/{i}", prompt, target,
-                              SamplingParams(max_tokens=new_tokens, temperature=temperature), drafter, k,
-                              window=window, sink_tokens=sink_tokens if window else 0)
+                              SamplingParams(max_tokens=new_tokens, temperature=temperature), drafter, k)
                        for i, prompt in enumerate(prompts)]
             for i, d in enumerate(decodes):
                 executor.sampler.start_stream(RequestId(d.request_id), seed * 1000 + i)
             SpeculativeRun(executor, decodes).run()
             executor.release([RequestId(d.request_id) for d in decodes])
             rows.append({"draft": drafter, "target": target, "temperature": temperature, "k": k,
-                         "prompts": len(prompts), **({"draft_window": window, "draft_sink_tokens": sink_tokens}
-                                                     if window else {}), **acceptance_stats(decodes)})
+                         "prompts": len(prompts), **acceptance_stats(decodes)})
     return rows
 
 
@@ -331,32 +297,28 @@ def _synchronizer(executor):
     return lambda _result: None
 
 
-def build_executor(family, device: str, dtype: str, page_bytes: int = 16384, num_pages: int = ARENA_PAGES):
+def build_executor(family, device: str, dtype: str, page_bytes: int = 16384):
     """The engine as serving builds it on this machine (on a CPU: every core but one for torch's threads)."""
     from engines.local.executor import LocalExecutor
     from orchestrator.serve.local_engine import engine_threads
 
-    return LocalExecutor(family, num_pages=num_pages, page_bytes=page_bytes, dtype=dtype, device=device,
+    return LocalExecutor(family, num_pages=ARENA_PAGES, page_bytes=page_bytes, dtype=dtype, device=device,
                          num_threads=engine_threads(None) if device == "cpu" else None)
 
 
 def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float32", costs: bool = False,
-            prompts: int = 10, new_tokens: int = NEW_TOKENS, ks=COST_K, batches=COST_BATCH,
-            draft_windows: tuple[int, ...] = (0,), long: bool = False) -> dict[str, Any]:
+            prompts: int = 10, new_tokens: int = NEW_TOKENS, ks=COST_K, batches=COST_BATCH) -> dict[str, Any]:
     family = load_family(family_name)
-    executor = build_executor(family, device, dtype, num_pages=LONG_ARENA_PAGES if long else ARENA_PAGES)
+    executor = build_executor(family, device, dtype)
     started = time.perf_counter()
-    texts = long_prompts(family, prompts) if long else workload_prompts(family.members[0].tokenizer_hash, prompts)
-    source = (f"the latest turn of at least {LONG_MIN_TOKENS} tokens of ShareGPT multi-turn sessions ({len(texts)} "
-              f"prompts, last {LONG_MAX_TOKENS} tokens at most)" if long else
-              f"first turns of {TRACE.relative_to(TRACE.parents[3])} ({len(texts)} prompts, last 256 tokens at most)")
+    texts = workload_prompts(family.members[0].tokenizer_hash, prompts)
+    source = f"first turns of {TRACE.relative_to(TRACE.parents[3])} ({len(texts)} prompts, last 256 tokens at most)"
     table: dict[str, Any] = {
         "format": TABLE_FORMAT,
         "source": f"measured: local engine, {family.name} family, {dtype}, {device} "
                   f"({platform.machine()}), {time.strftime('%Y-%m-%d')}",
         "workload": f"{source}, {new_tokens} new tokens each (fewer where EOS ends the reply)",
-        "acceptance": [row for window in draft_windows
-                       for row in measure_acceptance(executor, family, texts, new_tokens=new_tokens, window=window)],
+        "acceptance": measure_acceptance(executor, family, texts, new_tokens=new_tokens),
         "costs": measure_costs(executor, family, ks, batches) if costs else None,
         "notes": [f"acceptance: k = {DRAFT_TOKENS} drafts a step; per_token_acceptance = accepted drafts / drafts "
                   "judged (the accepted ones plus the first rejected of each step); by_position: the share of "
@@ -367,10 +329,9 @@ def measure(family_name: str = "tiny", device: str = "cpu", dtype: str = "float3
 
 
 def print_table(table: dict[str, Any]) -> None:
-    print(f"{'draft':>8} {'target':>8} {'window':>6} {'temp':>5} {'accept':>7} {'tok/step':>8}  by position")
+    print(f"{'draft':>8} {'target':>8} {'temp':>5} {'accept':>7} {'tok/step':>8}  by position")
     for row in table["acceptance"]:
-        window = row.get("draft_window") or "-"
-        print(f"{row['draft']:>8} {row['target']:>8} {window:>6} {row['temperature']:>5} "
+        print(f"{row['draft']:>8} {row['target']:>8} {row['temperature']:>5} "
               f"{row['per_token_acceptance']:>7} {row['tokens_per_step']:>8}  {row['by_position']}")
     if table["costs"]:
         print(f"\n{'draft':>8} {'target':>8} {'k':>2} {'batch':>5} {'draft ms':>9} {'verify ms':>9} {'step ms':>8} "
@@ -397,26 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--cost-k", default=",".join(map(str, COST_K)), help="drafted tokens timed (comma list)")
     parser.add_argument("--cost-batch", default=",".join(map(str, COST_BATCH)), help="batch sizes timed (comma list)")
-    parser.add_argument("--draft-window", default="0", metavar="W[,W...]",
-                        help=f"acceptance of drafts that attend to {SINK_TOKENS} sink tokens and their last W "
-                             "positions only (speculation.draft_window; 0: every position), one table row set per W")
-    parser.add_argument("--long-prompts", action="store_true",
-                        help=f"long contexts ({LONG_MIN_TOKENS}-{LONG_MAX_TOKENS} tokens of multi-turn ShareGPT "
-                             "sessions) instead of the quick trace's first turns (13-237 tokens): where a draft "
-                             "window hides most of the context")
     parser.add_argument("--out", default=None,
                         help="the table to write (default: eval/simulate/tables/<family>_speculation.json, what "
                              "mfs simulate reads for that family)")
     args = parser.parse_args(argv)
-    try:
-        windows = _ints(args.draft_window)
-    except ValueError:
-        windows = ()
-    if not windows or min(windows) < 0:
-        parser.error(f"--draft-window {args.draft_window!r}: windows are comma-separated integers >= 0")
     table = measure(args.family, args.device, args.dtype, args.costs, args.prompts, args.new_tokens,
-                    ks=_ints(args.cost_k), batches=_ints(args.cost_batch), draft_windows=windows,
-                    long=args.long_prompts)
+                    ks=_ints(args.cost_k), batches=_ints(args.cost_batch))
     out = Path(args.out) if args.out else speculation_table_path(load_family(args.family).name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")

@@ -135,21 +135,9 @@ class SpeculationConfig:
     # on one device, the draft member's own batch in a step runs in its drafts' catch-up forward (one read of its
     # weights for both; only an engine running the whole family can); false: a forward of its own
     drafts_ride: bool = True
-    # with drafts_ride, the draft member's own decodes ride every draft forward of the step, not only the catch-up:
-    # a token per forward, so k in a step that drafts k (as many decode steps of that member for no read of its
-    # weights of their own); the draft length counts those tokens. Off: one token per step, in the catch-up. None:
-    # on for a family of separate weights, off for a nested one (its draft member's batch merges into its host's
-    # forward)
-    rides_every_draft: bool | None = None
     # prior per-token acceptance of each "draft->target" pair, before any verify is observed
     acceptance: dict[str, float] = field(default_factory=dict)
     default_acceptance: float = 0.7       # the prior of a pair the table does not name
-    # the draft's attention window (StreamingLLM-style, as MagicDec drafts): its forwards attend to the first
-    # draft_sink_tokens positions and the last draft_window ones, so a draft forward's KV read is bounded at any
-    # context (TensorRT-LLM: sink tokens with a sliding attention window). The verify attends to everything, so
-    # output is unchanged; only the acceptance can fall. 0: the draft attends to every position
-    draft_window: int = 0
-    draft_sink_tokens: int = 4
 
 
 @dataclass(slots=True)
@@ -253,8 +241,6 @@ class MFSConfig:
                "speculation.acceptance", "per-token acceptances must be in [0, 1)")
         _check(all("->" in pair for pair in spec.acceptance), "speculation.acceptance",
                "keys name a pair as DRAFT->TARGET")
-        _check(spec.draft_window >= 0, "speculation.draft_window", "must be >= 0 (0: the draft attends to everything)")
-        _check(spec.draft_sink_tokens >= 0, "speculation.draft_sink_tokens", "must be >= 0")
         _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
                f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
 

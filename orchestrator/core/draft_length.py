@@ -9,7 +9,7 @@ from typing import ClassVar, NamedTuple
 
 from orchestrator.core.config import SpeculationConfig
 from orchestrator.core.sequence import Sequence
-from orchestrator.core.types import ForwardShape, MemberName, SeqChunk, StepPlan, attended_keys
+from orchestrator.core.types import ForwardShape, MemberName, SeqChunk, StepPlan
 
 # A draft's catch-up of at most this many tokens is a verify's rows (its request's KV read once, the rows through
 # the weights); a longer one (a draft's first step after admission) a prefill chunk.
@@ -63,7 +63,7 @@ class AcceptanceEstimates:
 
 
 class Rider(NamedTuple):
-    """A decode chunk of the step's draft member that may ride every draft forward (rides_every_draft)."""
+    """A decode chunk of the step's draft member that may ride every draft forward (Speculation.rides)."""
 
     chunk: SeqChunk
     max_tokens: int           # the most it may decode this step (its remaining tokens, its context)
@@ -112,8 +112,7 @@ class DraftLength:
         others = num_chunks - len(candidates) - len(riders)
 
         def cost(choice: dict[str, int]) -> float | None:
-            step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k, riders,
-                                            self.config.draft_window, self.config.draft_sink_tokens))
+            step_s = estimate(step_forwards(plan, candidates, choice, self.config.max_k, riders))
             if step_s is None:
                 return None
             drafted = 0.0      # summed as sum() would (mypyc types sum() over floats as int)
@@ -159,12 +158,6 @@ class DraftEntry(NamedTuple):
     before: int               # tokens before them
     last: int                 # the last catch-up row's position
     k: int                    # forwards it takes a row of (its drafts, a rider's tokens)
-    window: int = 0           # the draft's attention window (DraftSpec.window; 0: none)
-    sink_tokens: int = 0
-
-    def context(self, position: int) -> int:
-        """Tokens a row at `position` reads (a windowed draft reads no more than its window)."""
-        return attended_keys(position, self.window, self.sink_tokens)
 
 
 def ride_tokens(forwards: int, max_tokens: int) -> int:
@@ -175,13 +168,12 @@ def ride_tokens(forwards: int, max_tokens: int) -> int:
 
 
 def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int], max_rows: int,
-                  riders: Seq[Rider] = (), window: int = 0, sink_tokens: int = 0) -> list[ForwardShape]:
+                  riders: Seq[Rider] = ()) -> list[ForwardShape]:
     """The forwards of `plan` if every candidate drafted min(its member's k in ks, its max_k) tokens: the draft
     forwards first (the first one catches each draft up to its request's last token, the k - 1 others decode one
     drafted token each; riders decode a token in each, out of their batch's forward), then each member batch with
     the candidates' chunks as verifies of k + 1 rows. A catch-up longer than a verify (a draft's first step after
-    admission) counts as max_rows + 1 rows: it is paid once, not per step. window, sink_tokens: the drafts'
-    attention window (speculation.draft_window)."""
+    admission) counts as max_rows + 1 rows: it is paid once, not per step."""
     by_chunk = {id(c.chunk): min(ks.get(c.seq.member, 0), c.max_k) for c in candidates}
     drafts: dict[str, list[DraftEntry]] = {}
     for c in candidates:
@@ -192,7 +184,7 @@ def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int
         assert draft is not None        # a candidate has a draft
         last = len(c.seq.token_ids) - 1
         rows = min(last + 1 - draft.num_computed_tokens, max_rows + 1)
-        drafts.setdefault(draft.member, []).append(DraftEntry(rows, last + 1 - rows, last, k_r, window, sink_tokens))
+        drafts.setdefault(draft.member, []).append(DraftEntry(rows, last + 1 - rows, last, k_r))
     riding: set[int] = set()
     if riders and drafts:
         forwards = max(by_chunk.values())
@@ -215,8 +207,8 @@ def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
             spec = chunk.draft
             if spec is not None:
                 rows = len(spec.token_ids)
-                drafts.setdefault(spec.member, []).append(DraftEntry(
-                    rows, spec.start_pos, spec.start_pos + rows - 1, spec.num_tokens, spec.window, spec.sink_tokens))
+                drafts.setdefault(spec.member, []).append(
+                    DraftEntry(rows, spec.start_pos, spec.start_pos + rows - 1, spec.num_tokens))
             elif chunk.ride_tokens:
                 riding.add(id(chunk))
                 drafts.setdefault(batch.member, []).append(
@@ -227,17 +219,15 @@ def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
 
 def _draft_forwards(drafts: dict[str, list[DraftEntry]]) -> list[ForwardShape]:
     """Per draft member, from its requests' entries: the catch-up forward (one row a decode, up to
-    CATCH_UP_VERIFY_ROWS a verify's rows, more a prefill chunk), then one forward per further drafted token; each
-    row at the context it reads (a windowed draft's, at most its window)."""
+    CATCH_UP_VERIFY_ROWS a verify's rows, more a prefill chunk), then one forward per further drafted token."""
     forwards: list[ForwardShape] = []
     for member, entries in drafts.items():
-        forwards.append(ForwardShape(MemberName(member), tuple(e.context(e.before) for e in entries if e.rows == 1),
-                                     tuple((e.rows, e.context(e.before)) for e in entries
-                                           if 1 < e.rows <= CATCH_UP_VERIFY_ROWS),
-                                     tuple((e.rows, e.context(e.before)) for e in entries
-                                           if e.rows > CATCH_UP_VERIFY_ROWS), True))
+        forwards.append(ForwardShape(MemberName(member), tuple(e.before for e in entries if e.rows == 1),
+                                     tuple((e.rows, e.before) for e in entries if 1 < e.rows <= CATCH_UP_VERIFY_ROWS),
+                                     tuple((e.rows, e.before) for e in entries if e.rows > CATCH_UP_VERIFY_ROWS),
+                                     True))
         for j in range(1, max(e.k for e in entries)):
-            contexts = tuple(e.context(e.last + j) for e in entries if e.k > j)
+            contexts = tuple(e.last + j for e in entries if e.k > j)
             forwards.append(ForwardShape(MemberName(member), contexts, (), (), True))
     return forwards
 

@@ -193,7 +193,7 @@ class Stats:
             self._accepted_tokens[pair] = self._accepted_tokens.get(pair, 0) + accepted_tokens
 
     def on_ride(self, member: str, tokens: int) -> None:
-        """A decode of the draft member rode its draft forwards (speculation.rides_every_draft) for `tokens` tokens."""
+        """A decode of the draft member rode its draft forwards (a family of separate weights) for `tokens`."""
         with self._lock:
             self._ride_tokens[member] = self._ride_tokens.get(member, 0) + tokens
 

@@ -33,7 +33,7 @@ reached JOIN_CREDIT joins a step another drafting member takes, paying its turn 
 and it waits the longer for its next): its frequency over time is unchanged, its steps fall where drafts are made
 anyway.
 
-Where the draft member's own decodes also ride every draft forward (speculation.rides_every_draft), they take a
+Where the draft member's own decodes also ride every draft forward (a family of separate weights), they take a
 token in each of a drafting step's k draft forwards without a read of its weights of their own, so its tokens come
 at the pace of the drafting members' steps, not at its own frequency. With riding_draft_member (an ablation's) it
 then stands outside the frequency model (riding_draft_member): it steps in every step it has decodes, and the
@@ -57,8 +57,8 @@ from orchestrator.core.types import ForwardShape, MemberName
 # G = 1.5, 2, 3, 5 gave 15.6, 14.6, 14.2, 14.1 ms per token, G = 0 (every member in every step) 22.5
 DEFAULT_MEMBER_TURNS = 2.0
 # a drafting member joins another's drafting step once it has a quarter of its turn: SIMULATED (the 400-session
-# trace at 6 sessions/s, seed 0, rides_every_draft): joining at 0.5, 0.25, 0.1 gave 14.98, 15.06, 14.98 ms per
-# token against 15.12 without (the three within one seed's noise)
+# trace at 6 sessions/s, seed 0, the draft member's decodes riding every draft forward): joining at 0.5, 0.25, 0.1
+# gave 14.98, 15.06, 14.98 ms per token against 15.12 without (the three within one seed's noise)
 JOIN_CREDIT = 0.25
 # the moving average of a member's realized share of the steps: about the last 64 steps it had decodes in
 STEP_SHARE_EMA = 1 / 64

@@ -21,8 +21,7 @@ from orchestrator.core.parts import SchedulerParts
 from orchestrator.core.draft_length import (AcceptanceEstimates, Candidate, DraftLength, Rider, StepCost, pair_name,
                                            ride_tokens)
 from orchestrator.core.sequence import DraftState, Sequence
-from orchestrator.core.types import DraftSpec, MemberName, RequestId, SampledToken, SamplingParams, StepPlan
-
+from orchestrator.core.types import DraftSpec, MemberName, RequestId, SampledToken, SamplingParams, SeqChunk, StepPlan
 
 
 def draftable(sampling: SamplingParams) -> bool:
@@ -32,17 +31,19 @@ def draftable(sampling: SamplingParams) -> bool:
     return not sampling.penalized and not (sampling.temperature > 0 and sampling.seed is not None)
 
 
+def speculable(seq: Sequence) -> bool:
+    """Whether `seq` may take more than one token a step: not a warm-up, not pinned (its caller named the one member
+    to answer), its sampling one speculation reproduces (draftable)."""
+    return not seq.is_warmup and seq.request.pinned_member is None and draftable(seq.request.sampling)
+
+
 def draft_member_for(family: FamilySpec, config: MFSConfig, seq: Sequence) -> MemberName | None:
-    """The member that drafts for `seq` on its current member: the family's smallest member, when it is smaller.
-    None when speculation is off, for a warm-up, a pinned request (its caller named the one member to answer) and
-    a sampling that speculation does not reproduce (draftable)."""
+    """The member that drafts for `seq` on its current member: the family's smallest member, when it is smaller
+    and `seq` is speculable. None when speculation is off."""
     smallest = family.members[0].name
-    if (not config.speculation.enabled or seq.is_warmup or seq.member == smallest
-            or seq.request.pinned_member is not None or not draftable(seq.request.sampling)):
+    if not config.speculation.enabled or seq.member == smallest or not speculable(seq):
         return None
     return smallest
-
-
 
 
 class Speculation:
@@ -57,12 +58,10 @@ class Speculation:
         self.stats = parts.stats
         self.settings = parts.config.speculation
         self.private = private
-        # the draft member's own decodes ride every draft forward: only where its batch rides at all, and its drafts
-        # are its own (a separate server's draft copy is not its small member)
-        rides = self.settings.rides_every_draft
-        if rides is None:
-            rides = not parts.family.is_nested()
-        self.rides = rides and self.settings.drafts_ride and not self.private
+        # the draft member's own decodes ride every draft forward (a token in each): in a family of separate weights
+        # (a nested one merges the draft member's batch into its host's forward instead), where its batch rides at
+        # all, and its drafts are its own (a separate server's draft copy is not its small member)
+        self.rides = not parts.family.is_nested() and self.settings.drafts_ride and not self.private
         self.partitioned = parts.pool.is_partitioned
         self.acceptance = AcceptanceEstimates(self.settings)
         self.length = DraftLength(self.settings)
@@ -159,15 +158,11 @@ class Speculation:
             n = len(seq.token_ids)
             if not (grow(own, n + k_r) and grow(draft.kv, n + k_r - 1)):
                 continue
-            chunk.block_tables, residual_out = own.tables_upto(-(-(n + k_r) // own.tokens_per_block))
-            if chunk.residual_table_out is not None:
-                chunk.residual_table_out = residual_out
+            _cover(chunk, seq, n + k_r)
             tables, _ = draft.kv.tables_upto(-(-(n + k_r - 1) // draft.kv.tokens_per_block))
             chunk.draft = DraftSpec(member=draft.member, num_tokens=k_r,
                                     token_ids=seq.token_ids[draft.num_computed_tokens:],
-                                    start_pos=draft.num_computed_tokens, block_tables=tables,
-                                    window=self.settings.draft_window,
-                                    sink_tokens=self.settings.draft_sink_tokens)
+                                    start_pos=draft.num_computed_tokens, block_tables=tables)
         if riders:
             forwards = max((c.draft.num_tokens for b in plan.batches for c in b.chunks if c.draft is not None),
                            default=0)
@@ -176,7 +171,7 @@ class Speculation:
 
     def _riders(self, plan: StepPlan, candidates: list[Candidate]) -> list[Rider]:
         """The draft member's decode chunks in the plan that may ride its draft forwards: what it would draft for
-        (draftable sampling, not pinned, not a warm-up), with at least two tokens to go."""
+        (speculable), with at least two tokens to go."""
         drafters = {c.seq.draft.member for c in candidates if c.seq.draft is not None}
         riders: list[Rider] = []
         for batch in plan.batches:
@@ -186,8 +181,7 @@ class Speculation:
                 if not chunk.sample or len(chunk.token_ids) != 1 or chunk.start_layer != 0:
                     continue
                 seq = self.running.get(chunk.request_id)
-                if (seq is None or not seq.is_decoding() or seq.is_warmup or seq.request.pinned_member is not None
-                        or not draftable(seq.request.sampling)):
+                if seq is None or not seq.is_decoding() or not speculable(seq):
                     continue
                 n = len(seq.token_ids)
                 most = min(seq.request.sampling.max_tokens - seq.num_generated, self._contexts[seq.member] - n)
@@ -204,13 +198,9 @@ class Speculation:
             seq = self.running.get(chunk.request_id)
             if tokens < 2 or seq is None or seq.kv is None:
                 continue
-            end = chunk.start_pos + tokens
-            if not self.kv.grow(seq.kv, end):
-                continue
-            chunk.block_tables, residual_out = seq.kv.tables_upto(-(-end // seq.kv.tokens_per_block))
-            if chunk.residual_table_out is not None:
-                chunk.residual_table_out = residual_out
-            chunk.ride_tokens = tokens
+            if self.kv.grow(seq.kv, chunk.start_pos + tokens):
+                _cover(chunk, seq, chunk.start_pos + tokens)
+                chunk.ride_tokens = tokens
 
     def verified(self, plan: StepPlan, sampled: list[SampledToken]) -> dict[RequestId, int] | None:
         """Before the step's tokens go into their requests: per drafting request, the drafts its member accepted
@@ -277,3 +267,11 @@ class Speculation:
         if (len(draft.hashes) + 1) * draft.kv.tokens_per_block <= len(seq.token_ids):
             draft.hashes = self.kv.block_hashes(draft.member, seq.token_ids, draft.salt, known=draft.hashes)
         return draft.hashes
+
+
+def _cover(chunk: SeqChunk, seq: Sequence, end: int) -> None:
+    """chunk's tables (and residual_out, where it writes one) cover positions [0, end) of seq's grown KV."""
+    assert seq.kv is not None
+    chunk.block_tables, residual_out = seq.kv.tables_upto(-(-end // seq.kv.tokens_per_block))
+    if chunk.residual_table_out is not None:
+        chunk.residual_table_out = residual_out

@@ -133,18 +133,6 @@ class DraftSpec:
     start_pos: int                     # position of token_ids[0]
     block_tables: list[list[PageId]]   # the draft member's pages for this request, one list per draft layer,
                                        # covering positions [0, start_pos + len(token_ids) + num_tokens - 1)
-    # the draft's attention window (speculation.draft_window): each draft row attends to positions [0, sink_tokens)
-    # and its last `window` positions (its own included); 0: to every position before it
-    window: int = 0
-    sink_tokens: int = 0
-
-
-def attended_keys(context: int, window: int, sink_tokens: int) -> int:
-    """Of `context` tokens before a row, how many a window of `window` (the row's own key included; 0: no window)
-    past `sink_tokens` sink positions lets it read."""
-    if window <= 0:
-        return context
-    return min(context, sink_tokens + window - 1)
 
 
 @dataclass(slots=True)
@@ -174,14 +162,11 @@ class SeqChunk:
     # A decode chunk whose member verifies k drafted tokens: token_ids == [last], sample=True, and block_tables
     # cover positions [0, start_pos + 1 + k) (k + 1 verify rows). docs/ARCHITECTURE.md, Speculation.
     draft: DraftSpec | None = None
-    # A decode chunk of the member drafting in this step that rides its draft forwards (speculation.rides_every_draft):
-    # it decodes this many tokens, one per forward, and no forward of its member's batch computes it; token_ids ==
-    # [last], sample=True, block_tables cover positions [0, start_pos + ride_tokens). 0: one token, as usual.
+    # A decode chunk of the member drafting in this step that rides its draft forwards (a family of separate
+    # weights, speculation.py): it decodes this many tokens, one per forward, and no forward of its member's batch
+    # computes it; token_ids == [last], sample=True, block_tables cover positions [0, start_pos + ride_tokens).
+    # 0: one token, as usual.
     ride_tokens: int = 0
-    # A draft row under a draft window (DraftSpec.window, set by the engine's drafting, never by the core): each
-    # token attends to positions [0, sink_tokens) and its last `window` positions only. 0: to every position.
-    window: int = 0
-    sink_tokens: int = 0
 
 
 @dataclass(slots=True)
