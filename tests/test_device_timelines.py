@@ -1,6 +1,6 @@
 """Members on devices of their own step on their own timelines (eval/simulate/node.py), for MFS's one scheduler
 and the baseline's deployments alike; a plan for some members never touches another member's requests
-(Scheduler.schedule's members). A fake cost model with a fixed cost per member step gives exact times."""
+(the scheduler's scope, parts.StepScope, narrowed to them). A fake cost model with a fixed cost per member step gives exact times."""
 from __future__ import annotations
 
 import pytest
@@ -42,10 +42,10 @@ class RecordingExecutor(SimExecutor):
         super().__init__(*args, **kwargs)
         self.steps: list[tuple[float, str | None, list[str]]] = []
 
-    def execute(self, plan, device=None):
+    def execute(self, plan):
         assert self._clock is not None
-        self.steps.append((self._clock(), device, sorted(b.member for b in plan.batches)))
-        return super().execute(plan, device)
+        self.steps.append((self._clock(), self.device, sorted(b.member for b in plan.batches)))
+        return super().execute(plan)
 
 
 def run_node(system: str, requests: list[tuple[str, str, float, int]], members_in_parallel: bool = True,
@@ -105,6 +105,12 @@ def test_on_one_device_mfs_steps_its_members_together_and_the_deployments_take_t
     assert tokens == {"a": [1.0, 5.0], "b": [4.0, 8.0]}
 
 
+def on(h, member):
+    """h's scheduler, its plans narrowed to `member` (a device of its own)."""
+    h.scheduler.scope.members = (member,)
+    return h.scheduler
+
+
 def test_a_plan_for_one_member_leaves_the_others_requests_alone():
     """While tiny-s's step is in flight, a plan for tiny-m neither steps, grows, preempts nor admits tiny-s's
     requests; tiny-s's own plan then admits its waiting request."""
@@ -113,19 +119,19 @@ def test_a_plan_for_one_member_leaves_the_others_requests_alone():
     h = Harness(**{"comparison.static_split": {"s": 0.5, "m": 0.25, "l": 0.25}})
     h.submit("a", list(range(10, 18)), max_tokens=3, pinned_member=MemberName("s"))
     h.submit("b", list(range(30, 38)), max_tokens=3, pinned_member=MemberName("m"))
-    plan_s, _ = h.scheduler.schedule(0.0, members=("s",))
+    plan_s, _ = on(h, "s").schedule(0.0)
     assert [b.member for b in plan_s.batches] == ["s"]
     h.submit("c", list(range(50, 58)), max_tokens=3, pinned_member=MemberName("s"))
     a = h.scheduler.running.get(RequestId("a"))
     pages_a = list(a.kv.all_pages())
-    plan_m, _ = h.scheduler.schedule(0.5, members=("m",))
+    plan_m, _ = on(h, "m").schedule(0.5)
     assert [b.member for b in plan_m.batches] == ["m"]
     assert [c.request_id for b in plan_m.batches for c in b.chunks] == ["b"]
     assert list(a.kv.all_pages()) == pages_a                               # not grown for a step it is not in
     assert h.scheduler.running.get(RequestId("c")) is None                 # tiny-s's queue waits for tiny-s
-    assert h.scheduler.has_work(("s",)) and h.scheduler.has_work(("m",)) and not h.scheduler.has_work(("l",))
+    assert on(h, "s").has_work() and on(h, "m").has_work() and not on(h, "l").has_work()
     h.scheduler.update(plan_s, h.executor.execute(plan_s), 1.0)
-    plan_s, _ = h.scheduler.schedule(1.0, members=("s",))
+    plan_s, _ = on(h, "s").schedule(1.0)
     assert sorted(c.request_id for b in plan_s.batches for c in b.chunks) == ["a", "c"]
     assert h.scheduler.running.get(RequestId("b")).num_generated == 0      # b's step is still in flight
 
@@ -135,13 +141,13 @@ def test_an_abort_of_a_request_in_another_members_step_waits_for_that_members_pl
 
     h = Harness(**{"comparison.static_split": {"s": 0.5, "m": 0.25, "l": 0.25}})
     h.submit("a", list(range(10, 18)), max_tokens=3, pinned_member=MemberName("s"))
-    plan_s, _ = h.scheduler.schedule(0.0, members=("s",))
+    plan_s, _ = on(h, "s").schedule(0.0)
     h.scheduler.abort(RequestId("a"))
-    _, outputs = h.scheduler.schedule(0.5, members=("m",))
+    _, outputs = on(h, "m").schedule(0.5)
     assert outputs == [] and h.scheduler.running.get(RequestId("a")) is not None
-    assert h.scheduler.has_work(("s",)) and not h.scheduler.has_work(("m",))
+    assert on(h, "s").has_work() and not on(h, "m").has_work()
     h.scheduler.update(plan_s, h.executor.execute(plan_s), 1.0)
-    _, outputs = h.scheduler.schedule(1.0, members=("s",))
+    _, outputs = on(h, "s").schedule(1.0)
     assert [o.request_id for o in outputs] == ["a"] and outputs[0].finished
 
 

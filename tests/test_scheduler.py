@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from eval.composition import core_parts
-from eval.simulate.node import homed_scheduler, moved_out
+from eval.simulate.node import SimCore, homed_scheduler, moved_out
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.engine_core import EngineCore, drain
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
@@ -19,11 +19,12 @@ class Harness:
     """The core as every runner builds it (EngineCore.build) on the fake family and executor, stepped by hand:
     each step moves the clock 10 ms and checks the pool's invariants."""
 
-    def __init__(self, family=None, tiers=None, low_confidence=(), scheduler_factory=None, **overrides):
+    def __init__(self, family=None, tiers=None, low_confidence=(), scheduler_factory=None, core_class=EngineCore,
+                 **overrides):
         self.now = 0.0
         self.outputs: dict[str, list] = {}
         config = fake_config(**overrides)
-        self.core = EngineCore.build(
+        self.core = core_class.build(
             config, family or nested_family(), clock=lambda: self.now,
             estimator=ComplexityEstimator(fake_vocab()), **core_parts(config, scheduler_factory, tiers),
             make_executor=lambda family, num_pages, page_bytes: FakeExecutor(family, num_pages, page_bytes,
@@ -130,14 +131,14 @@ def test_escalation_hands_over_mid_stream_and_reuses_shared_layers():
 
 def test_an_escalated_request_moves_to_a_node_homing_its_new_member_and_finishes_there():
     """A fleet with member homes (pooled placement) moves an escalated request, waiting for a member its node is
-    not home to, to another node's core: no output at the move, its tokens and progress go with it, the source
-    returns every page and the target finishes it."""
+    not home to, to another node's core (the simulator's SimCore): no output at the move, its tokens and progress
+    go with it, the source returns every page and the target finishes it."""
     settings = {"escalation.min_tokens": 4, "escalation.window_tokens": 4, "comparison.warmup": False,
                 "router.complexity_thresholds": [0.99, 0.995]}
     homes = frozenset({"s"})
     a = Harness(family=independent_family(), low_confidence=("s",), scheduler_factory=homed_scheduler(homes),
-                **settings)
-    b = Harness(family=independent_family(), low_confidence=("s",), **settings)
+                core_class=SimCore, **settings)
+    b = Harness(family=independent_family(), low_confidence=("s",), core_class=SimCore, **settings)
     assert a.submit("e", PROMPT, max_tokens=12).member == "s"
     moved = []
     for _ in range(50):

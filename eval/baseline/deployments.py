@@ -25,7 +25,7 @@ configuration: eval/systems.py DEPLOYMENTS.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Iterable
 from functools import partial
 
 from eval.composition import scheduler_policies
@@ -116,13 +116,13 @@ class Deployments:
     def has_room(self, seq: Sequence, running: RunningSet) -> bool:
         return running.num_on(seq.member) < self.member_cap
 
-    def select(self, running: RunningSet, members: Collection[str] | None = None) -> list[Sequence]:
-        """One deployment per step (the next with running requests after the last one served, among `members`
-        when the plan is for those alone), in admission order; the others' requests keep their pages and wait
-        for their turn. Deployments on devices of their own each get plans of their own (members: that one),
-        so they never wait for each other."""
+    def select(self, running: Iterable[Sequence]) -> list[Sequence]:
+        """One deployment per step (the next with running requests after the last one served, among those the
+        step's scope holds), in admission order; the others' requests keep their pages and wait for their turn.
+        Deployments on devices of their own each get plans of their own (the scope: that one), so they never
+        wait for each other."""
         names = self.names
-        busy = {s.member for s in running if members is None or s.member in members}
+        busy = {s.member for s in running}
         if not busy:
             return []
         for offset in range(1, len(names) + 1):

@@ -76,6 +76,7 @@ class SimExecutor:
         self._history_s: Callable[[float, int, int, int], float] | None = getattr(cost, "history_s", None)
         self._clock: Callable[[], float] | None = None
         self._histories: dict[str | None, HistoryTracker] = {}     # device -> its steps' history
+        self.device: str | None = None          # the device the next plan runs on (None: the node's one; node.py)
 
     def attach_clock(self, clock: Callable[[], float]) -> None:
         """The node's virtual clock: lets the executor see the idle gaps between its steps (history terms)."""
@@ -133,9 +134,9 @@ class SimExecutor:
         body = max(compute, saves) if self.cost.saves_overlap else compute + saves
         return self.cost.step_overhead_s() + body + loads
 
-    def execute(self, plan: StepPlan, device: str | None = None) -> list[SampledToken]:
-        """Runs the plan on `device` (None: the node's one device): the history terms read that device's own
-        steps and idle gaps. The tier copies counted are those made since the last execute, i.e. this plan's
+    def execute(self, plan: StepPlan) -> list[SampledToken]:
+        """Runs the plan on `device` (the node sets it before each step; None: the node's one device): the history
+        terms read that device's own steps and idle gaps. The tier copies counted are those made since the last execute, i.e. this plan's
         (the node copies right before it executes)."""
         self.release(plan.released_requests)
         shapes = plan_shapes(plan, self.family, self.drafts_ride)
@@ -143,6 +144,7 @@ class SimExecutor:
         self.last_step_s = self._step_s(shapes, costs)
         if self._history_s is not None and self._clock is not None:
             now = self._clock()
+            device = self.device
             history = self._histories.get(device)
             if history is None:
                 history = self._histories[device] = HistoryTracker()

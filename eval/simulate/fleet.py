@@ -17,7 +17,7 @@ pooled:N     N GPUs, each system as it would use them: the family's own systems 
              does; when that home is congested (SPILL_WAITING) the session spills to the least congested node,
              which holds that member's weights too. That spill is what a shifting mix needs and a per-member
              deployment cannot do. A request escalated to a member its node is not home to moves to that member's
-             home (driver.py, Scheduler.move_out/move_in), as it would move to the larger member's deployment.
+             home (driver.py, node.SimCore.move_out/move_in), as it would move to the larger member's deployment.
 
 The front router is modelled on what is deployed today (sglang-router's cache_aware policy, Dynamo's KV
 router): a session sticks to its node while that node is not overloaded; otherwise the node whose routed

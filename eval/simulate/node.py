@@ -8,11 +8,14 @@ time, as the real loop adds them between steps.
 
 Devices: when the members share one device (colocated) that is the node's one timeline. When each member has
 its own (the executor's members_in_parallel: per-member placement), each member is a timeline of its own: a
-free device whose member has work asks the scheduler for a plan for that member alone, executes it at that
-member's cost and updates it at its own end, while the other devices' plans run. The scheduler never touches a
-request of a member outside the plan (Scheduler.schedule's members), so a request in a step in flight is not
-planned again before that step's update; one scheduler (MFS) and one scheduler per deployment alike step each
-device on its own.
+free device whose member has work asks the scheduler for a plan for that member alone (the scheduler's scope,
+parts.StepScope, narrowed to it; the executor told the device it prices), executes it at that member's cost and
+updates it at its own end, while the other devices' plans run. The scheduler never touches a request of a member
+outside the scope, so a request in a step in flight is not planned again before that step's update; one
+scheduler (MFS) and one scheduler per deployment alike step each device on its own.
+
+A fleet whose nodes are homes to members (fleet.py, driver.py) moves a waiting escalated request to its new
+member's home: SimCore adds that move to the core, the request unended, its tokens, progress and monitor with it.
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from eval.composition import core_parts, scheduler_policies, system_family
 from eval.simulate.clock import EventQueue, VirtualClock
 from eval.simulate.executor import SimExecutor
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.engine_core import EngineCore, Step
-from orchestrator.core.errors import MFSError
+from orchestrator.core.engine_core import EngineCore, Sink, Step
+from orchestrator.core.errors import InvalidRequestError, MFSError
+from orchestrator.core.events import EventKind
 from orchestrator.core.family import FamilySpec
+from orchestrator.core.handover import release_pin
 from orchestrator.core.placement import Placement, SharedPoolPlacement
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.sequence import Sequence
@@ -124,6 +129,41 @@ def homed_scheduler(homes: frozenset[str]) -> Callable[..., Scheduler]:
     return build
 
 
+class SimCore(EngineCore):
+    """The core as EngineCore.build assembles it, and the move of a waiting request between two nodes' cores."""
+
+    def move_out(self, seq: Sequence) -> Sequence:
+        """Takes a waiting request out without ending it (no output; the source pages it kept go back), for
+        another node's core to move_in with its tokens, progress and monitor: the request continues there."""
+        scheduler = self.scheduler
+        with self.lock:
+            if scheduler.lifecycle.by_id.get(seq.request_id) is not seq or seq.kv is not None or seq.is_warmup:
+                raise ValueError(f"request {seq.request_id} is not a waiting request of this scheduler")
+            release_pin(seq, scheduler.kv, scheduler.running)
+            seq.drop_draft(scheduler.kv)
+            scheduler.waiting.remove(seq)
+            scheduler.lifecycle.forget(seq)
+            seq.warmup_member = None        # a warm-up it had here is no use there
+        self.detach(seq.request_id)
+        return seq
+
+    def move_in(self, seq: Sequence, sink: Sink) -> None:
+        """Adopts a request another node's core moved out, its outputs to sink: it resumes first, on the member it
+        was moved for (prefilling its prompt and generated tokens there, from this node's cache where it has
+        them)."""
+        self._enqueue(seq.request_id, sink, lambda: self._adopt(seq))
+
+    def _adopt(self, seq: Sequence) -> None:
+        scheduler = self.scheduler
+        if seq.request_id in scheduler.lifecycle.by_id:
+            raise InvalidRequestError(f"duplicate request id {seq.request_id}", param="request_id")
+        scheduler.placement.check_fits(seq.request)
+        seq.count_query = True
+        scheduler.lifecycle.register(seq)
+        scheduler.waiting.push(seq, front=True)
+        scheduler.events.emit(EventKind.ROUTE, self.clock(), seq.request_id, seq.member, reason="moved in")
+
+
 def moved_out(scheduler: Scheduler, homes: frozenset[str]) -> list[Sequence]:
     """The escalated requests waiting for a member outside `homes`, which that member's home serves better."""
     return [seq for seq in scheduler.waiting if seq.num_escalations and seq.kv is None and not seq.is_warmup
@@ -152,9 +192,11 @@ class SimNode:
         self.on_output = on_output
         # The family is loaded as the bench loads it when none is given; routing scores prompts with the
         # tokenizer's estimator, as serving does. No thread, no asyncio: this node steps the core itself.
-        self.core = EngineCore.build(config, family if family is not None else system_family(config), clock=clock,
-                                     estimator=family_estimator, make_executor=make_executor,
-                                     **core_parts(config, scheduler_factory, tiers))
+        core = SimCore.build(config, family if family is not None else system_family(config), clock=clock,
+                             estimator=family_estimator, make_executor=make_executor,
+                             **core_parts(config, scheduler_factory, tiers))
+        assert isinstance(core, SimCore)
+        self.core = core
         self.family = self.core.family
         self.scheduler = self.core.scheduler
         executor = self.core.executor
@@ -180,7 +222,7 @@ class SimNode:
     def _wake_idle(self, but: Device | None = None) -> None:
         """Every idle device whose members have work starts a step now."""
         for device in self.devices:
-            if device is not but and not device.busy and self.scheduler.has_work(device.members):
+            if device is not but and not device.busy and self._on(device).has_work():
                 device.busy = True
                 self.events.push(self.clock(), partial(self._start_step, device))
 
@@ -202,11 +244,18 @@ class SimNode:
         self._wake_idle()
 
     # ------------------------------------------------------------------ steps
+    def _on(self, device: Device) -> Scheduler:
+        """The scheduler, its plans (and has_work) for `device`'s members alone, the executor pricing `device`."""
+        self.scheduler.scope.members = device.members
+        self.executor.device = device.name
+        return self.scheduler
+
     def _start_step(self, device: Device) -> None:
         now = self.clock()
-        step = self.core.begin_step(device.members, device.name)
+        self._on(device)
+        step = self.core.begin_step()
         if not step.ran:
-            if self.scheduler.has_work(device.members):
+            if self._on(device).has_work():
                 self.events.push(now + IDLE_RETRY_S, lambda: self._start_step(device))
             else:
                 device.busy = False
@@ -221,7 +270,7 @@ class SimNode:
         if self.on_move_out is not None:
             for seq in self.moved_out():
                 self.on_move_out(self, seq)
-        if self.scheduler.has_work(device.members):
+        if self._on(device).has_work():
             self._start_step(device)
         else:
             device.busy = False

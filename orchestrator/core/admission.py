@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Protocol
 
 from orchestrator.core.events import EventKind
@@ -40,15 +40,16 @@ class Admission:
         self.reservation, self.handover, self.forget = reservation, handover, forget
         self.running_cap = running_cap or MaxRunning(self.config.scheduler.max_running_requests)
         self.speculation = speculation
+        self.scope = parts.scope
         self._admit_counter = itertools.count()
 
-    def admit(self, plan: StepPlan, now_s: float, members: Collection[str] | None = None) -> None:
+    def admit(self, plan: StepPlan, now_s: float) -> None:
         """FCFS within a priority with per-member head-of-line blocking (one member's full pool never blocks
         another), except that a request waiting scheduler.aging_steps or longer has its pages held: later
-        requests in its pool are admitted only if they fit beside them (no starvation). members: the members
-        this plan is for (None: all); the others' requests wait untouched (their devices may be mid-step),
-        their aged ones still holding pages."""
-        aging = self.config.scheduler.aging_steps
+        requests in its pool are admitted only if they fit beside them (no starvation). Requests of members
+        outside the step's scope wait untouched (their devices may be mid-step), their aged ones still holding
+        pages."""
+        aging, members = self.config.scheduler.aging_steps, self.scope.members
         held: dict[str | None, int] = {}           # partition -> pages held for aged requests
         blocked: set[str] = set()                  # members whose head did not fit this step
         waiting, step = self.waiting, self.waiting.step

@@ -1,41 +1,46 @@
 """Batch formation: which running requests step, their decode tokens and prefill chunks under the token budget."""
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 from orchestrator.core.config import SchedulerConfig
 from orchestrator.core.events import Stats
+from orchestrator.core.parts import StepScope
 from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import MemberBatch, MemberName, SeqChunk, StepPlan
 
 
 class StepMembers(Protocol):
-    def select(self, running: RunningSet, members: Collection[str] | None = None) -> Iterable[Sequence]:
-        """The running requests that step; members: the members this plan is for (None: all), the others'
-        requests may be in a step on their own devices and must not be planned."""
+    def select(self, running: Iterable[Sequence]) -> Iterable[Sequence]:
+        """Those of `running` that step; `running` holds the members in the step's scope alone (the others'
+        requests may be in a step on their own devices and must not be planned)."""
 
 
 class EveryMember:
     """Every member with running requests runs in every step (one scheduler for the family): the period between
     two tokens is the same for all requests of one device."""
 
-    def select(self, running: RunningSet, members: Collection[str] | None = None) -> Iterable[Sequence]:
-        return running if members is None else [s for s in running if s.member in members]
+    def select(self, running: Iterable[Sequence]) -> Iterable[Sequence]:
+        return running
 
 
 class BatchFormer:
     """Decodes first (one token each), then prefill chunks in admission order until the token budget is spent."""
 
-    def __init__(self, config: SchedulerConfig, stats: Stats, step_members: StepMembers | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, stats: Stats, step_members: StepMembers | None = None,
+                 scope: StepScope | None = None) -> None:
         self.config = config
         self.stats = stats
         self.step_members = step_members or EveryMember()
+        self.scope = scope or StepScope()
 
-    def build(self, plan: StepPlan, running: RunningSet, members: Collection[str] | None = None) -> None:
+    def build(self, plan: StepPlan, running: RunningSet) -> None:
         cfg = self.config
-        stepping = self.step_members.select(running, members)
+        members = self.scope.members
+        stepping = self.step_members.select(running if members is None else
+                                            [s for s in running if s.member in members])
         budget_tokens = cfg.max_batch_tokens
         chunk_limit = cfg.prefill_chunk_tokens
         if cfg.decode_step_token_budget is not None and any(s.is_decoding() for s in stepping):

@@ -14,7 +14,7 @@ most one planning call.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,6 @@ from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.kv_layout import records_residuals
 from orchestrator.core.page_pool import PagePool, split_pages
 from orchestrator.core.scheduler import Scheduler
-from orchestrator.core.sequence import Sequence
 from orchestrator.core.step_timers import StepTimers
 from orchestrator.core.host_tier import HostTier
 from orchestrator.core.tiers import DiskTier, TieredStore
@@ -211,17 +210,6 @@ class EngineCore:
         self.wake.set()
         return added
 
-    def move_out(self, seq: Sequence) -> Sequence:
-        """Takes a waiting request out, unended, for another node's core to move_in (Scheduler.move_out)."""
-        with self.lock:
-            self.scheduler.move_out(seq)
-        self._sinks.pop(seq.request_id, None)
-        return seq
-
-    def move_in(self, seq: Sequence, sink: Sink) -> None:
-        """Continues a request another node's core moved out; its outputs go to sink (Scheduler.move_in)."""
-        self._enqueue(seq.request_id, sink, lambda: self.scheduler.move_in(seq, self.clock()))
-
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:
         """Ends a request at the next step and returns its pages (see Scheduler.abort)."""
@@ -282,15 +270,13 @@ class EngineCore:
             self.finish_step(step)
         return step
 
-    def begin_step(self, members: Collection[str] | None = None, device: str | None = None) -> Step:
+    def begin_step(self) -> Step:
         """The step's first half: schedule, deliver what scheduling produced, tier copies, execute. When the plan
-        has no batch nothing runs (step.ran is False) and the requests it released are released here.
-        members: plan only these members' requests (a device of their own: the simulator's per-member timelines);
-        device: its name, for an executor that prices each device on its own (the simulated one)."""
+        has no batch nothing runs (step.ran is False) and the requests it released are released here."""
         tick, cpu = self.step_clock or float, self.cpu_clock or float     # float() is 0.0: not timed
         began = tick()
         with self.lock:
-            plan, outputs = self.scheduler.schedule(self.clock(), members)
+            plan, outputs = self.scheduler.schedule(self.clock())
         scheduled = tick()
         self.deliver(outputs)
         plan = self.copy_tiers(plan)
@@ -301,7 +287,7 @@ class EngineCore:
             return step
         step.executing_s, cpu_began = tick(), cpu()
         try:
-            step.sampled = self.executor.execute(plan) if device is None else self.executor.execute(plan, device)
+            step.sampled = self.executor.execute(plan)
         except RequestFault as fault:       # some requests' own work failed: they fail alone, the others go on
             step.sampled = fault.sampled
             self.fail(fault.errors)

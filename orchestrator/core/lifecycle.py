@@ -4,7 +4,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Collection
 
 from orchestrator.core.escalation import EscalationRates
 from orchestrator.core.events import EventKind
@@ -23,6 +22,7 @@ class Lifecycle:
                                                                        parts.running, parts.waiting)
         self.events, self.stats = parts.events, parts.stats
         self.escalation_rates = escalation_rates
+        self.scope = parts.scope
         self.by_id: dict[RequestId, Sequence] = {}
         self.aborts: list[tuple[RequestId, str | None, FinishReason | None]] = []
         self.released: list[RequestId] = []      # ended since the last plan: the engine forgets their state
@@ -47,10 +47,10 @@ class Lifecycle:
         released, self.released = self.released, []
         return released
 
-    def process_aborts(self, now_s: float, members: Collection[str] | None = None) -> list[RequestOutput]:
-        """Ends the aborted and the timed-out requests (and their warm-ups); their final outputs. members: the
-        members being planned (None: all); a request running on another member may be in a step on its own
-        device, so it ends at that member's next plan."""
+    def process_aborts(self, now_s: float) -> list[RequestOutput]:
+        """Ends the aborted and the timed-out requests (and their warm-ups); their final outputs. A request
+        running on a member outside the step's scope may be in a step on its own device, so it ends at that
+        member's next plan."""
         timeout_s = self.config.scheduler.request_timeout_s
         if timeout_s is not None and self._oldest_arrival_timed_out(now_s, timeout_s):
             for seq in list(self.by_id.values()):
@@ -62,7 +62,7 @@ class Lifecycle:
             aborted = self.by_id.get(request_id)
             if aborted is None:
                 continue
-            if not self._plannable(aborted, members):
+            if not self._plannable(aborted):
                 self.aborts.append((request_id, reason, finish_reason))
                 continue
             stopped = finish_reason is FinishReason.STOP
@@ -72,19 +72,20 @@ class Lifecycle:
             if output is not None:      # always: a final output is built whatever was sent before
                 outputs.append(output)
             warm = self.by_id.get(RequestId(f"{request_id}#warmup"))
-            if warm is not None and self._plannable(warm, members):   # else it ends itself after its prefill
+            if warm is not None and self._plannable(warm):   # else it ends itself after its prefill
                 self.finish(warm, now_s, outcome=None)
         return outputs
 
-    def has_aborts_for(self, members: Collection[str]) -> bool:
-        """Whether a pending abort can be processed by a plan for `members`."""
+    def has_plannable_aborts(self) -> bool:
+        """Whether a pending abort can be processed by a plan for the step's scope."""
         for request_id, _, _ in self.aborts:
             seq = self.by_id.get(request_id)
-            if seq is not None and self._plannable(seq, members):
+            if seq is not None and self._plannable(seq):
                 return True
         return False
 
-    def _plannable(self, seq: Sequence, members: Collection[str] | None) -> bool:
+    def _plannable(self, seq: Sequence) -> bool:
+        members = self.scope.members
         return members is None or seq.member in members or seq.request_id not in self.running
 
     def _oldest_arrival_timed_out(self, now_s: float, timeout_s: float) -> bool:

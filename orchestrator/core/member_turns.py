@@ -46,7 +46,6 @@ import math
 from collections.abc import Callable, Collection, Iterable
 
 from orchestrator.core.family import FamilySpec, MemberSpec
-from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.draft_length import StepCost
 from orchestrator.core.types import ForwardShape, MemberName
@@ -129,9 +128,8 @@ class MemberTurns:
             guarded |= late
         return freq
 
-    def select(self, running: RunningSet, members: Collection[str] | None = None) -> Iterable[Sequence]:
-        """members: the members this plan may touch (None: all); the others' requests are not considered."""
-        candidates = list(running) if members is None else [s for s in running if s.member in members]
+    def select(self, running: Iterable[Sequence]) -> Iterable[Sequence]:
+        candidates = list(running)
         decoding: dict[str, int] = {}
         per_length: dict[str, float] = {}       # sum over the member's decoding requests of 1 / length
         context: dict[str, int] = {}            # sum over the member's decoding requests of their context

@@ -1,6 +1,8 @@
-"""SchedulerParts: what the scheduler's policy objects share (family, config, pool, KV, tiers, queues, event log)."""
+"""SchedulerParts: what the scheduler's policy objects share (family, config, pool, KV, tiers, queues, event log,
+the step's scope)."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from orchestrator.core.config import MFSConfig
@@ -10,6 +12,18 @@ from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.request_queue import RunningSet, WaitingQueue
 from orchestrator.core.tiers import TieredStore
+
+
+class StepScope:
+    """The members a step's plan may touch: every member (members None), as a server stepping its family on one
+    device plans. A runner stepping members on devices of their own (the simulator's per-member placement) narrows
+    it to one device's members before it asks for that device's plan: the plan then grows, preempts, admits, ends
+    and batches only their requests, never one that may be in a step in flight on another device."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: Collection[str] | None = None) -> None:
+        self.members = members
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,3 +40,4 @@ class SchedulerParts:
     capacity_pages: dict[str, int]
     events: EventLog
     stats: Stats
+    scope: StepScope

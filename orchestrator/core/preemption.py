@@ -1,7 +1,7 @@
 """Preemption: a slot for every decode's next token, the victim order (chosen by name), swap or recompute."""
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import ClassVar
 
 from orchestrator.core.events import EventKind
@@ -44,15 +44,16 @@ class Preemption:
         self.config, self.pool, self.kv, self.tiers = parts.config, parts.pool, parts.kv, parts.tiers
         self.running, self.waiting, self.events, self.stats = parts.running, parts.waiting, parts.events, parts.stats
         self.reservation, self.release_pins, self.forget = reservation, release_pins, forget
+        self.scope = parts.scope
         self.victim_key = VICTIM_ORDERS[self.config.scheduler.victim_order]
 
-    def ensure_decode_slots(self, plan: StepPlan, now_s: float, members: Collection[str] | None = None) -> bool:
+    def ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages
         are short, escalation pins are given up before a request would preempt itself, and victims are taken in
-        scheduler.victim_order from the same pool (slice, under a static split). members: the members this
-        plan is for (None: all); only their requests grow or are preempted (the others' may be in a step on
-        their own devices). Returns whether anything was preempted."""
-        preempted = False
+        scheduler.victim_order from the same pool (slice, under a static split). Only the requests of the members
+        in the step's scope grow or are preempted (the others' may be in a step on their own devices). Returns
+        whether anything was preempted."""
+        preempted, members = False, self.scope.members
         running = self.running
         grow = self.kv.grow
         in_partition = self.reservation.in_partition

@@ -5,12 +5,14 @@ The update puts the sampled tokens back into their requests.
 Step shape: schedule(now) -> StepPlan (the engine runs it) -> update(plan, sampled, now) -> outputs. The policies
 are objects: reservation and victim order chosen by name in the config (reservation.py, preemption.py);
 placement, the running cap and which members step given by whoever builds the scheduler (SchedulerPolicies:
-MFS's defaults, or eval's independent deployments). Pure: no torch, no I/O, the clock is passed in.
+MFS's defaults, or eval's independent deployments). `scope` says which members a plan may touch (every member
+unless a runner with devices of their own narrows it: parts.StepScope). Pure: no torch, no I/O, the clock is
+passed in.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.core.admission import Admission, RunningCap
@@ -20,12 +22,12 @@ from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
 from orchestrator.core.events import EventKind, EventLog, Stats, pages_block
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.handover import Handover, HandoverRules, release_pin
+from orchestrator.core.handover import Handover, HandoverRules
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.core.member_turns import DEFAULT_MEMBER_TURNS, MemberTurns
 from orchestrator.core.page_pool import PagePool
-from orchestrator.core.parts import SchedulerParts
+from orchestrator.core.parts import SchedulerParts, StepScope
 from orchestrator.core.placement import Placement, SharedPoolPlacement
 from orchestrator.core.preemption import Preemption
 from orchestrator.core.request_queue import RunningSet, WaitingQueue
@@ -79,8 +81,9 @@ class Scheduler:
         self.running = RunningSet()
         self.waiting = WaitingQueue()
         self.capacity_pages: dict[str, int] = {m.name: pool.num_available_pages_total(m.name) for m in family.members}
+        self.scope = StepScope()
         parts = SchedulerParts(family, config, pool, kv, tiers, self.running, self.waiting, self.capacity_pages,
-                               self.events, self.stats)
+                               self.events, self.stats, self.scope)
         self.placement = policies.placement or SharedPoolPlacement(family, kv, self.capacity_pages)
         self.reservation = RESERVATIONS[config.scheduler.decode_reservation](parts)
         self.handover = Handover(parts, self.reservation, self.placement, policies.handover or HandoverRules())
@@ -99,7 +102,7 @@ class Scheduler:
             shared_drafts = config.speculation.enabled and not policies.private_drafts
             riding = shared_drafts and self.speculation.rides and policies.draft_member_every_step
             step_members = MemberTurns(family, turns, shared_drafts=shared_drafts, riding_draft_member=riding)
-        self.batches = BatchFormer(config.scheduler, self.stats, step_members)
+        self.batches = BatchFormer(config.scheduler, self.stats, step_members, self.scope)
         self._turns_by_weights = policies.turns_by_weights
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
@@ -121,12 +124,13 @@ class Scheduler:
     def num_waiting(self) -> int:
         return self.waiting.num_waiting()
 
-    def has_work(self, members: Collection[str] | None = None) -> bool:
-        """Whether a plan for `members` (None: all) has anything to do."""
+    def has_work(self) -> bool:
+        """Whether a plan (for the members in scope) has anything to do."""
+        members = self.scope.members
         if members is None:
             return bool(self.running or self.waiting or self.lifecycle.aborts)
         return (any(s.member in members for s in self.running) or any(s.member in members for s in self.waiting)
-                or self.lifecycle.has_aborts_for(members))
+                or self.lifecycle.has_plannable_aborts())
 
     def add_request(self, request: Request, now_s: float) -> RouteDecision:
         """Validates against the family and the pool, routes, queues. Raises InvalidRequestError/QueueFullError."""
@@ -164,29 +168,6 @@ class Scheduler:
         if request.complexity_hint is not None:
             return request.complexity_hint
         return self.estimator.score(request.prompt_token_ids)
-
-    def move_out(self, seq: Sequence) -> Sequence:
-        """Takes a waiting request out without ending it (no output; the source pages it kept go back), for
-        another node's scheduler to move_in with its tokens, progress and monitor: the request continues there."""
-        if self.lifecycle.by_id.get(seq.request_id) is not seq or seq.kv is not None or seq.is_warmup:
-            raise ValueError(f"request {seq.request_id} is not a waiting request of this scheduler")
-        release_pin(seq, self.kv, self.running)
-        seq.drop_draft(self.kv)
-        self.waiting.remove(seq)
-        self.lifecycle.forget(seq)
-        seq.warmup_member = None        # a warm-up it had here is no use there
-        return seq
-
-    def move_in(self, seq: Sequence, now_s: float) -> None:
-        """Adopts a request another node's scheduler moved out: it resumes first, on the member it was moved for
-        (prefilling its prompt and generated tokens there, from this node's cache where it has them)."""
-        if seq.request_id in self.lifecycle.by_id:
-            raise InvalidRequestError(f"duplicate request id {seq.request_id}", param="request_id")
-        self.placement.check_fits(seq.request)
-        seq.count_query = True
-        self.lifecycle.register(seq)
-        self.waiting.push(seq, front=True)
-        self.events.emit(EventKind.ROUTE, now_s, seq.request_id, seq.member, reason="moved in")
 
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:
@@ -252,15 +233,17 @@ class Scheduler:
         return self.reservation.reserved_pages(member)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, now_s: float, members: Collection[str] | None = None) -> tuple[StepPlan, list[RequestOutput]]:
-        """Plans one step. Also returns outputs produced without running anything (cancellations).
+    def schedule(self, now_s: float) -> tuple[StepPlan, list[RequestOutput]]:
+        """Plans one step for the members in `scope` (all, unless narrowed). Also returns outputs produced without
+        running anything (cancellations).
 
-        members: plan only these members (None: all). Members on separate devices step independently: each
-        device asks for a plan for its own members when it is free, while others' plans may still be running.
-        Such a plan touches only its members' requests (decode slots, victims, admission, aborts, batches), so
-        a request in a step in flight is never planned, preempted or ended before that step's update."""
+        Members on separate devices step independently: each device gets a plan for its own members (the scope
+        narrowed to them) when it is free, while others' plans may still be running. Such a plan touches only
+        its members' requests (decode slots, victims, admission, aborts, batches), so a request in a step in
+        flight is never planned, preempted or ended before that step's update."""
         plan = StepPlan(released_requests=self.lifecycle.take_released())
         self.waiting.tick()
+        members = self.scope.members
         planned = self.family.member_names if members is None else members
         last_busy, step_cost = self._last_busy_schedule_s, self._step_cost_s
         for name in planned:
@@ -270,15 +253,15 @@ class Scheduler:
                 elapsed_s = now_s - last
                 cost = step_cost.get(name)
                 step_cost[name] = elapsed_s if cost is None else 0.8 * cost + 0.2 * elapsed_s
-        outputs = self.lifecycle.process_aborts(now_s, members)
+        outputs = self.lifecycle.process_aborts(now_s)
         self.lifecycle.age_idle_sessions(now_s)
-        preempted = self.preemption.ensure_decode_slots(plan, now_s, members)
+        preempted = self.preemption.ensure_decode_slots(plan, now_s)
         if preempted:
             self.reservation.ratio.on_shortage()    # hysteresis: a step that preempted admits nobody
         else:
             self.reservation.ratio.on_step()
-            self.admission.admit(plan, now_s, members)
-        self.batches.build(plan, self.running, members)
+            self.admission.admit(plan, now_s)
+        self.batches.build(plan, self.running)
         self.speculation.plan(plan)
         for name in planned:
             if plan.batches:
