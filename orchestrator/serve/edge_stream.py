@@ -25,6 +25,28 @@ from orchestrator.core.types import FinishReason, MemberSpan, RequestOutput, Rou
 log = logging.getLogger("mfs.server")
 
 
+class _CutStreamFilter(logging.Filter):
+    """uvicorn logs "ASGI callable returned without completing response" as an error for a stream the server
+    cut on purpose (a stalled reader, already logged as a warning with its request id): one such line is dropped
+    per cut, any other stays."""
+
+    MESSAGE = "ASGI callable returned without completing response."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pending and record.getMessage() == self.MESSAGE:
+            self.pending -= 1
+            return False
+        return True
+
+
+_cut_streams = _CutStreamFilter()
+logging.getLogger("uvicorn.error").addFilter(_cut_streams)
+
+
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -280,6 +302,7 @@ class SSEResponse(StreamingResponse):
             log.warning("stream %s cancelled: its client took no data for %g s",
                         self._gen.parsed.request.request_id, self._stall_s)
             self._gen.edge.metrics.count_stalled_stream()
+            _cut_streams.pending += 1
         finally:
             if watchdog is not None:
                 watchdog.cancel()
