@@ -26,7 +26,7 @@ class CompileError(RuntimeError):
 
 
 def compile_core(out: Path = DEFAULT_DIR, quiet: bool = False, modules: tuple[str, ...] = MODULES) -> Path:
-    """modules: a subset of MODULES (the tests build two: the whole set takes minutes of C compiling)."""
+    """modules: a subset of MODULES (the tests build a few: the whole set takes minutes of C compiling)."""
     if not set(modules) <= set(MODULES):
         raise CompileError(f"not compilable here: {sorted(set(modules) - set(MODULES))}")
     if importlib.util.find_spec("mypyc") is None:

@@ -3,7 +3,7 @@
 A compared system is MFS's configuration plus `comparison`: what separates its members when they are not one
 family server (a static split of the pages, per-member KV lineages, routing blind to the other members, cold
 handovers, each server's own draft copy). The core reads none of it. `core_parts` turns it into what
-EngineCore.build takes (the pool's split, the scheduler's policies, whether handovers are warm) and
+EngineCore.build takes (the page ledger, the scheduler's policies, whether handovers are warm) and
 `system_family` into the family as that system serves it; the separate deployments' own policies (placement,
 batch caps, turns) and host tier are eval/baseline's.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from eval.baseline.split_pool import split_pool_source
 from orchestrator.core.config import ConfigError, MFSConfig, load_config
 from orchestrator.core.engine_core import SchedulerFactory, TiersSource
 from orchestrator.core.family import FamilySpec, load_family
@@ -92,11 +93,14 @@ def compared_scheduler(family, config, pool, kv, estimator, tiers=None, events=N
 def core_parts(config: MFSConfig, scheduler_factory: SchedulerFactory | None = None,
                tiers: TiersSource | None = None) -> dict[str, Any]:
     """EngineCore.build's keyword arguments for this system: its scheduler (the given one, else MFS's with this
-    system's switches when it has any), its tiers, the pool's static split and whether handovers are warm."""
+    system's switches when it has any), its tiers, its page ledger (a static split: eval/baseline/split_pool.py)
+    and whether handovers are warm."""
     compare = switches(config)
     if scheduler_factory is None and compare != ComparisonSwitches():
         scheduler_factory = compared_scheduler
-    return {"scheduler_factory": scheduler_factory, "tiers": tiers, "pool_split": compare.static_split,
+    split = compare.static_split
+    return {"scheduler_factory": scheduler_factory, "tiers": tiers,
+            "pool": split_pool_source(split) if split is not None else None,
             "warm_handover": handover_rules(config).warm}
 
 

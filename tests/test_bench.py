@@ -42,7 +42,7 @@ def test_baseline_split_is_traffic_share_of_tokens_times_layers():
 
 
 def test_split_floors_use_the_page_rule_residual_pages_included():
-    from orchestrator.core.page_pool import split_pages
+    from eval.baseline.split_pool import split_pages
 
     config = load_config(overrides={"pool.num_pages": 1024})
     requests = [RoutedRequest(0.1, 500)] * 5 + [RoutedRequest(0.5, 100)]

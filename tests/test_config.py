@@ -87,7 +87,8 @@ def test_a_compared_systems_switches_are_eval_settings_validated_there():
         load_system_config({"comparison.static_split": {"tiny-s": 0.5, "tiny-l": 0.2}})
     config = load_system_config({"comparison.static_split": {"tiny-s": 0.5, "tiny-l": 0.5}, "comparison.warmup": False})
     parts = core_parts(config)
-    assert parts["pool_split"] == {"tiny-s": 0.5, "tiny-l": 0.5} and parts["scheduler_factory"] is not None
+    assert parts["pool"].args == ({"tiny-s": 0.5, "tiny-l": 0.5},) and parts["scheduler_factory"] is not None
+    assert core_parts(load_system_config())["pool"] is None      # MFS: one pool every member shares
     assert core_parts(load_system_config())["scheduler_factory"] is None      # MFS: the core's own scheduler
 
 

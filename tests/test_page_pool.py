@@ -1,10 +1,10 @@
-"""Exact-state tests of the page ledger: page ids, queue order, dedupe, partitions, floors and ceilings."""
+"""Exact-state tests of the page ledger: page ids, queue order, dedupe, floors and ceilings."""
 from __future__ import annotations
 
 import pytest
 
 from orchestrator.core.config import MemberLimit
-from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.page_pool import PagePool
 from orchestrator.core.types import PageId, PageKey
 
 
@@ -144,29 +144,6 @@ def test_demote_makes_page_next_to_evict() -> None:
         pool.demote(PageId(1))
 
 
-def test_partitions_isolate_members() -> None:
-    pool = PagePool(5, partitions={"s": 2, "l": 3})
-    assert pool.num_available_pages("s") == 2 and pool.num_available_pages("l") == 3
-    assert pool.num_available_pages("other") == 0 and pool.allocate("other", 1) is None
-    assert pool.allocate("s", 2) == [0, 1]
-    assert pool.allocate("s", 1) is None      # l's pages are free but not s's
-    assert pool.allocate("l", 3) == [2, 3, 4]
-    pool.register(PageId(0), key(0))
-    pool.release(PageId(0))
-    pool.release(PageId(1))
-    assert pool.allocate("l", 1) is None      # s's cached and free pages stay s's
-    assert pool.allocate("s", 2) == [1, 0]
-    assert pool.take_evictions() == [(0, key(0))]
-    pool.check_invariants()
-
-
-def test_partitions_must_cover_the_pool() -> None:
-    with pytest.raises(ValueError):
-        PagePool(5, partitions={"s": 2, "l": 2})
-    assert split_pages(10, {"s": 0.25, "m": 0.25, "l": 0.5}) == {"s": 3, "m": 2, "l": 5}
-    assert split_pages(7, {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}) == {"a": 3, "b": 2, "c": 2}
-
-
 def test_floor_reserves_pages_from_other_members() -> None:
     pool = PagePool(6, limits={"l": MemberLimit(floor_pages=2)})
     assert pool.num_available_pages("s") == 4 and pool.num_available_pages("l") == 6
@@ -189,8 +166,6 @@ def test_available_pages_total_ignores_current_use() -> None:
     pool.allocate("l", 5)
     assert pool.num_available_pages_total("s") == 3 and pool.num_available_pages_total("m") == 4
     assert pool.num_available_pages_total("l") == 6
-    parted = PagePool(5, partitions={"s": 2, "l": 3})
-    assert [parted.num_available_pages_total(m) for m in ("s", "l", "x")] == [2, 3, 0]
 
 
 def test_ceiling_caps_used_pages_not_cached() -> None:
@@ -223,17 +198,16 @@ def test_check_invariants_detects_corruption() -> None:
 
 def test_free_queue_takes_never_used_pages_then_freed_ones_in_free_order() -> None:
     """The never-used pages are a range, not a queue entry each: the order is still the old queue's."""
-    pool = PagePool(6, partitions={"s": 4, "m": 2})
+    pool = PagePool(4, first_page=2)
     a = pool.allocate("s", 2)
-    assert a == [0, 1]
-    pool.release(PageId(1))
-    pool.release(PageId(0))
-    assert pool.counts()["free"] == 6 and PageId(0) in pool._partitions[0].free
-    assert pool.allocate("s", 4) == [2, 3, 1, 0]         # never-used first (id order), then freed (free order)
-    assert pool.allocate("m", 1) == [4]
-    pool.release_pages([PageId(3), PageId(2)])
-    b = pool.allocate("s", 2)
-    assert b == [3, 2]
+    assert a == [2, 3]
+    pool.release(PageId(3))
+    pool.release(PageId(2))
+    assert pool.counts()["free"] == 4 and PageId(2) in pool._free and PageId(1) not in pool._free
+    assert pool.allocate("s", 4) == [4, 5, 3, 2]         # never-used first (id order), then freed (free order)
+    pool.release_pages([PageId(5), PageId(4)])
+    b = pool.allocate("m", 2)
+    assert b == [5, 4]
     pool.check_invariants()
 
 
@@ -250,7 +224,7 @@ def test_release_pages_is_release_in_turn() -> None:
     many.release_pages(order)
     for attr in ("_refcount", "_key", "_owner", "_used_by", "_cached_by", "_num_used_pages"):
         assert getattr(one, attr) == getattr(many, attr)
-    assert list(one._partitions[0].cached) == list(many._partitions[0].cached) == [3, 1, 2, 0]
+    assert list(one._cached) == list(many._cached) == [3, 1, 2, 0]
     assert one.allocate("s", 4) == many.allocate("s", 4) == [6, 7, 5, 4]
     many.check_invariants()
 

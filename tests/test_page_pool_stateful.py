@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from orchestrator.core.config import MemberLimit
+from eval.baseline.split_pool import SplitPool
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.types import PageId, PageKey
 
@@ -22,14 +23,14 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.refs: dict[int, int] = {}          # page -> references this test holds
         self.num_pages = 0
 
-    @initialize(num_pages=st.integers(1, 12), mode=st.sampled_from(["elastic", "limits", "partitions"]))
+    @initialize(num_pages=st.integers(1, 12), mode=st.sampled_from(["elastic", "limits", "split"]))
     def setup(self, num_pages: int, mode: str) -> None:
         self.num_pages = num_pages
-        if mode == "partitions":
+        if mode == "split":
             first = num_pages // 3
             second = num_pages // 3
             parts = {"s": first, "m": second, "l": num_pages - first - second}
-            self.pool = PagePool(num_pages, partitions=parts)
+            self.pool = SplitPool(num_pages, parts)
         elif mode == "limits":
             limits = {"l": MemberLimit(floor_pages=num_pages // 3), "s": MemberLimit(ceiling_pages=num_pages // 2)}
             self.pool = PagePool(num_pages, limits=limits)

@@ -404,10 +404,10 @@ def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():
 
     def checked_admit(seq, *args, **kwargs):
         admitted = original(seq, *args, **kwargs)
-        part = demand.partition_of(seq.member)
-        if admitted and part in demand._bounds:
+        scope = demand.scope_of(seq.member)
+        if admitted and scope in demand._bounds:
             fresh = sum(demand.future_pages(s) for s in h.scheduler.running)
-            assert demand._bounds[part] == fresh, seq.request_id
+            assert demand._bounds[scope] == fresh, seq.request_id
             checked.append(seq.request_id)
         return admitted
 

@@ -94,7 +94,7 @@ class ReservationMachine(RuleBasedStateMachine):
         def checked_preempt(seq, now_s, plan=None):
             if plan is None:      # drop_failed_loads: a tier block was lost, not a policy choice
                 return original(seq, now_s, plan)
-            candidates = [s for s in scheduler.running if scheduler.reservation.in_partition(s, seq.member)]
+            candidates = [s for s in scheduler.running if scheduler.reservation.shares_pages(s, seq.member)]
             assert seq is min(candidates, key=scheduler.preemption.victim_key), "victim out of policy order"
             if seq.num_escalations:
                 assert not any(c.num_escalations == 0 and c.request.priority >= seq.request.priority

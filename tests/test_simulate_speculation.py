@@ -225,7 +225,7 @@ def test_private_draft_copies_come_out_of_each_larger_servers_memory():
 
     family = paper_family("qwen3-large", [("qwen3-1.7b", hf_config(4, 512)), ("qwen3-8b", hf_config(8, 1024)),
                                           ("qwen3-32b", hf_config(16, 2048))])
-    from orchestrator.core.page_pool import split_pages
+    from eval.baseline.split_pool import split_pages
 
     split = {"qwen3-1.7b": 0.2, "qwen3-8b": 0.3, "qwen3-32b": 0.5}
     draft_pages = int(family.members[0].serving["weight_bytes"] * 0.9) // 4096

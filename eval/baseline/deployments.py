@@ -50,7 +50,7 @@ class Deployments:
 
     def __init__(self, family: FamilySpec, config: MFSConfig, pool: PagePool, kv: KVCacheManager,
                  elastic: bool = False) -> None:
-        if pool.is_partitioned == elastic:
+        if (pool.members_sharing(family.serving_names[0]) is None) != elastic:
             raise ValueError("separate deployments need a static split of the pool (each deployment's slice), "
                              "and elastic ones none (one pool)")
         self.family = family

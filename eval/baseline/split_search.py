@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.core.page_pool import split_pages
+from eval.baseline.split_pool import split_pages
 
 PREFILL_TOKENS_PER_DECODE_STEP = 16.0   # cost model: 16 prompt tokens in a step cost one more decode step
 GRID = 20

@@ -41,7 +41,7 @@ MODULES = (
     "orchestrator.core.types", "orchestrator.core.kv_layout", "orchestrator.core.router",
     "orchestrator.core.member_turns",
     "orchestrator.core.speculation", "orchestrator.core.draft_length", "orchestrator.core.demand",
-    "eval.baseline.deployments",
+    "eval.baseline.deployments", "eval.baseline.split_pool",
     "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",
     "eval.simulate.confidence", "eval.simulate.escalation_model", "eval.simulate.cost_model",
     "eval.simulate.step_profile",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.baseline.split_pool import split_pages
 from eval.simulate.acceptance import AcceptanceTable
 from eval.simulate.cost_model import BatchShape, CostModel, TableCostModel
 from eval.simulate.families import (DEFAULT_BLOCK_TOKENS, DRAFTS_ONLY, FREE_GPU_MEMORY_FRACTION,
@@ -24,7 +25,6 @@ from eval.simulate.step_table import StepTable, StepTableError, load_table, save
 from eval.weights import member_weight_bytes, weight_bytes
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, load_family
-from orchestrator.core.page_pool import split_pages
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 # A GPU deployment's scheduler: TensorRT-LLM's defaults are max_batch_size 2048 and max_num_tokens 8192; MFS's

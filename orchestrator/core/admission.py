@@ -50,7 +50,7 @@ class Admission:
         outside the step's scope wait untouched (their devices may be mid-step), their aged ones still holding
         pages."""
         aging, members = self.config.scheduler.aging_steps, self.scope.members
-        held: dict[str | None, int] = {}           # partition -> pages held for aged requests
+        held: dict[frozenset[str] | None, int] = {}    # scope -> pages held for aged requests
         blocked: set[str] = set()                  # members whose head did not fit this step
         waiting, step = self.waiting, self.waiting.step
         for priority in waiting.priorities():
@@ -58,21 +58,21 @@ class Admission:
             kept: deque[Sequence] = deque()
             while queue:
                 seq = queue.popleft()
-                part = self.reservation.partition_of(seq.member)
+                scope = self.reservation.scope_of(seq.member)
                 if members is not None and seq.member not in members:
                     if aging is not None and step - seq.enqueued_step >= aging:
-                        held[part] = held.get(part, 0) + self.reservation.demand_pages(seq)
+                        held[scope] = held.get(scope, 0) + self.reservation.demand_pages(seq)
                     kept.append(seq)
                     continue
                 if (not self.running_cap.has_room(seq, self.running) or seq.member in blocked
-                        or not self._admit_or_free_drafts(seq, plan, now_s, held.get(part, 0))):
+                        or not self._admit_or_free_drafts(seq, plan, now_s, held.get(scope, 0))):
                     if seq.is_warmup:
                         self.forget(seq)   # a warm-up that cannot run now is worthless later
                         continue
                     blocked.add(seq.member)
                     aged = aging is not None and step - seq.enqueued_step >= aging
                     if aged:
-                        held[part] = held.get(part, 0) + self.reservation.demand_pages(seq)
+                        held[scope] = held.get(scope, 0) + self.reservation.demand_pages(seq)
                     if aged and not seq.held:
                         seq.held = True
                         self.events.emit(EventKind.HOLD, now_s, seq.request_id, seq.member,
@@ -109,9 +109,9 @@ class Admission:
                 match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=False)
         # Headroom matters only when others share the pages: alone, a request always fits (intake checked its
         # whole length against the capacity), so it must never wait for a reserve.
-        in_partition = self.reservation.in_partition
+        shares_pages = self.reservation.shares_pages
         reserve_pages = 0
-        if any(in_partition(s, seq.member) for s in self.running):
+        if any(shares_pages(s, seq.member) for s in self.running):
             reserve_pages = self.reservation.reserve_beside_running(seq, match, held_pages)
         if not seq.held:
             reserve_pages += held_pages   # an aged request's pages are not for later arrivals

@@ -27,7 +27,7 @@ from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec, dtype_bytes, load_family
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.kv_layout import records_residuals
-from orchestrator.core.page_pool import PagePool, split_pages
+from orchestrator.core.page_pool import PagePool
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.step_timers import StepTimers
 from orchestrator.core.host_tier import HostTier
@@ -47,6 +47,9 @@ EstimatorSource = ComplexityEstimator | Callable[[FamilySpec], ComplexityEstimat
 # The host/disk tiers, or how to make them from the config and the family (eval's separate deployments: a host
 # tier in one part per deployment).
 TiersSource = TieredStore | Callable[[MFSConfig, FamilySpec], TieredStore | None]
+# The page ledger, made from the config and the family once the arena's size is known (config.num_arena_pages): eval's
+# separate deployments pass a static split of the pages. None: one pool every member shares (pool.member_limits).
+PoolSource = Callable[[MFSConfig, FamilySpec], PagePool]
 IDLE_WAIT_S = 0.05          # an idle loop re-checks this often even without a wake-up
 NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for pages): do not spin
 UNHEALTHY_AFTER_FAILED_STEPS = 3   # this many failed steps in a row: the server reports itself unhealthy
@@ -116,13 +119,11 @@ class EngineCore:
     def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
                  clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
                  cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None,
-                 tiers: TiersSource | None = None, pool_split: dict[str, float] | None = None,
-                 warm_handover: bool = True):
+                 tiers: TiersSource | None = None, pool: PoolSource | None = None, warm_handover: bool = True):
         """tiers: None takes the ones the config asks for (build_tiers). Prefer EngineCore.build."""
         self.config, self.family, self.clock = config, family, clock
-        num_pages = config.num_arena_pages()
-        partitions = split_pages(num_pages, pool_split) if pool_split else None
-        self.pool = PagePool(num_pages, partitions, limits=config.pool.member_limits, members=family.member_names)
+        self.pool = (pool(config, family) if pool is not None
+                     else PagePool(config.num_arena_pages(), config.pool.member_limits, family.member_names))
         self.tiers = (build_tiers(config, family) if tiers is None
                       else tiers if isinstance(tiers, TieredStore) else tiers(config, family))
         self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
@@ -154,7 +155,7 @@ class EngineCore:
               estimator: EstimatorSource, make_executor: ExecutorFactory | None = None,
               scheduler_factory: SchedulerFactory | None = None,
               tiers: TiersSource | None = None, step_clock: Callable[[], float] | None = None,
-              cpu_clock: Callable[[], float] | None = None, pool_split: dict[str, float] | None = None,
+              cpu_clock: Callable[[], float] | None = None, pool: PoolSource | None = None,
               warm_handover: bool = True) -> EngineCore:
         """The core for `config`, as every runner assembles it.
 
@@ -164,14 +165,14 @@ class EngineCore:
         attaches one to `executor` before stepping (LocalServing loads the model when it starts). scheduler_factory:
         the scheduler to run (None: MFS's); eval's baselines pass theirs. tiers: the tiers, or a function of (config,
         family) that makes them; None takes the ones the config asks for. step_clock, cpu_clock: fill `timers`.
-        pool_split: member -> its fraction of the pages, each member allocating from a slice of its own (eval's
-        separate deployments; None: one pool). warm_handover: whether escalations may reuse the source's shared
-        layers (residual pages are written only then)."""
+        pool: a function of (config, family) that makes the page ledger (eval's separate deployments: a slice of the
+        pages each); None: one pool every member shares. warm_handover: whether escalations may reuse the source's
+        shared layers (residual pages are written only then)."""
         family = family if family is not None else serving_family(config)
         if not isinstance(estimator, ComplexityEstimator):
             estimator = estimator(family)
         core = cls(config, family, estimator, clock, step_clock=step_clock, cpu_clock=cpu_clock,
-                   scheduler_factory=scheduler_factory, tiers=tiers, pool_split=pool_split, warm_handover=warm_handover)
+                   scheduler_factory=scheduler_factory, tiers=tiers, pool=pool, warm_handover=warm_handover)
         if make_executor is not None:
             core.attach_executor(make_executor(family, core.pool.num_pages, config.pool.page_bytes))
         return core

@@ -123,6 +123,6 @@ class Handover:
         """Gives up the escalation pins in `member`'s pool; True if any were held."""
         released = False
         for seq in self.waiting:
-            if seq.pinned_kv is not None and self.reservation.in_partition(seq, member):
+            if seq.pinned_kv is not None and self.reservation.shares_pages(seq, member):
                 released = release_pin(seq, self.kv, self.running) or released
         return released

@@ -1,9 +1,8 @@
-"""The ledger of the KV arena: page states, refcounts, the key->page map and per-partition LRU queues."""
+"""The ledger of the KV arena: page states, refcounts, the key->page map, the free queue and the LRU queue."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from operator import itemgetter
 from typing import cast
 
@@ -15,7 +14,7 @@ from orchestrator.core.types import PageId, PageKey
 
 
 class _FreeQueue:
-    """The free pages in the order they are taken: the never-used pages of the partition's id range, in id
+    """The free pages in the order they are taken: the never-used pages of the pool's id range, in id
     order, then the pages freed since, in the order they were freed. Keeping the never-used ones as a range
     (not one queue entry per page) makes a GPU-sized arena (~10^6 pages) cost nothing to build."""
 
@@ -46,103 +45,57 @@ class _FreeQueue:
         self.freed[page] = None
 
 
-@dataclass(slots=True)
-class _Partition:
-    """A set of pages with its own queues. The elastic pool is one partition shared by every member."""
-
-    name: str | None
-    num_pages: int
-    free: _FreeQueue                                                         # no key; taken first
-    # An ordered set (values unused): O(1) append, pop head, delete anywhere.
-    cached: OrderedDict[PageId, None] = field(default_factory=OrderedDict)   # head = least recently released
-    floor_members: list[str] = field(default_factory=list)                   # members with a floor here
-
-
-def split_pages(num_pages: int, fractions: Mapping[str, float]) -> dict[str, int]:
-    """Static split (baseline): pages per member by largest remainder, summing exactly to num_pages."""
-    total = sum(fractions.values())
-    exact = {m: num_pages * f / total for m, f in fractions.items()}
-    pages = {m: int(x) for m, x in exact.items()}
-    leftover = num_pages - sum(pages.values())
-    for m in sorted(exact, key=lambda m: exact[m] - pages[m], reverse=True)[:leftover]:
-        pages[m] += 1
-    return pages
-
-
 class PagePool:
-    """THE ledger of the arena, in pages. Pure bookkeeping: it never touches page contents.
+    """THE ledger of the arena, in pages: one pool every member allocates from. Pure bookkeeping: it never touches
+    page contents.
 
-    partitions: the baseline's static split (member -> pages only that member may allocate), assigned
-    as contiguous id ranges in the dict's order; they must sum to num_pages. None = one elastic pool.
+    Its pages are the ids first_page .. first_page + num_pages - 1 (a page source made of several pools, such as
+    eval's static split, gives each its own range; the ledger's lists are indexed by page id).
     limits: elastic floor_pages (kept available to the member: other members may not take them) and
     ceiling_pages (at most this many USED pages owned by the member).
     A page's owner is the member that allocated it, or that took it back from the cache (acquire at
     refcount 0); sharing a USED page never changes its owner.
     """
 
-    def __init__(self, num_pages: int, partitions: dict[str, int] | None = None,
-                 limits: dict[str, MemberLimit] | None = None, members: Iterable[str] = ()) -> None:
+    def __init__(self, num_pages: int, limits: dict[str, MemberLimit] | None = None, members: Iterable[str] = (),
+                 first_page: int = 0) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
-        self._refcount: list[int] = [0] * num_pages
+        self.first_page = first_page
+        end = first_page + num_pages
+        self._refcount: list[int] = [0] * end
         # Bumped whenever a page's refcount crosses between 1 and 2: until it moves, a holder's count of its
         # private pages changes only by the pages it allocates itself (KVCacheManager.num_private_pages).
         self.sharing_epoch = 0
-        self._key: list[PageKey | None] = [None] * num_pages
-        self._owner: list[str | None] = [None] * num_pages
-        self._partition_of: list[int] = [0] * num_pages      # index into self._partitions
+        self._key: list[PageKey | None] = [None] * end
+        self._owner: list[str | None] = [None] * end
         self._page_of_key: dict[PageKey, PageId] = {}
         self._evictions: list[tuple[PageId, PageKey]] = []
         self._limits: dict[str, MemberLimit] = dict(limits or {})
+        self._free = _FreeQueue(first_page, end)                    # no key; taken first
+        # An ordered set (values unused): O(1) append, pop head, delete anywhere.
+        self._cached: OrderedDict[PageId, None] = OrderedDict()     # head = least recently released
+        self._floor_members = [m for m, limit in self._limits.items() if limit.floor_pages > 0]
         # Per-owner counters, kept in step with every state change so accounting is O(1).
         self._used_by: dict[str, int] = {}
         self._cached_by: dict[str, int] = {}
         self._num_used_pages = 0
-        self._partitions: list[_Partition] = []
-        self._partition_index: dict[str, int] = {}           # member -> partition (partitioned mode only)
-        self._build_partitions(partitions)
-        for member in [*members, *(partitions or {}), *self._limits]:
+        for member in [*members, *self._limits]:
             self._used_by.setdefault(member, 0)
             self._cached_by.setdefault(member, 0)
-        for member, limit in self._limits.items():
-            part = self._partition_for(member)
-            if part is not None and limit.floor_pages > 0:
-                part.floor_members.append(member)
 
-    @property
-    def is_partitioned(self) -> bool:
-        """Each member allocates from a slice of its own (a static split), not from one shared partition."""
-        return bool(self._partition_index)
-
-    def _build_partitions(self, partitions: dict[str, int] | None) -> None:
-        if partitions is None:
-            self._partitions.append(_Partition(None, self.num_pages, _FreeQueue(0, self.num_pages)))
-            return
-        if any(n < 0 for n in partitions.values()) or sum(partitions.values()) != self.num_pages:
-            raise ValueError(f"partitions must be >= 0 and sum to num_pages={self.num_pages}, got "
-                             f"{partitions} (use page_pool.split_pages)")
-        start = 0
-        for index, (member, size) in enumerate(partitions.items()):
-            self._partitions.append(_Partition(member, size, _FreeQueue(start, start + size)))
-            self._partition_index[member] = index
-            self._partition_of[start:start + size] = [index] * size
-            start += size
-
-    def _partition_for(self, member: str) -> _Partition | None:
-        if self._partitions[0].name is None:
-            return self._partitions[0]
-        index = self._partition_index.get(member)
-        return None if index is None else self._partitions[index]
+    def members_sharing(self, member: str) -> frozenset[str] | None:
+        """The members whose requests draw on the pages `member`'s requests draw on (its memory scope): None = every
+        member, this one pool. A page source that gives each member pages of its own (eval's static split)
+        answers {member}; the scheduler's reservation, preemption and pins follow the answer."""
+        return None
 
     # ------------------------------------------------------------------------- capacity
     def num_available_pages(self, member: str) -> int:
-        """Free + cached pages `member` could get now: its partition, minus others' unmet floors, up to its ceiling."""
-        part = self._partition_for(member)
-        if part is None:
-            return 0
-        available = len(part.free) + len(part.cached)
-        for other in part.floor_members:
+        """Free + cached pages `member` could get now: the pool's, minus others' unmet floors, up to its ceiling."""
+        available = len(self._free) + len(self._cached)
+        for other in self._floor_members:
             if other != member:
                 available -= max(0, self._limits[other].floor_pages - self._used_by[other])
         limit = self._limits.get(member)
@@ -151,12 +104,9 @@ class PagePool:
         return max(0, available)
 
     def num_available_pages_total(self, member: str) -> int:
-        """The most pages `member` could ever hold (everyone else idle): its partition, minus others'
-        whole floors, up to its ceiling. A request needing more can never run: reject it up front."""
-        part = self._partition_for(member)
-        if part is None:
-            return 0
-        total = part.num_pages - sum(self._limits[m].floor_pages for m in part.floor_members if m != member)
+        """The most pages `member` could ever hold (everyone else idle): the pool's, minus others' whole floors,
+        up to its ceiling. A request needing more can never run: reject it up front."""
+        total = self.num_pages - sum(self._limits[m].floor_pages for m in self._floor_members if m != member)
         limit = self._limits.get(member)
         if limit is not None and limit.ceiling_pages is not None:
             total = min(total, limit.ceiling_pages)
@@ -171,11 +121,9 @@ class PagePool:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         if not self.can_allocate(member, num_pages):
             return None
-        part = self._partition_for(member)
-        assert part is not None  # can_allocate is False for a member without a partition
-        pages = part.free.take(num_pages)
+        pages = self._free.take(num_pages)
         if len(pages) < num_pages:
-            keys, cached, cached_by, owners = self._key, part.cached, self._cached_by, self._owner
+            keys, cached, cached_by, owners = self._key, self._cached, self._cached_by, self._owner
             for _ in range(num_pages - len(pages)):
                 page, _ = cached.popitem(last=False)
                 key = keys[page]
@@ -216,7 +164,7 @@ class PagePool:
         elif count == 0:
             if self._key[page] is None:
                 raise ValueError(f"page {page} is free (no key, refcount 0): allocate it instead")
-            del self._partitions[self._partition_of[page]].cached[page]
+            del self._cached[page]
             self._cached_by[self._owner[page]] -= 1  # type: ignore[index]
             self._set_used_owner(page, member)
         self._refcount[page] = count + 1
@@ -229,7 +177,7 @@ class PagePool:
         """release() of each page in turn (the order sets the LRU order); one call for a request's pages."""
         refcount, owners, keys, used_by, cached_by = (self._refcount, self._owner, self._key, self._used_by,
                                                       self._cached_by)
-        partitions, partition_of = self._partitions, self._partition_of
+        cached, free = self._cached, self._free
         for page in pages:
             count = refcount[page]
             if count <= 0:
@@ -243,17 +191,16 @@ class PagePool:
             assert owner is not None
             used_by[owner] -= 1
             self._num_used_pages -= 1
-            part = partitions[partition_of[page]]
             if keys[page] is not None:
-                part.cached[page] = None
+                cached[page] = None
                 cached_by[owner] += 1
             else:
-                part.free.push(page)
+                free.push(page)
                 owners[page] = None
 
     def demote(self, page: PageId) -> None:
         """Moves a CACHED page to the LRU head: evicted first (e.g. its session's TTL expired)."""
-        cached = self._partitions[self._partition_of[page]].cached
+        cached = self._cached
         if page not in cached:
             raise ValueError(f"page {page} is not cached")
         cached.move_to_end(page, last=False)
@@ -297,11 +244,10 @@ class PagePool:
         del self._page_of_key[key]
         self._key[page] = None
         if self._refcount[page] == 0:
-            part = self._partitions[self._partition_of[page]]
-            del part.cached[page]
+            del self._cached[page]
             self._cached_by[self._owner[page]] -= 1  # type: ignore[index]
             self._owner[page] = None
-            part.free.push(page)
+            self._free.push(page)
 
     def _set_used_owner(self, page: PageId, member: str) -> None:
         self._owner[page] = member
@@ -334,9 +280,7 @@ class PagePool:
         return self._num_used_pages if member is None else self._used_by.get(member, 0)
 
     def counts(self) -> dict[str, int]:
-        free = sum(len(p.free) for p in self._partitions)
-        cached = sum(len(p.cached) for p in self._partitions)
-        return {"free": free, "used": self._num_used_pages, "cached": cached}
+        return {"free": len(self._free), "used": self._num_used_pages, "cached": len(self._cached)}
 
     def counts_by_member(self) -> dict[str, dict[str, int]]:
         """{"used", "cached"} pages by owner, for every member ever known (zeros included)."""
@@ -347,10 +291,9 @@ class PagePool:
         used_by: dict[str, int] = {}
         cached_by: dict[str, int] = {}
         num_free = num_cached = num_used = 0
-        for page in range(self.num_pages):
+        for page in range(self.first_page, self.first_page + self.num_pages):
             count, key, owner = self._refcount[page], self._key[page], self._owner[page]
-            part = self._partitions[self._partition_of[page]]
-            in_free, in_cached = page in part.free, page in part.cached
+            in_free, in_cached = page in self._free, page in self._cached
             assert count >= 0, f"page {page}: refcount {count} < 0"
             assert key is None or self._page_of_key.get(key) == page, f"page {page}: key {key} not mapped to it"
             if count > 0:
@@ -369,7 +312,7 @@ class PagePool:
                 num_free += 1
         for key, page in self._page_of_key.items():
             assert self._key[page] == key, f"key map: {key} -> page {page} which holds {self._key[page]}"
-        queued = sum(len(p.free) + len(p.cached) for p in self._partitions)
+        queued = len(self._free) + len(self._cached)
         assert queued == num_free + num_cached, f"queues hold {queued} pages, expected {num_free + num_cached}"
         assert num_free + num_cached + num_used == self.num_pages, "pages lost"
         assert num_used == self._num_used_pages, f"used counter {self._num_used_pages} != {num_used}"

@@ -50,13 +50,13 @@ class Preemption:
     def ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
         """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages
         are short, escalation pins are given up before a request would preempt itself, and victims are taken in
-        scheduler.victim_order from the same pool (slice, under a static split). Only the requests of the members
-        in the step's scope grow or are preempted (the others' may be in a step on their own devices). Returns
-        whether anything was preempted."""
+        scheduler.victim_order among the requests sharing its pages. Only the requests of the members in the
+        step's scope grow or are preempted (the others' may be in a step on their own devices). Returns whether
+        anything was preempted."""
         preempted, members = False, self.scope.members
         running = self.running
         grow = self.kv.grow
-        in_partition = self.reservation.in_partition
+        shares_pages = self.reservation.shares_pages
         for seq in running.snapshot():
             if seq.request_id not in running or not seq.is_decoding():
                 continue
@@ -69,7 +69,7 @@ class Preemption:
             while not grow(kv, len(seq.token_ids)):
                 if self.release_pins(seq.member):
                     continue   # waiting escalations' pinned pages go before any running request's
-                victim = min((s for s in running if in_partition(s, seq.member)
+                victim = min((s for s in running if shares_pages(s, seq.member)
                               and (members is None or s.member in members)), key=self.victim_key)
                 self.preempt(victim, now_s, plan)
                 preempted = True

@@ -28,14 +28,16 @@ class Reservation(ABC):
     def __init__(self, parts: SchedulerParts) -> None:
         self.family, self.config, self.pool, self.kv = parts.family, parts.config, parts.pool, parts.kv
         self.running, self.waiting, self.capacity_pages = parts.running, parts.waiting, parts.capacity_pages
-        self.partitioned = parts.pool.is_partitioned
+        # member -> the members whose requests draw on its pages (None: every member): the pool's answer
+        self._scope: dict[str, frozenset[str] | None] = {m.name: parts.pool.members_sharing(m.name)
+                                                        for m in parts.family.members}
         self.ratio = NewTokenRatio(parts.config.scheduler)
-        # Caches, each valid for one (running.version, ratio) key: partition -> reserved_pages; partition ->
-        # running demands; partition -> reserved_pages_bound (a sum of per-request terms: an admission adds its own)
+        # Caches, each valid for one (running.version, ratio) key: scope -> reserved_pages; scope -> running
+        # demands; scope -> reserved_pages_bound (a sum of per-request terms: an admission adds its own)
         self._key: tuple[int, float] | None = None
-        self._cache: dict[str | None, int] = {}
-        self._demands: dict[str | None, list[RunningDemand]] = {}
-        self._bounds: dict[str | None, int] = {}
+        self._cache: dict[frozenset[str] | None, int] = {}
+        self._demands: dict[frozenset[str] | None, list[RunningDemand]] = {}
+        self._bounds: dict[frozenset[str] | None, int] = {}
         # member -> (tokens per block, pages per block, context tokens): read per running request on every arrival
         # and admission (kv.pages_for_tokens through three calls cost more than the sums)
         kv = parts.kv
@@ -60,20 +62,23 @@ class Reservation(ABC):
 
     def admitted(self, seq: Sequence) -> None:
         """`seq` was just added to the running set: another running request's future_pages reads only that
-        request, so the bound of seq's partition grows by seq's term; the exact reservation and the delay inputs
+        request, so the bound of seq's scope grows by seq's term; the exact reservation and the delay inputs
         also depend on which pages are shared, so they are recomputed."""
         bounds = dict(self._bounds) if self._key == (self.running.version - 1, self.ratio.value) else {}
         self._fresh()
         self._bounds.update(bounds)
-        part = self.partition_of(seq.member)
-        if part in bounds:
-            self._bounds[part] += self.future_pages(seq)
+        scope = self._scope[seq.member]
+        if scope in bounds:
+            self._bounds[scope] += self.future_pages(seq)
 
-    def partition_of(self, member: str) -> str | None:
-        return member if self.partitioned else None
+    def scope_of(self, member: str) -> frozenset[str] | None:
+        """The members whose requests draw on `member`'s pages (None: every member): the pool's answer."""
+        return self._scope[member]
 
-    def in_partition(self, seq: Sequence, member: str) -> bool:
-        return not self.partitioned or seq.member == member
+    def shares_pages(self, seq: Sequence, member: str) -> bool:
+        """`seq` draws on the pages `member`'s requests draw on."""
+        scope = self._scope[member]
+        return scope is None or seq.member in scope
 
     def future_pages(self, seq: Sequence) -> int:
         """Pages a running request will still allocate for its expected decode (its draft's included)."""
@@ -122,7 +127,9 @@ class Reservation(ABC):
         pages_per_token = ppb / self.kv.tokens_per_block(member)
         reserved = self.reserved_pages(member)
         capacity = max(1, self.capacity_pages[member])
-        used = self.pool.num_used_pages(member if self.partitioned else None)   # shared pages count once
+        scope = self._scope[member]
+        used = (self.pool.num_used_pages() if scope is None                       # shared pages count once
+                else sum(self.pool.num_used_pages(m) for m in scope))
         pressure = min(1.0, (used + reserved) / capacity)
         step_s = step_cost_s or 0.0
         if len(request.prompt_token_ids) >= spec.context_tokens:
@@ -132,14 +139,13 @@ class Reservation(ABC):
         for seq in self.waiting:
             # Ahead of it: its own member's queue (FCFS per member) and every held (aged) request;
             # other members' waiting requests are bypassed (per-member head-of-line).
-            if not seq.is_warmup and self.in_partition(seq, member) and (seq.member == member or seq.held):
+            if not seq.is_warmup and self.shares_pages(seq, member) and (seq.member == member or seq.held):
                 need += self.demand_pages(seq)
                 queued_tokens += len(seq.token_ids)
         available = self.pool.num_available_pages(member) - reserved
-        part = self.partition_of(member)
-        demands = self._demands.get(part)
-        if demands is None:     # the same for every member of a partition and every arrival until the next change
-            demands = self._demands[part] = self._running_demands(member)
+        demands = self._demands.get(scope)
+        if demands is None:     # the same for every member of a scope and every arrival until the next change
+            demands = self._demands[scope] = self._running_demands(member)
         steps = steps_until_fit(need, available, demands)
         if steps is None:
             steps = max((d.remaining_steps for d in demands), default=0)
@@ -148,12 +154,12 @@ class Reservation(ABC):
         return {"expected_delay_s": delay_s, "pool_pressure": pressure, "pages_per_token": pages_per_token}
 
     def _running_demands(self, member: str) -> list[RunningDemand]:
-        """RunningDemand of each running request holding pages in `member`'s partition."""
+        """RunningDemand of each running request holding pages in `member`'s scope."""
         ratio, geometry, pages_for = self.ratio.value, self._geometry, self._pages_for
-        partitioned = self.partitioned
+        scope = self._scope[member]
         demands = []
         for s in self.running:
-            if s.kv is None or (partitioned and s.member != member):
+            if s.kv is None or (scope is not None and s.member not in scope):
                 continue
             _, per_block, context = geometry[s.member]
             final = expected_final_tokens(s, ratio, context)
@@ -183,17 +189,16 @@ class PeakReservation(Reservation):
         self._fresh()
         # Only a page held by exactly one request now can change its owner's credit.
         claimed = frozenset(p for p in claimed_pages if self.pool.refcount(p) == 1)
-        part = self.partition_of(member)
+        scope = self._scope[member]
         if not claimed:
-            cached = self._cache.get(part)
+            cached = self._cache.get(scope)
             if cached is not None:
                 return cached
         constant, profiles = 0, []
         # a decode's next block is grown one token early (preemption.py), a verify's k positions ahead
         slack = self.kv.tokens_per_block(member) + self._verify_tokens
-        partitioned = self.partitioned
         for seq in self.running:
-            if partitioned and seq.member != member:
+            if scope is not None and seq.member not in scope:
                 continue
             if seq.kv is not None and seq.is_decoding() and is_length_fixed(seq):
                 _, per_block, context = self._geometry[seq.member]
@@ -220,22 +225,21 @@ class PeakReservation(Reservation):
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)
         if not claimed:
-            self._cache[part] = reserved
+            self._cache[scope] = reserved
         return reserved
 
     def reserved_pages_bound(self, member: str) -> int:
         """An upper bound of reserved_pages(member) in one pass: each decoding request of fixed length counted at
         its whole growth to its end (peak_growth never reserves more for it)."""
         self._fresh()
-        part = self.partition_of(member)
-        cached = self._cache.get(part)
+        scope = self._scope[member]
+        cached = self._cache.get(scope)
         if cached is not None:
             return cached
-        bound = self._bounds.get(part)
+        bound = self._bounds.get(scope)
         if bound is None:
-            partitioned = self.partitioned
-            bound = self._bounds[part] = sum(self.future_pages(seq) for seq in self.running
-                                             if not partitioned or seq.member == member)
+            bound = self._bounds[scope] = sum(self.future_pages(seq) for seq in self.running
+                                              if scope is None or seq.member in scope)
         return bound
 
     def reserve_beside_running(self, seq: Sequence, match: PrefixMatch, held_pages: int) -> int:

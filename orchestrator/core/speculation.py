@@ -62,7 +62,7 @@ class Speculation:
         # (a nested one merges the draft member's batch into its host's forward instead), where its batch rides at
         # all, and its drafts are its own (a separate server's draft copy is not its small member)
         self.rides = not parts.family.is_nested() and self.settings.drafts_ride and not self.private
-        self.partitioned = parts.pool.is_partitioned
+        self.pool = parts.pool
         self.acceptance = AcceptanceEstimates(self.settings)
         self.length = DraftLength(self.settings)
         self.estimate: StepCost | None = None
@@ -103,8 +103,9 @@ class Speculation:
         if not self.settings.enabled:
             return False
         released = False
+        scope = self.pool.members_sharing(member)
         for seq in self.running:
-            if seq.draft is not None and (not self.partitioned or seq.member == member):
+            if seq.draft is not None and (scope is None or seq.member in scope):
                 seq.drop_draft(self.kv)
                 released = True
         if released:
