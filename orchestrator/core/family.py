@@ -1,11 +1,10 @@
 """A model family as MFS sees it: members (small to large), their KV shapes, layer lineages, tokenizer identity.
 
-Loaded once from a family directory (family.yaml + one Hugging Face checkpoint folder per member).
-Layer lineages are hashed from the weights here (numpy via safetensors, no torch) so the core can
-decide which members may share which cached pages. A checkpoint whose config.json carries
-`mfs_random_weights: {seed, std}` has no weight files: the local engine draws every tensor from (seed, tensor
-name) when it loads (timing runs on real shapes, build_scripts/random_family.py), and its lineages hash those
-draws' identities, so members with the same seed and widths share their common lower layers.
+Loaded once from a family directory (family.yaml + one Hugging Face checkpoint folder per member). Layer lineages
+are hashed from the weights here (numpy via safetensors, no torch). A checkpoint whose config.json carries
+`mfs_random_weights: {seed, std}` has no weight files: the local engine draws every tensor from (seed, tensor name)
+(timing runs on real shapes, build_scripts/random_family.py), and its lineages hash those draws' identities, so
+members with the same seed and widths share their common lower layers.
 """
 from __future__ import annotations
 
@@ -127,11 +126,6 @@ class FamilySpec:
     def is_nested(self) -> bool:
         return all(self.shared_depth(a.name, b.name) == a.num_layers
                    for a, b in zip(self.members, self.members[1:]))
-
-    def incompatible_pairs(self) -> list[tuple[str, str]]:
-        """Member pairs whose tokenizers differ: they must never share prefix-cache entries."""
-        return [(a.name, b.name) for i, a in enumerate(self.members) for b in self.members[i + 1:]
-                if a.tokenizer_hash != b.tokenizer_hash]
 
     def context_tokens(self) -> int:
         return max(m.context_tokens for m in self.members)

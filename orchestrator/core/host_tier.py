@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from orchestrator.core.types import PageKey, Tier
+from orchestrator.core.types import PageKey
 
 
 def count_by_lineage(counts: Counter[str], lineage: str, delta: int) -> None:
@@ -34,8 +34,6 @@ class HostTier:
     In parts (HostTier.in_parts): each part holds the lineages assigned to it and is an LRU of its own size, as
     separate servers each have their own host memory: one part's saves never evict another part's pages."""
 
-    tier = Tier.HOST
-
     def __init__(self, capacity_bytes: int) -> None:
         self._whole: _LRU | None = _LRU(capacity_bytes)
         self._parts: dict[str, _LRU] = {}
@@ -62,11 +60,12 @@ class HostTier:
         part = self._part_of.get(key.lineage)
         return self._parts[part] if part is not None else None
 
+    def _lrus(self) -> list[_LRU]:
+        return [self._whole] if self._whole is not None else list(self._parts.values())
+
     @property
     def num_entries(self) -> int:
-        if self._whole is not None:
-            return len(self._whole.entries)
-        return sum(len(lru.entries) for lru in self._parts.values())
+        return sum(len(lru.entries) for lru in self._lrus())
 
     def part_bytes(self) -> dict[str, int]:
         """Each part's capacity ({} when the tier is one LRU)."""
@@ -77,9 +76,7 @@ class HostTier:
         return lru is not None and key in lru.entries
 
     def keys(self) -> list[PageKey]:
-        if self._whole is not None:
-            return list(self._whole.entries)
-        return [k for lru in self._parts.values() for k in lru.entries]
+        return [k for lru in self._lrus() for k in lru.entries]
 
     def room_bytes(self, key: PageKey) -> int:
         """Free bytes where `key` would be stored (its part's, in parts)."""
@@ -95,9 +92,7 @@ class HostTier:
         evicted: list[tuple[PageKey, bytes]] = []
         while lru.bytes_used + len(data) > lru.capacity_bytes:
             old_key, old_data = lru.entries.popitem(last=False)
-            lru.bytes_used -= len(old_data)
-            self.bytes_used -= len(old_data)
-            count_by_lineage(self.lineage_counts, old_key.lineage, -1)
+            self._forget(lru, old_key, old_data)
             evicted.append((old_key, old_data))
         lru.entries[key] = bytes(data)
         lru.bytes_used += len(data)
@@ -116,8 +111,10 @@ class HostTier:
 
     def discard(self, key: PageKey) -> None:
         lru = self._lru(key)
-        data = lru.entries.pop(key, None) if lru is not None else None
-        if data is not None and lru is not None:
-            lru.bytes_used -= len(data)
-            self.bytes_used -= len(data)
-            count_by_lineage(self.lineage_counts, key.lineage, -1)
+        if lru is not None and (data := lru.entries.pop(key, None)) is not None:
+            self._forget(lru, key, data)
+
+    def _forget(self, lru: _LRU, key: PageKey, data: bytes) -> None:
+        lru.bytes_used -= len(data)
+        self.bytes_used -= len(data)
+        count_by_lineage(self.lineage_counts, key.lineage, -1)
