@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eval.composition import per_member_lineages
 from orchestrator.core.family import FamilyError, load_family, resolve_family_dir
 
 TINY = resolve_family_dir("tiny")
@@ -24,7 +25,7 @@ def test_shipped_tiny_family_is_nested_and_ordered():
 
 
 def test_per_member_lineage_makes_an_independent_family():
-    family = load_family("tiny", per_member_lineage=True)
+    family = per_member_lineages(load_family("tiny"))
     assert family.shared_depth("tiny-s", "tiny-m") == 0 and not family.is_nested()
 
 

@@ -114,7 +114,7 @@ def test_tiered_store_demotes_host_evictions_to_disk(tmp_path: Path) -> None:
     assert store.locate(key(3)) is Tier.HOST       # a host hit stays in the host
     assert store.put(key(4), blob(4, 50)) is Tier.DISK   # too big for the host
     assert store.locate(key(9)) is None and store.get(key(9)) is None
-    store.discard(key(1))
+    store.disk.discard(key(1))
     assert store.locate(key(1)) is None
     assert store.counts_by_lineage() == {"lin/0": {"host": 2, "disk": 1}}
 
@@ -162,7 +162,8 @@ def test_per_lineage_counts_follow_every_put_eviction_discard_and_restart(tmp_pa
         if op < 0.6:
             store.put(k, blob(k.block_hash[0], rng.choice([5, 10, 20])))
         elif op < 0.8:
-            store.discard(k)
+            store.host.discard(k)
+            store.disk.discard(k)
         elif op < 0.9:
             store.get(k)
         elif store.disk.keys():                     # a corrupt file: get() drops it
@@ -209,6 +210,7 @@ def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_ca
     from eval.systems import system_config, system_scheduler, system_tiers
     from orchestrator.core.complexity import ComplexityEstimator
     from orchestrator.core.engine_core import EngineCore
+    from eval.composition import per_member_lineages
     from orchestrator.core.family import load_family
     from tests.fakes import fake_vocab
 
@@ -216,7 +218,7 @@ def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_ca
     survivors = {}
     for name in ("baseline", "baseline_elastic"):
         config = system_config(name, "tiny", 768, split, host_tier_mb=1.0)
-        family = load_family("tiny", per_member_lineage=True)
+        family = per_member_lineages(load_family("tiny"))
         core = EngineCore(config, family, ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
                           **core_parts(config, system_scheduler(name), system_tiers(name)))
         host = core.tiers.host

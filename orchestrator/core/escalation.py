@@ -81,10 +81,8 @@ def _binary_entropy(p: float) -> float:
 
 def escalation_target(family: FamilySpec, current: str, pinned: bool) -> str | None:
     """The next larger member; None when pinned or already the largest (so escalation can never loop)."""
-    if pinned:
-        return None
-    larger = family.next_larger(current)
-    return larger.name if larger is not None else None
+    larger = family.member(current).index + 1
+    return family.members[larger].name if not pinned and larger < len(family.members) else None
 
 
 def handover_target(family: FamilySpec, current: str, pinned: bool, num_tokens: int) -> str | None:

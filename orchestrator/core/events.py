@@ -48,9 +48,6 @@ class EventLog:
     """The last `capacity` events."""
 
     def __init__(self, capacity: int = 10000) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
         self._events: deque[Event] = deque(maxlen=capacity)   # maxlen drops the oldest in O(1)
         self._lock = threading.Lock()
 
@@ -84,7 +81,6 @@ class Stats:
         self._prefix_query_tokens: dict[str, int] = {}
         self._prefix_hit_tokens: dict[str, dict[str, int]] = {}
         self._escalations: dict[str, int] = {}
-        self._preemptions = 0
         self._preemptions_by_kind = {kind: 0 for kind in PREEMPTION_KINDS}
         self._downgrades: dict[str, int] = {}
         self._escalations_refused = 0
@@ -128,7 +124,6 @@ class Stats:
         if kind not in PREEMPTION_KINDS:
             raise ValueError(f"preemption kind must be one of {PREEMPTION_KINDS}, got {kind!r}")
         with self._lock:
-            self._preemptions += 1
             self._preemptions_by_kind[kind] += 1
 
     def on_queue_wait(self, member: str, wait_s: float) -> None:
@@ -205,7 +200,7 @@ class Stats:
                 "escalations": {**{f"{a}->{b}": 0 for i, a in enumerate(serving) for b in serving[i + 1:]},
                                 **self._escalations},
                 "escalations_refused": self._escalations_refused,
-                "preemptions": self._preemptions,
+                "preemptions": sum(self._preemptions_by_kind.values()),
                 "preemptions_by_kind": dict(self._preemptions_by_kind),
                 "downgrades": dict(self._downgrades),
                 "evictions": self._evictions,

@@ -21,8 +21,6 @@ class _LRU:
     """Entries LRU by bytes within one capacity: the whole host tier, or one part of it."""
 
     def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.bytes_used = 0
         self.entries: OrderedDict[PageKey, bytes] = OrderedDict()   # head = least recently used
@@ -44,10 +42,8 @@ class HostTier:
 
     @classmethod
     def in_parts(cls, part_bytes: dict[str, int], part_of_lineage: dict[str, str]) -> HostTier:
-        """part name -> its bytes, and each lineage's part; a key of a lineage with no part is never stored."""
-        unknown = set(part_of_lineage.values()) - set(part_bytes)
-        if unknown:
-            raise ValueError(f"lineages assigned to parts without bytes: {sorted(unknown)}")
+        """part name -> its bytes, and each lineage's part (one of them); a key of a lineage with no part is never
+        stored."""
         tier = cls(sum(part_bytes.values()))
         tier._whole = None
         tier._parts = {name: _LRU(n) for name, n in part_bytes.items()}

@@ -52,8 +52,6 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, capacity_bytes: int, *, page_bytes: int | None = None,
                  dtype: str | None = None, mac_key: bytes | None = None) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.page_bytes = page_bytes
         # the layout tag of its files ("16384B-float32"): pages of another size or dtype are a miss
         self.layout = (f"{page_bytes}B-{dtype or ''}" if page_bytes is not None else (dtype or "")).encode()
@@ -274,12 +272,6 @@ class TieredStore:
         if self.disk is not None and self.disk.contains(key):
             return Tier.DISK
         return None
-
-    def discard(self, key: PageKey) -> None:
-        if self.host is not None:
-            self.host.discard(key)
-        if self.disk is not None:
-            self.disk.discard(key)
 
     def counts(self) -> dict[str, int]:
         return {"host": self.host.num_entries if self.host is not None else 0,

@@ -87,10 +87,8 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0                         # lower runs first; FCFS within a priority
     complexity_hint: float | None = None      # eval may pass a known difficulty; None = estimate
-    # False: the core builds only the request's first output and its final one; the tokens in between are
-    # emitted on time (a rollback can no longer drop them) but reach the caller with the final output. For a
-    # caller that reads nothing else (mfs simulate: a record needs the first token's time and the whole reply),
-    # it saves an output object per generated token.
+    # False: only the first output and the final one are built; the tokens between are emitted on time (a rollback
+    # can no longer drop them) but reach the caller with the final one (mfs simulate: one output object less a token).
     intermediate_outputs: bool = True
 
 
