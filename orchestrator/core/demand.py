@@ -110,10 +110,9 @@ def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
     running minus the private pages of those that ended. It only changes direction when one ends, so
     the maximum is just before some end (or now).
 
-    One sweep over the steps where the total changes (O(n log n); evaluating every candidate step over every
-    request was O(n^2): ~10^4 growth_at calls per arrival at GPU scale): the total at step 0, then each
-    request's growth where it starts a block, and at its end minus the growth it reached and its private
-    pages; the maximum of the running total read just before each end."""
+    One sweep over the steps where the total changes (O(n log n), not every candidate step over every request):
+    the total at step 0, then each request's growth where it starts a block, and at its end minus the growth it
+    reached and its private pages; the maximum of the running total read just before each end."""
     base, changes, candidates = 0, [], set()
     for p in profiles:
         # the growth at step t (DecodeProfile), per block start of every running request on every arrival

@@ -100,11 +100,8 @@ def can_escalate(config: EscalationConfig, family: FamilySpec, current: str, pin
 
 
 def in_warmup_band(config: EscalationConfig, complexity: float) -> bool:
-    """True when a request's complexity sits just below a boundary: worth prefilling the next member.
-
-    The band is [low, high) so a complexity at `high` (routed to the larger member already) is out.
-    False when escalation is disabled (the caller checks HandoverRules.warmup).
-    """
+    """True when a request's complexity sits in [low, high) of warmup_band, just below a boundary (at `high` it is
+    routed to the larger member already): worth prefilling the next member. False when escalation is disabled."""
     if not config.enabled:
         return False
     low, high = config.warmup_band

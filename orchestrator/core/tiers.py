@@ -42,13 +42,10 @@ class _DiskEntry:
 
 
 class DiskTier:
-    """One checksummed file per page under `directory`; survives restarts. Capacity counts data bytes
-    (each file adds a header of ~52 bytes + the layout and the key).
-
-    page_bytes and dtype (when given) are written into every file and checked on the way back: a file written
-    with another page size or KV dtype (a restart with another pool.page_bytes or engine.dtype) is dropped by
-    the start-up scan and is a miss on get, never data of the wrong shape. mac_key adds a keyed checksum beside
-    the plain one: a file whose keyed checksum does not verify (written without the key) is a miss too."""
+    """One checksummed file per page under `directory`; survives restarts. Capacity counts data bytes (each file
+    adds a header of ~52 bytes + the layout and the key). A file of another page size or dtype (page_bytes, dtype)
+    is dropped by the start-up scan and a miss on get; so is, on get, one whose keyed checksum (mac_key) does not
+    verify (docs/CONFIG.md, Tiers)."""
 
     def __init__(self, directory: str | Path, capacity_bytes: int, *, page_bytes: int | None = None,
                  dtype: str | None = None, mac_key: bytes | None = None) -> None:
