@@ -9,7 +9,8 @@ batch caps, turns) and host tier are eval/baseline's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eval.baseline.split_pool import split_pool_source
@@ -107,4 +108,13 @@ def core_parts(config: MFSConfig, scheduler_factory: SchedulerFactory | None = N
 def system_family(config: MFSConfig) -> FamilySpec:
     """config.family as this system serves it: without cross-member sharing each member's lineages are its own
     (no page is shared between members, whatever their weights)."""
-    return load_family(config.family, per_member_lineage=not switches(config).cross_member_sharing)
+    family = load_family(config.family)
+    return family if switches(config).cross_member_sharing else per_member_lineages(family)
+
+
+def per_member_lineages(family: FamilySpec) -> FamilySpec:
+    """The family with each member's lineages salted with its name: what an independent family would get."""
+    def salted(name: str, lineages: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(hashlib.blake2b(f"{name}|{l}".encode(), digest_size=16).hexdigest() for l in lineages)
+    return replace(family, members=tuple(replace(m, layer_lineages=salted(m.name, m.layer_lineages))
+                                         for m in family.members))

@@ -9,12 +9,11 @@ from typing import Any
 
 from eval.baseline.deployments import DEPLOYMENT_SCHEDULERS
 from eval.baseline.tier_parts import deployment_tiers
-from eval.baseline.static_split import StaticSplit, pages_rule
+from eval.baseline.static_split import StaticSplit, config_layout, pages_rule
 from eval.composition import load_system_config
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.engine_core import SchedulerFactory, TiersSource
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.kv_layout import KVLayout
 
 SYSTEMS = ("mfs", "baseline", "baseline_elastic", "baseline_per_turn", "baseline_legacy", "baseline_spec",
            "baseline_elastic_spec", "no_affinity",
@@ -201,7 +200,7 @@ def best_static_split(family: FamilySpec, requests: Sequence[RoutedRequest], con
     longest = max((r.tokens for r in requests), default=1)
     # Floors through the one page rule (residual pages included when this config records them: the
     # no_shared_pool ablation does), plus the decode reserve; half a page over so rounding never bites.
-    pages_for_tokens, tokens_per_block = pages_rule(family, config), KVLayout.for_config(family, config).tokens_per_block
+    pages_for_tokens, tokens_per_block = pages_rule(family, config), config_layout(family, config).tokens_per_block
     floor = {}
     for m in names:
         reserve = config.scheduler.decode_reserve_blocks * tokens_per_block(m)

@@ -5,11 +5,11 @@ the MFS that speculates as it does (baseline_spec to MFS with speculation on, th
 every speculation setting but the private draft copies is MFS's too."""
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
-from eval.composition import core_parts, system_family
+from eval.composition import core_parts, per_member_lineages, system_family
 from eval.systems import DEPLOYMENTS, SYSTEMS, system_config, system_scheduler, system_tiers
-from orchestrator.core.config import config_to_dict
 
 SPLIT = {"tiny-s": 0.2, "tiny-m": 0.3, "tiny-l": 0.5}
 FAIR = ("baseline", "baseline_per_turn", "baseline_elastic", "baseline_spec", "baseline_elastic_spec")
@@ -31,9 +31,9 @@ def flat(data: Any, prefix: str = "") -> dict[str, Any]:
 
 def differing(name: str, extra: dict | None = None, **kwargs) -> set[str]:
     """Settings in which system `name` differs from the MFS that speculates as it does."""
-    other = flat(config_to_dict(system_config(name, "tiny", 768, SPLIT, extra, **kwargs)))
+    other = flat(asdict(system_config(name, "tiny", 768, SPLIT, extra, **kwargs)))
     counterpart = {**(extra or {}), "speculation.enabled": other["speculation.enabled"]}
-    mfs = flat(config_to_dict(system_config("mfs", "tiny", 768, SPLIT, counterpart, **kwargs)))
+    mfs = flat(asdict(system_config("mfs", "tiny", 768, SPLIT, counterpart, **kwargs)))
     return {k for k in mfs.keys() | other.keys() if mfs.get(k) != other.get(k)}
 
 
@@ -57,7 +57,7 @@ def test_each_static_deployment_gets_a_host_tier_part_sized_as_its_slice():
     config = system_config("baseline", "tiny", 768, SPLIT, host_tier_mb=512.0)
     assert config.comparison.static_split == SPLIT
     assert config.pool.host_tier_mb == system_config("mfs", "tiny", 768, SPLIT, host_tier_mb=512.0).pool.host_tier_mb
-    tiers = system_tiers("baseline")(config, load_family("tiny", per_member_lineage=True))
+    tiers = system_tiers("baseline")(config, per_member_lineages(load_family("tiny")))
     parts = tiers.host.part_bytes()
     assert sum(parts.values()) == 512 * 2**20
     assert all(abs(parts[m] - 512 * 2**20 * f) <= 1 for m, f in SPLIT.items())

@@ -87,12 +87,11 @@ def test_proportional_split_follows_weight_bytes(tmp_path):
 
 
 def test_split_floor_pages_are_the_schedulers_page_rule():
-    from eval.baseline.static_split import pages_rule
-    from orchestrator.core.kv_layout import KVLayout
+    from eval.baseline.static_split import config_layout, pages_rule
 
     config = load_config(overrides={"pool.num_pages": 1024})
     pages_for_tokens = pages_rule(fake_family(), config)
-    layout = KVLayout.for_config(fake_family(), config)
+    layout = config_layout(fake_family(), config)
     for member in ("tiny-s", "tiny-m", "tiny-l"):
         assert pages_for_tokens(member, 500) == layout.pages_for_tokens(member, 500)
     assert layout.pages_for_tokens("tiny-m", 500) + layout.pages_per_block("tiny-m") == 33 * 5
@@ -652,3 +651,11 @@ def test_the_recorded_sampling_says_what_the_requests_asked_for():
     assert sampling_record("natural", 128) == {"temperature": 0.0, "ignore_eos": False, "max_tokens": 128}
     exact = sampling_record("exact", 64)
     assert exact["ignore_eos"] is True and "dataset reply's length, at most 64" in exact["max_tokens"]
+
+
+def test_largest_member_bound_is_where_the_largest_members_band_starts():
+    from eval.bench.cli import largest_member_bound
+
+    assert largest_member_bound([0.4, 0.7], 3) == 0.7
+    assert largest_member_bound([0.4, 0.7], 2) == 0.4
+    assert largest_member_bound([0.4, 0.7], 1) == 0.0

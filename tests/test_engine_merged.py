@@ -7,6 +7,7 @@ import torch
 
 from conftest_engine import PageCounter, build_model, llama_config, nested_family_on_disk, qwen2_config, write_family
 from engines.local.executor import LocalExecutor
+from eval.composition import per_member_lineages
 from engines.local.model import PagedCausalLM
 from orchestrator.core.family import load_family
 from orchestrator.core.types import MemberBatch, RequestId, SamplingParams, SeqChunk, StepPlan
@@ -45,8 +46,8 @@ def family_root(request, tmp_path_factory):
     return _nested_family(tmp_path_factory.mktemp("merged"), request.param)
 
 
-def _executors(root, per_member_lineage: bool = False):
-    family = load_family(root, per_member_lineage=per_member_lineage)
+def _executors(root):
+    family = load_family(root)
     return (LocalExecutor(family, NUM_PAGES, PAGE_BYTES),
             LocalExecutor(family, NUM_PAGES, PAGE_BYTES, merge_nested=False))
 
@@ -159,7 +160,8 @@ def test_members_that_do_not_nest_run_separately(kind, tmp_path, monkeypatch):
         root = write_family(tmp_path, members)
     else:
         root = _nested_family(tmp_path, llama_config, other_norm=kind == "other_norm")
-    executor = LocalExecutor(load_family(root, per_member_lineage=kind == "per_member_lineage"), NUM_PAGES, PAGE_BYTES)
+    family = per_member_lineages(load_family(root)) if kind == "per_member_lineage" else load_family(root)
+    executor = LocalExecutor(family, NUM_PAGES, PAGE_BYTES)
     expected = {"per_member_lineage": set(), "other_norm": {("m", "l")}, "independent": set()}[kind]
     assert executor.nested_pairs == expected
     calls = []

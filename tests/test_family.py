@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eval.composition import per_member_lineages
 from orchestrator.core.family import FamilyError, load_family, resolve_family_dir
 
 TINY = resolve_family_dir("tiny")
@@ -19,12 +20,12 @@ def test_shipped_tiny_family_is_nested_and_ordered():
     assert family.shared_depth("tiny-s", "tiny-l") == family.member("tiny-s").num_layers
     assert family.member("tiny-m").layer_lineages[: family.member("tiny-s").num_layers] == \
         family.member("tiny-s").layer_lineages
-    assert not family.incompatible_pairs()
+    assert len({m.tokenizer_hash for m in family.members}) == 1
     assert family.member("tiny-l").tokens_per_block(16384, 4) == 16
 
 
 def test_per_member_lineage_makes_an_independent_family():
-    family = load_family("tiny", per_member_lineage=True)
+    family = per_member_lineages(load_family("tiny"))
     assert family.shared_depth("tiny-s", "tiny-m") == 0 and not family.is_nested()
 
 
@@ -34,14 +35,15 @@ def copy_family(tmp_path: Path) -> Path:
     return target
 
 
-def test_different_tokenizers_are_reported(tmp_path):
+def test_a_different_tokenizer_gets_its_own_hash(tmp_path):
     root = copy_family(tmp_path)
     tok = root / "tiny-l" / "tokenizer.json"
     data = json.loads(tok.read_text())
     data["added_tokens"][0]["content"] = "<|other-pad|>"
     tok.write_text(json.dumps(data))
     family = load_family(root)
-    assert ("tiny-s", "tiny-l") in family.incompatible_pairs() and ("tiny-s", "tiny-m") not in family.incompatible_pairs()
+    hashes = {m.name: m.tokenizer_hash for m in family.members}
+    assert hashes["tiny-s"] == hashes["tiny-m"] != hashes["tiny-l"]     # block hashes are seeded with it
 
 
 @pytest.mark.parametrize("breakage, message", [

@@ -307,10 +307,3 @@ def test_downgrade_skips_a_member_that_escalates_too_many_of_its_requests():
     assert _route(Router(FAMILY, RouterConfig(downgrade_running=2)), _request(500), 0.75,
                   loads=loads(1.0)).member == "tiny-m"
 
-
-def test_largest_member_bound_is_where_the_largest_members_band_starts():
-    from orchestrator.core.router import largest_member_bound
-
-    assert largest_member_bound([0.4, 0.7], 3) == 0.7
-    assert largest_member_bound([0.4, 0.7], 2) == 0.4
-    assert largest_member_bound([0.4, 0.7], 1) == 0.0

@@ -192,6 +192,12 @@ def test_expected_delay_downgrade_fires_in_the_scheduler_and_is_counted():
     assert any("downgraded to m" in r["reason"] for r in snap["recent_routes"])
 
 
+def _growth_at(profile, t: int) -> int:
+    """The pages a decoding request has allocated beyond now at step t: DecodeProfile's definition, computed plainly."""
+    covered = min(profile.final_tokens, profile.tokens_now + t + profile.slack_tokens)
+    return max(0, profile.pages_for(covered) - profile.held_pages)
+
+
 def test_peak_growth_counts_what_ends_before_the_peak():
     from orchestrator.core.demand import decode_profile, peak_growth
 
@@ -201,9 +207,9 @@ def test_peak_growth_counts_what_ends_before_the_peak():
     a = decode_profile(4, 8, 12, 4, 4, pages, slack_tokens=1, tokens_per_block=4)
     # B: 4 tokens now, grows to 24 over 20 steps (10 more pages), nothing private (a shared prefix).
     b = decode_profile(20, 4, 24, 2, 0, pages, slack_tokens=1, tokens_per_block=4)
-    assert a.growth_pages == (2, 2, 2, 2) and b.growth_pages[-1] == 10
+    assert [_growth_at(a, t) for t in range(4)] == [2, 2, 2, 2] and _growth_at(b, 19) == 10
     # Summing both ends would reserve 12; A's 4 private pages are back before B needs its last ones.
-    assert peak_growth([a, b]) == max(2 + b.growth_pages[3], b.growth_pages[-1] - 4) == 6
+    assert peak_growth([a, b]) == max(2 + _growth_at(b, 3), _growth_at(b, 19) - 4) == 6
     assert peak_growth([]) == 0
 
 
@@ -331,7 +337,7 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
         best = 0
         for candidate in profiles:
             t = candidate.steps_left - 1
-            best = max(best, sum(p.growth_at(t) if t < p.steps_left else -p.private_pages for p in profiles))
+            best = max(best, sum(_growth_at(p, t) if t < p.steps_left else -p.private_pages for p in profiles))
         return best
 
     rng = random.Random(7)
@@ -349,7 +355,7 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
             held = pages(now + rng.choice([0, 1, slack]))
             profile = decode_profile(final - now + 1, now, final, held, rng.randint(0, held), pages, slack, block)
             # the sweep reads growth only where a block starts: it must change nowhere else
-            changes = {t for t in range(1, profile.steps_left) if profile.growth_at(t) != profile.growth_at(t - 1)}
+            changes = {t for t in range(1, profile.steps_left) if _growth_at(profile, t) != _growth_at(profile, t - 1)}
             assert changes <= set(profile.growth_steps())
             profiles.append(profile)
         assert peak_growth(profiles) == every_candidate(profiles)

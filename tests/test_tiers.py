@@ -19,7 +19,6 @@ def blob(n: int, size: int = 10) -> bytes:
 
 def test_host_lru_bounds_and_eviction_order() -> None:
     host = HostTier(capacity_bytes=30)
-    assert host.tier is Tier.HOST
     assert host.put(key(1), blob(1)) == []
     assert host.put(key(2), blob(2)) == []
     assert host.put(key(3), blob(3)) == []
@@ -37,14 +36,14 @@ def test_host_lru_bounds_and_eviction_order() -> None:
 
 def test_disk_put_get_and_lru(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, capacity_bytes=20)
-    assert disk.tier is Tier.DISK
-    assert disk.put(key(1), blob(1)) == []
-    assert disk.put(key(2), blob(2)) == []
+    disk.put(key(1), blob(1))
+    disk.put(key(2), blob(2))
     assert disk.get(key(1)) == blob(1)
-    assert disk.put(key(3), blob(3)) == [(key(2), blob(2))]
+    disk.put(key(3), blob(3))                      # evicts 2, the least recently used
     assert disk.keys() == [key(1), key(3)] and disk.bytes_used == 20
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(disk.path_for(k).name for k in (key(1), key(3)))
-    assert disk.put(key(4), blob(4, 21)) == [] and not disk.contains(key(4))
+    disk.put(key(4), blob(4, 21))                  # larger than capacity
+    assert not disk.contains(key(4)) and disk.keys() == [key(1), key(3)]
     disk.discard(key(1))
     assert not disk.path_for(key(1)).exists() and disk.get(key(1)) is None
 
@@ -115,7 +114,7 @@ def test_tiered_store_demotes_host_evictions_to_disk(tmp_path: Path) -> None:
     assert store.locate(key(3)) is Tier.HOST       # a host hit stays in the host
     assert store.put(key(4), blob(4, 50)) is Tier.DISK   # too big for the host
     assert store.locate(key(9)) is None and store.get(key(9)) is None
-    store.discard(key(1))
+    store.disk.discard(key(1))
     assert store.locate(key(1)) is None
     assert store.counts_by_lineage() == {"lin/0": {"host": 2, "disk": 1}}
 
@@ -163,7 +162,8 @@ def test_per_lineage_counts_follow_every_put_eviction_discard_and_restart(tmp_pa
         if op < 0.6:
             store.put(k, blob(k.block_hash[0], rng.choice([5, 10, 20])))
         elif op < 0.8:
-            store.discard(k)
+            store.host.discard(k)
+            store.disk.discard(k)
         elif op < 0.9:
             store.get(k)
         elif store.disk.keys():                     # a corrupt file: get() drops it
@@ -210,6 +210,7 @@ def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_ca
     from eval.systems import system_config, system_scheduler, system_tiers
     from orchestrator.core.complexity import ComplexityEstimator
     from orchestrator.core.engine_core import EngineCore
+    from eval.composition import per_member_lineages
     from orchestrator.core.family import load_family
     from tests.fakes import fake_vocab
 
@@ -217,7 +218,7 @@ def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_ca
     survivors = {}
     for name in ("baseline", "baseline_elastic"):
         config = system_config(name, "tiny", 768, split, host_tier_mb=1.0)
-        family = load_family("tiny", per_member_lineage=True)
+        family = per_member_lineages(load_family("tiny"))
         core = EngineCore(config, family, ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
                           **core_parts(config, system_scheduler(name), system_tiers(name)))
         host = core.tiers.host

@@ -37,7 +37,7 @@ from orchestrator.core.events import EventLog, Stats
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.page_pool import PagePool
-from orchestrator.core.placement import check_fits
+from orchestrator.core.placement import check_fits, misfit
 from orchestrator.core.request_queue import RunningSet
 from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.sequence import Sequence
@@ -65,9 +65,7 @@ class Deployments:
     # ------------------------------------------------------------------ placement
     def holds(self, member: str, request: Request) -> bool:
         """The member's slice can hold the request whole and its context the prompt."""
-        needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-        return (len(request.prompt_token_ids) < self.family.member(member).context_tokens
-                and self.kv.pages_for_tokens(member, needed_tokens) <= self.capacity_pages[member])
+        return misfit(self.family, self.kv, self.capacity_pages, member, request) is None
 
     def placement(self, routed: str, request: Request) -> str | None:
         """The routed member if it holds the request, else the smallest larger member that does, else the

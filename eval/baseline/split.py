@@ -11,10 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 from eval.baseline.split_search import SplitSimulator, search_split, shortlist_report, sim_sessions
-from eval.baseline.static_split import StaticSplit, pages_rule, proportional_split
+from eval.baseline.static_split import StaticSplit, config_layout, pages_rule, proportional_split
 from eval.workloads import Trace
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.kv_layout import KVLayout
 
 # (fractions, the pilot trace at one rate) -> (config, records, metrics without per-request rows): the baseline on
 # that split, simulated; None where no simulator is available (the operator's default then stands)
@@ -195,7 +194,7 @@ def shortlisted(settings, family: FamilySpec, pilot: Trace, at: tuple[float, ...
     from orchestrator.core.router import Router
 
     router = Router(family, config.router)
-    layout = KVLayout.for_config(family, config)       # the blocks of the baseline's config (pages: pages_rule)
+    layout = config_layout(family, config)             # the blocks of the baseline's config (pages: pages_rule)
     simulator = SplitSimulator(family.serving_names, pages_rule(family, config), config.num_arena_pages(),
                                metrics["solo_decode_step_s"],
                                {m: layout.tokens_per_block(m) for m in family.serving_names},

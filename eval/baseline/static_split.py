@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from eval.composition import handover_rules, switches
 from eval.weights import member_weight_bytes
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.family import FamilySpec
-from orchestrator.core.kv_layout import KVLayout
+from orchestrator.core.family import FamilySpec, dtype_bytes
+from orchestrator.core.kv_layout import KVLayout, records_residuals
 from orchestrator.core.reservation import _pages_rule
 
 
@@ -33,13 +33,19 @@ def proportional_split(family: FamilySpec) -> dict[str, float]:
     return fractions
 
 
+def config_layout(family: FamilySpec, config: MFSConfig, warm_handover: bool = True) -> KVLayout:
+    """The layout a server with this config uses (page size, dtype, residuals when escalation reads them)."""
+    return KVLayout(family, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
+                    records_residuals(config, warm_handover))
+
+
 def pages_rule(family: FamilySpec, config: MFSConfig) -> Callable[[str, int], int]:
     """(member, tokens) -> the pages a request holds on that member's server configured like `config`: the
     scheduler's own rule (KVLayout.pages_for_tokens: residual pages included when the config records them, capped
     at the member's context), plus its draft's where each server drafts with its own copy of the smallest member
     (speculating, comparison.private_drafts: the draft's tables come from the same slice, one page per draft layer
     per block, capped at the draft's context: the core's reservation rule for a draft)."""
-    layout = KVLayout.for_config(family, config, handover_rules(config).warm)
+    layout = config_layout(family, config, handover_rules(config).warm)
     if not (config.speculation.enabled and switches(config).private_drafts):
         return layout.pages_for_tokens
     draft = family.members[0]

@@ -30,9 +30,8 @@ from eval.systems import (ATTRIBUTION_SYSTEMS, DEFAULT_SYSTEMS, SPLIT_BASELINES,
 from eval.workloads import (HISTORIES, LENGTHS, WORKLOADS, Trace, TraceFileError, WorkloadSpec, build_trace,
                                   load_trace, save_trace, trace_digest, with_history, with_lengths, with_mix_phases)
 from eval.machine import machine
-from orchestrator.core.config import ConfigError, config_to_dict
+from orchestrator.core.config import ConfigError
 from orchestrator.core.family import FamilySpec, load_family
-from orchestrator.core.router import largest_member_bound
 from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator, family_tokenizer
 
 # Defaults: the case MFS targets - multi-turn chat under a KV budget that is tight for separate
@@ -150,6 +149,15 @@ def parse_mix_phases(text: str | None) -> tuple[float, ...]:
     return fractions
 
 
+def largest_member_bound(thresholds: list[float], num_members: int) -> float:
+    """The complexity from which Router.adequate_index gives the largest of num_members members (thresholds are the
+    lower bounds of the members' bands after the first; a family smaller than the list uses its first ones, a
+    larger one has no band for its largest members and gets the highest band's bound)."""
+    if num_members < 2:
+        return 0.0
+    return float(thresholds[min(num_members, len(thresholds) + 1) - 2])
+
+
 def mixed_in_phases(trace: Trace, settings: BenchSettings, family: FamilySpec) -> Trace:
     """The trace with the settings' shifting mix (--mix-phases), on the router's own band of the largest member."""
     if not settings.mix_phases:
@@ -214,7 +222,7 @@ def run_point(settings: BenchSettings, family: FamilySpec, trace: Trace, split: 
     systems: dict[str, Any] = {}
     for name in settings.systems:
         config = config_for(name, settings, split, baseline_split)
-        configs[name] = config_to_dict(config)
+        configs[name] = asdict(config)
         if progress is not None:
             progress.set_postfix_str(f"{name} @ {trace.spec.rate_sessions_per_s:g}/s")
         on_done = (lambda _r: progress.update(1)) if progress is not None else None

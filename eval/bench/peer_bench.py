@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ from eval.bench.servers import Server, ServerSpec, free_port, launch, shut_down,
 from eval.composition import load_system_config
 from eval.systems import system_config
 from eval.workloads import trace_digest
-from orchestrator.core.config import config_to_dict
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.router import Router
 from orchestrator.serve.tokenizer import complexity_estimator, family_tokenizer
@@ -232,8 +231,8 @@ def run_peer_bench(settings: BenchSettings, peer: PeerSettings, log_dir: Path) -
                                                                                   peer.threads, peer.binding),
                      "baseline_split_mode": "fixed" if fixed_split(settings.baseline_split, family) else "proportional",
                      "baseline_split": fractions, "mfs_overrides": overrides,
-                     "configs": {"mfs": config_to_dict(config),
-                                 **{name: config_to_dict(c) for name, c in compared.items()}},
+                     "configs": {"mfs": asdict(config),
+                                 **{name: asdict(c) for name, c in compared.items()}},
                      "machine": _machine()},
         "baseline_system": baseline,
         **curve_result(settings, headline, head, rates, curve_points(points), baseline),

@@ -17,6 +17,7 @@ import functools
 import json
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,20 @@ import yaml
 
 from eval.composition import SystemConfig, core_parts, system_family
 from eval.systems import SYSTEMS, system_scheduler, system_tiers
-from orchestrator.core.config import ConfigError, MFSConfig, config_to_dict, load_config
+from orchestrator.core.config import ConfigError, MFSConfig, load_config
 from orchestrator.core.engine_api import ServingEngine
 from orchestrator.core.family import FamilyError
 
 
 def system_config_file(config: SystemConfig, path: Path) -> Path:
     """`config` as a YAML file this launcher (and load_config(cls=SystemConfig)) reads back as the same config."""
-    path.write_text(yaml.safe_dump(json.loads(json.dumps(config_to_dict(config)))))
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(asdict(config)))))
     return path
 
 
 def mfs_part(config: SystemConfig) -> dict[str, Any]:
     """What `mfs serve`'s own loader reads: the configuration without its `comparison` section."""
-    data = json.loads(json.dumps(config_to_dict(config)))
+    data = json.loads(json.dumps(asdict(config)))
     data.pop("comparison")
     return data
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build(given: MFSConfig) -> ServingEngine:
         # the server's settings come from the same configuration as the engine (a mismatch is a launcher bug)
-        if json.loads(json.dumps(config_to_dict(given))) != plain:
+        if json.loads(json.dumps(asdict(given))) != plain:
             raise ConfigError("serve_system: the server read another configuration than the compared system's")
         return compared_engine(args.system, config)
 

@@ -41,7 +41,7 @@ from eval.machine import machine
 from eval.workloads import (Trace, TraceFileError, WorkloadSpec, build_trace, save_trace,
                                   trace_digest)
 from eval.simulate import compiled
-from orchestrator.core.config import ConfigError, config_to_dict
+from orchestrator.core.config import ConfigError
 from orchestrator.core.family import FamilyError, load_family
 from orchestrator.serve.tokenizer import FamilyTokenizer, complexity_estimator
 
@@ -461,7 +461,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
                      "static_split_traffic_share": getattr(split, "traffic_share", None),
                      "baseline_split_mode": about_split.pop("baseline_split_mode"),
                      "baseline_split": about_split.pop("baseline_split", getattr(split, "fractions", split)),
-                     "configs": {n: config_to_dict(c) for n, c in configs.items()}, "machine": machine()},
+                     "configs": {n: asdict(c) for n, c in configs.items()}, "machine": machine()},
         **about_split,
         **curve_result(settings, headline, head, rates, curve),
         "notes": notes,

@@ -86,11 +86,11 @@ def ride_overlaps(family, config, executor=None) -> dict[str, float]:
     minutes cancels). The engine merges the rider into the host's forward (engines/local/executor.py). Chunks
     write their exit residuals where serving's layout asks for them (the riders of a nested family do)."""
     from eval.simulate.cost_model import rides_in
-    from orchestrator.core.kv_layout import KVLayout
+    from eval.baseline.static_split import config_layout
     from orchestrator.core.types import StepPlan
 
     executor = executor or _executor(family, config)
-    layout = KVLayout.for_config(family, config)      # block sizes, and who writes exit residuals in serving
+    layout = config_layout(family, config)            # block sizes, and who writes exit residuals in serving
 
     def step(parts: list[tuple[Any, int]]) -> float:
         batches = [b for member, rows in parts

@@ -34,10 +34,6 @@ def chain_block_hashes(token_ids: Sequence[int], tokens_per_block: int, seed: by
     matches a from-scratch chain only when start_block == 0). h_i = blake2b(h_{i-1} || int32-LE tokens of block i).
     A trailing partial block is never hashed: only full blocks are shared.
     """
-    if tokens_per_block <= 0:
-        raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
-    if start_block < 0:
-        raise ValueError(f"start_block must be >= 0, got {start_block}")
     prev = seed if parent is None else parent
     num_full_blocks = len(token_ids) // tokens_per_block
     if start_block >= num_full_blocks:

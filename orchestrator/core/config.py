@@ -1,10 +1,8 @@
 """MFS configuration: one dataclass tree, loaded from YAML in one place and validated with clear errors.
 
-Every policy knob lives here (documented in docs/CONFIG.md). The sections an operator sets are pool, scheduler,
-router, escalation, speculation and engine; `developer` holds the engine's implementation toggles, which serving
-MFS leaves at their defaults. What eval's compared systems change beyond these (a baseline's separate deployments,
-an ablation's cold handover) is composed in eval from the core's objects, never read here. Nothing else reads the
-environment or parses YAML for settings.
+Every policy knob an operator sets lives here (docs/CONFIG.md); `developer` holds the local engine's implementation
+toggles. What eval's compared systems change beyond these is composed in eval from the core's objects, never read
+here. Nothing else reads the environment or parses YAML for settings.
 """
 from __future__ import annotations
 
@@ -54,16 +52,12 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001  # per step while no request runs short
     aging_steps: int | None = 64          # a request waiting this long gets its pages held; None = off
     decode_step_token_budget: int | None = 512  # tokens per step while requests decode (None = max_batch_tokens)
-    # how much admission leaves free for the running requests' decode, and who is preempted when it runs short
-    # (reservation.py, preemption.py): peak | block (a single server's watermark of decode_reserve_blocks per
-    # admission) | guaranteed_no_evict (TensorRT-LLM's capacity policy of that name)
+    # what admission leaves free for the running requests' decode (reservation.py): peak | block | guaranteed_no_evict
     decode_reservation: str = "peak"
     decode_reserve_blocks: int = 1
     victim_order: str = "priority_progress"   # priority_progress | youngest (the most recently admitted)
     swap_preempted: bool = True           # save a victim's blocks to the host tier when it has room
-    # token-level member scheduling on a shared device (member_turns.py): each member's decodes step at their own
-    # frequency, a member's token period at most this many times that of stepping every member; 0: every member
-    # steps in every step; None: 2 for independent families, 0 for nested ones (their forwards share layers)
+    # member turns on a shared device (member_turns.py): 0 = off; None: 2 for independent families, 0 for nested
     member_turns: float | None = None
 
 
@@ -89,16 +83,10 @@ class RouterConfig:
     complexity_thresholds: list[float] = field(default_factory=lambda: [0.4, 0.7])  # boundaries between members
     affinity_min_tokens: int = 32         # matches shorter than this earn no affinity
     session_bonus: float | None = None    # added to the session's last member; None = 0 nested, 0.2 otherwise
-    # keep a session's later turns on the member of its first turn while it can hold them (a front balancer's
-    # session affinity); escalation still moves a turn up mid-reply. None: on for independent families (a later
-    # turn scores higher only because its context grew, and a larger member costs every token more), off for
-    # nested ones (a smaller member reuses the larger one's lower layers, so moving is cheap)
+    # later turns of a session stay on its first turn's member while it holds them; None: on for independent
+    # families, off for nested ones (docs/CONFIG.md)
     sticky_sessions: bool | None = None
-    # the load part of the score (the profile's load weight x load_fraction). It is at most one step of the fit's
-    # penalty below the adequate member, so what it does is send a request to a larger member while the adequate
-    # one is loaded. None: on for nested families (a smaller member's rows ride in the larger one's forward), off
-    # for independent ones (a larger member's tokens take more of the device it shares than the wait they avoid,
-    # and the reply is not the one its complexity asked for); load still acts through the downgrade rules
+    # the score's load part; None: on for nested families, off for independent ones (docs/CONFIG.md, Routing)
     load_in_score: bool | None = None
     load_saturation_tokens: int = 4096    # queued+running tokens at which a member counts as saturated
     # whole-device routing (docs/CONFIG.md)
@@ -132,9 +120,7 @@ class SpeculationConfig:
     enabled: bool = False
     max_k: int = 4                        # most tokens drafted per request per step
     fixed_k: int = 3                      # drafted tokens per step when the executor prices no step (no step_costs)
-    # on one device, the draft member's own batch in a step runs in its drafts' catch-up forward (one read of its
-    # weights for both; only an engine running the whole family can); false: a forward of its own
-    drafts_ride: bool = True
+    drafts_ride: bool = True              # the draft member's own batch runs in its drafts' forward (one device)
     # prior per-token acceptance of each "draft->target" pair, before any verify is observed
     acceptance: dict[str, float] = field(default_factory=dict)
     default_acceptance: float = 0.7       # the prior of a pair the table does not name
@@ -148,30 +134,18 @@ class EngineConfig:
     triton_url: str = "127.0.0.1:8101"      # `mfs triton-up`'s default gRPC port (8000 is `mfs serve`'s)
     triton_metrics_url: str | None = None
     num_threads: int | None = None
-    # the orchestrator core (local: scheduler + model; triton: routing + token rules + streams) in its own
-    # process (separate) or in the HTTP process (thread); separate keeps the event loop's per-token work and
-    # the core off each other's GIL
-    process: str = "separate"             # separate | thread
-    # /health turns 503 when the engine has requests in flight and its loop has not gone round for this long
-    # (a hung step: a stuck device, a deadlock); the server keeps running, its supervisor or balancer acts
-    stall_timeout_s: float = 60.0
+    process: str = "separate"             # separate | thread: where the orchestrator core runs
+    stall_timeout_s: float = 60.0         # /health turns 503 when the engine has work and its loop stood still
 
 
 @dataclass(slots=True)
 class DeveloperFlags:
-    """The local engine's implementation toggles, for A/B measurements of the engine itself."""
+    """The local engine's implementation toggles, for A/B measurements of the engine itself (docs/CONFIG.md)."""
 
-    # glibc mmap threshold for the engine's process (engines/local/malloc_tuning.py); 0 = glibc default
-    malloc_mmap_threshold_mb: int = 32
-    # float32 CPU decode attention reads K/V in place from the pages (a C kernel compiled on first use,
-    # engines/local/paged_decode.py); false keeps gather + SDPA
-    native_attention: bool = True
-    # float32 CPU forwards run RMSNorm, rope + the K/V write, and SiLU-and-multiply as one native call each
-    # (engines/local/layer_kernels.py); false keeps the torch operators
-    native_layer_ops: bool = True
-    # 2 splits each CPU forward of a step in two halves computed on two threads (1: one forward); None: 2 for a
-    # one-thread CPU engine in its own process on >= 2 cores, else 1 (serve/serving.py)
-    parallel_forwards: int | None = None
+    malloc_mmap_threshold_mb: int = 32    # engines/local/malloc_tuning.py; 0 = glibc default
+    native_attention: bool = True         # engines/local/paged_decode.py; false: gather + SDPA
+    native_layer_ops: bool = True         # engines/local/layer_kernels.py; false: the torch operators
+    parallel_forwards: int | None = None  # 1 or 2 threads per CPU forward; None: auto (serve/serving.py)
 
 
 @dataclass(slots=True)
@@ -196,14 +170,12 @@ class MFSConfig:
         sched = self.scheduler
         _check(sched.member_turns is None or sched.member_turns == 0 or sched.member_turns >= 1,
                "scheduler.member_turns", f"must be 0 (off), at least 1, or null (got {sched.member_turns})")
-        _check(sched.decode_reservation in ("peak", "block", "guaranteed_no_evict"), "scheduler.decode_reservation",
-               f"must be peak, block or guaranteed_no_evict, got {sched.decode_reservation!r}")
+        _one_of(sched.decode_reservation, "scheduler.decode_reservation", ("peak", "block", "guaranteed_no_evict"))
         _check(0 < sched.new_token_ratio_min <= sched.new_token_ratio_init <= 1, "scheduler.new_token_ratio_init",
                "needs 0 < new_token_ratio_min <= new_token_ratio_init <= 1")
         _check(sched.new_token_ratio_decay >= 0, "scheduler.new_token_ratio_decay", "must be >= 0")
         _check(sched.aging_steps is None or sched.aging_steps > 0, "scheduler.aging_steps", "must be positive or null")
-        _check(sched.victim_order in ("priority_progress", "youngest"), "scheduler.victim_order",
-               f"must be priority_progress or youngest, got {sched.victim_order!r}")
+        _one_of(sched.victim_order, "scheduler.victim_order", ("priority_progress", "youngest"))
         _check(sched.decode_step_token_budget is None or sched.decode_step_token_budget > 0,
                "scheduler.decode_step_token_budget", "must be positive or null")
         _check(self.router.delay_saturation_s > 0, "router.delay_saturation_s", "must be positive")
@@ -217,18 +189,15 @@ class MFSConfig:
         thresholds = self.router.complexity_thresholds
         _check(all(0 <= t <= 1 for t in thresholds) and thresholds == sorted(thresholds),
                "router.complexity_thresholds", "must be ascending values in [0, 1]")
-        _check(self.escalation.signal in ("top1_prob", "entropy"), "escalation.signal",
-               f"must be top1_prob or entropy, got {self.escalation.signal!r}")
-        _check(self.escalation.on_escalate in ("keep", "rollback"), "escalation.on_escalate",
-               f"must be keep or rollback, got {self.escalation.on_escalate!r}")
+        _one_of(self.escalation.signal, "escalation.signal", ("top1_prob", "entropy"))
+        _one_of(self.escalation.on_escalate, "escalation.on_escalate", ("keep", "rollback"))
         _check(self.escalation.window_tokens > 0, "escalation.window_tokens", "must be positive")
         _check(len(self.escalation.warmup_band) == 2, "escalation.warmup_band", "must be [low, high]")
-        _check(self.engine.kind in ("local", "triton"), "engine.kind", f"must be local or triton, got {self.engine.kind!r}")
+        _one_of(self.engine.kind, "engine.kind", ("local", "triton"))
         _check(not (self.engine.kind == "triton" and self.speculation.enabled), "speculation.enabled",
                "in-family speculation runs on the local engine only (engine.kind: local); the Triton path keeps "
                "one TensorRT-LLM executor per member and never drafts")
-        _check(self.engine.process in ("separate", "thread"), "engine.process",
-               f"must be separate or thread, got {self.engine.process!r}")
+        _one_of(self.engine.process, "engine.process", ("separate", "thread"))
         _check(self.engine.stall_timeout_s > 0, "engine.stall_timeout_s", "must be positive")
         _check(0 <= self.developer.malloc_mmap_threshold_mb <= 32, "developer.malloc_mmap_threshold_mb",
                "must be in [0, 32] (glibc's ceiling on 64-bit)")
@@ -241,8 +210,7 @@ class MFSConfig:
                "speculation.acceptance", "per-token acceptances must be in [0, 1)")
         _check(all("->" in pair for pair in spec.acceptance), "speculation.acceptance",
                "keys name a pair as DRAFT->TARGET")
-        _check(self.engine.dtype in ("float32", "float16", "bfloat16"), "engine.dtype",
-               f"must be float32, float16 or bfloat16, got {self.engine.dtype!r}")
+        _one_of(self.engine.dtype, "engine.dtype", ("float32", "float16", "bfloat16"))
 
     def num_arena_pages(self) -> int:
         if self.pool.num_pages is not None:
@@ -253,6 +221,10 @@ class MFSConfig:
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}': {message}")
+
+
+def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, f"must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -283,10 +255,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return config
 
 
-def config_to_dict(config: Any) -> Any:
-    return dataclasses.asdict(config)
-
-
 def from_dict(cls: type, data: Any, where: str) -> Any:
     """Builds dataclass `cls` from plain data, rejecting unknown keys and wrong types by key path."""
     if not isinstance(data, dict):
@@ -302,6 +270,9 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
 
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
+
+
+_SCALARS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
@@ -331,20 +302,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{where}': expected a list, got {type(value).__name__}")
         return [_coerce(item_type, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key '{where}': expected a number, got {value!r}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key '{where}': expected an integer, got {value!r}")
+    expected = _SCALARS.get(hint)
+    if expected is None:
         return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key '{where}': expected true or false, got {value!r}")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"config key '{where}': expected a string, got {value!r}")
-        return value
-    return value
+    # bool is an int to Python: only a bool field takes true or false
+    if not isinstance(value, (int, float) if hint is float else hint) or (isinstance(value, bool) and hint is not bool):
+        raise ConfigError(f"config key '{where}': expected {expected}, got {value!r}")
+    return float(value) if hint is float else value

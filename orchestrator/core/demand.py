@@ -1,10 +1,6 @@
 """What running and waiting requests will still need: the new-token ratio, expected lengths, and the decode profile
-whose peak admission must leave free.
-
-A running request grows to prompt + max_tokens tokens. Under `ignore_eos` (or `min_tokens` up to `max_tokens`)
-that length is exact; otherwise a share `ratio` of the remaining tokens is expected, where the ratio decays step by
-step while nobody runs short and jumps back to its initial value when one does (the retract-on-shortage scheme of
-SGLang's new-token ratio). Pure: no clock, no I/O.
+whose peak admission must leave free (docs/CONFIG.md, Admission: SGLang's new-token ratio with retraction). Pure: no
+clock, no I/O.
 """
 from __future__ import annotations
 
@@ -82,10 +78,10 @@ def steps_until_fit(need_pages: int, available_pages: int, running: Iterable[Run
 
 
 class DecodeProfile(NamedTuple):
-    """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token
-    per step (every decoding request decodes in every step) and ends after `steps_left` steps. Growth is
-    computed per asked step, not tabulated for every step (peak_growth reads it, inlined, at growth_steps only).
-    A tuple, as RunningDemand: one is built per running request on every arrival."""
+    """A decoding request of fixed length, as the time-aware reservation sees it: it grows by one token per step
+    (every decoding request decodes in every step) and ends after `steps_left` steps; at step t it has allocated
+    max(0, pages_for(min(final_tokens, tokens_now + t + slack_tokens)) - held_pages) pages beyond now. A tuple, as
+    RunningDemand: one is built per running request on every arrival."""
 
     steps_left: int               # steps until it ends
     tokens_now: int
@@ -93,15 +89,11 @@ class DecodeProfile(NamedTuple):
     held_pages: int
     private_pages: int            # pages only it references: available again when it ends
     pages_for: Callable[[int], int]
-    slack_tokens: int             # the scheduler may grow a request's table this many tokens ahead
-    tokens_per_block: int         # pages_for(n) changes only where n - 1 is a multiple of this
-
-    def growth_at(self, t: int) -> int:
-        """Pages it will have allocated beyond now at step t (0 <= t < steps_left)."""
-        return max(0, self.pages_for(min(self.final_tokens, self.tokens_now + t + self.slack_tokens)) - self.held_pages)
+    slack_tokens: int             # the scheduler may grow a request's table this many tokens ahead (preallocation)
+    tokens_per_block: int         # the block size behind pages_for: pages_for(n) changes only where n - 1 is a multiple
 
     def growth_steps(self) -> range:
-        """The steps t in [1, steps_left) where growth_at(t) may differ from growth_at(t - 1): where the tokens
+        """The steps t in [1, steps_left) where its growth may differ from step t - 1's: where the tokens
         it covers, tokens_now + t + slack, start a new block (pages_for is a whole number of blocks of the
         capped length, and the min / max around it only flatten steps, never add one)."""
         size, covered = self.tokens_per_block, self.tokens_now + self.slack_tokens
@@ -109,18 +101,8 @@ class DecodeProfile(NamedTuple):
         # than final_tokens (beyond, pages_for reads final_tokens: no change)
         return range((-covered) % size + 1, min(self.steps_left, self.final_tokens - covered + 1), size)
 
-    @property
-    def growth_pages(self) -> tuple[int, ...]:
-        return tuple(self.growth_at(t) for t in range(self.steps_left))
 
-
-def decode_profile(steps_left: int, tokens_now: int, final_tokens: int, held_pages: int, private_pages: int,
-                   pages_for: Callable[[int], int], slack_tokens: int, tokens_per_block: int) -> DecodeProfile:
-    """slack_tokens: the scheduler may grow a request's table this many tokens ahead (preallocation);
-    tokens_per_block: the block size behind pages_for."""
-    return DecodeProfile(steps_left=steps_left, tokens_now=tokens_now, final_tokens=final_tokens,
-                         held_pages=held_pages, private_pages=private_pages, pages_for=pages_for,
-                         slack_tokens=slack_tokens, tokens_per_block=tokens_per_block)
+decode_profile = DecodeProfile    # the reservation's name for building one
 
 
 def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
@@ -128,13 +110,12 @@ def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
     running minus the private pages of those that ended. It only changes direction when one ends, so
     the maximum is just before some end (or now).
 
-    One sweep over the steps where the total changes (O(n log n); evaluating every candidate step over every
-    request was O(n^2): ~10^4 growth_at calls per arrival at GPU scale): the total at step 0, then each
-    request's growth where it starts a block, and at its end minus the growth it reached and its private
-    pages; the maximum of the running total read just before each end."""
+    One sweep over the steps where the total changes (O(n log n), not every candidate step over every request):
+    the total at step 0, then each request's growth where it starts a block, and at its end minus the growth it
+    reached and its private pages; the maximum of the running total read just before each end."""
     base, changes, candidates = 0, [], set()
     for p in profiles:
-        # growth_at(t) inlined (it runs per block start of every running request on every arrival)
+        # the growth at step t (DecodeProfile), per block start of every running request on every arrival
         pages_for, final, covered, held = p.pages_for, p.final_tokens, p.tokens_now + p.slack_tokens, p.held_pages
         last = max(0, pages_for(min(final, covered)) - held)
         base += last

@@ -71,5 +71,5 @@ class ServingEngine(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """A JSON-able snapshot (see orchestrator.core.events.StatsSnapshot.to_dict)."""
+        """A JSON-able snapshot (orchestrator.core.events.Stats.snapshot; docs/ARCHITECTURE.md, Stats snapshot)."""
         ...

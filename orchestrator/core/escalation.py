@@ -8,8 +8,6 @@ from typing import Sequence
 from orchestrator.core.config import EscalationConfig
 from orchestrator.core.family import FamilySpec
 
-SIGNAL_TOP1 = "top1_prob"
-SIGNAL_ENTROPY = "entropy"
 ON_ESCALATE_ROLLBACK = "rollback"
 
 
@@ -30,22 +28,10 @@ class ConfidenceMonitor:
     __slots__ = ("config", "_window", "_observed", "_use_entropy")
 
     def __init__(self, config: EscalationConfig) -> None:
-        if config.signal not in (SIGNAL_TOP1, SIGNAL_ENTROPY):
-            raise ValueError(f"escalation.signal must be {SIGNAL_TOP1} or {SIGNAL_ENTROPY}, got {config.signal!r}")
-        if config.window_tokens <= 0:
-            raise ValueError(f"escalation.window_tokens must be positive, got {config.window_tokens}")
-        self.config = config
-        self._use_entropy = config.signal == SIGNAL_ENTROPY
+        self.config = config                    # checked by MFSConfig.validate (signal, window_tokens)
+        self._use_entropy = config.signal == "entropy"
         self._window: deque[float] = deque(maxlen=config.window_tokens)
         self._observed = 0
-
-    @property
-    def observed_tokens(self) -> int:
-        """Tokens observed since construction or the last reset()."""
-        return self._observed
-
-    def window_mean(self) -> float | None:
-        return sum(self._window) / len(self._window) if self._window else None
 
     def observe(self, top1_prob: float, top_logprobs: Sequence[tuple[int, float]] = ()) -> bool:
         """Records one generated token; True when the request should escalate now."""
@@ -95,10 +81,8 @@ def _binary_entropy(p: float) -> float:
 
 def escalation_target(family: FamilySpec, current: str, pinned: bool) -> str | None:
     """The next larger member; None when pinned or already the largest (so escalation can never loop)."""
-    if pinned:
-        return None
-    larger = family.next_larger(current)
-    return larger.name if larger is not None else None
+    larger = family.member(current).index + 1
+    return family.members[larger].name if not pinned and larger < len(family.members) else None
 
 
 def handover_target(family: FamilySpec, current: str, pinned: bool, num_tokens: int) -> str | None:
@@ -116,11 +100,8 @@ def can_escalate(config: EscalationConfig, family: FamilySpec, current: str, pin
 
 
 def in_warmup_band(config: EscalationConfig, complexity: float) -> bool:
-    """True when a request's complexity sits just below a boundary: worth prefilling the next member.
-
-    The band is [low, high) so a complexity at `high` (routed to the larger member already) is out.
-    False when escalation is disabled (the caller checks HandoverRules.warmup).
-    """
+    """True when a request's complexity sits in [low, high) of warmup_band, just below a boundary (at `high` it is
+    routed to the larger member already): worth prefilling the next member. False when escalation is disabled."""
     if not config.enabled:
         return False
     low, high = config.warmup_band

@@ -1,15 +1,15 @@
-"""Events (a bounded ring with subscribers) and the counters behind the stats snapshot."""
+"""Events (a bounded ring) and the counters behind the stats snapshot."""
 from __future__ import annotations
 
 import enum
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.core.types import RouteDecision, Tier
+from orchestrator.core.types import RouteDecision
 
 OUTCOMES = ("finished", "cancelled", "failed", "rejected")
 HIT_TIERS = ("arena", "host", "disk")
@@ -24,8 +24,6 @@ QUEUE_WAIT_WINDOW = 4096        # queue-wait percentiles cover this many recent 
 class EventKind(enum.Enum):
     ADMIT = "admit"
     ROUTE = "route"
-    PREFIX_HIT = "prefix_hit"
-    PREFIX_MISS = "prefix_miss"
     ESCALATE = "escalate"
     PREEMPT = "preempt"
     EVICT = "evict"
@@ -33,7 +31,6 @@ class EventKind(enum.Enum):
     LOAD = "load"
     FINISH = "finish"
     CANCEL = "cancel"
-    REJECT = "reject"
     WARMUP = "warmup"
     HOLD = "hold"            # a request aged past scheduler.aging_steps: its pages are now held for it
 
@@ -48,25 +45,16 @@ class Event:
 
 
 class EventLog:
-    """The last `capacity` events; subscribers are called synchronously on emit (keep them cheap)."""
+    """The last `capacity` events."""
 
     def __init__(self, capacity: int = 10000) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
         self._events: deque[Event] = deque(maxlen=capacity)   # maxlen drops the oldest in O(1)
-        self._subscribers: list[Callable[[Event], None]] = []
         self._lock = threading.Lock()
 
     def emit(self, kind: EventKind, time_s: float, request_id: str | None = None,
-             member: str | None = None, **data: Any) -> Event:
-        event = Event(kind, time_s, request_id, member, data)
+             member: str | None = None, **data: Any) -> None:
         with self._lock:
-            self._events.append(event)
-            subscribers = tuple(self._subscribers)
-        for callback in subscribers:
-            callback(event)
-        return event
+            self._events.append(Event(kind, time_s, request_id, member, data))
 
     def recent(self, n: int | None = None) -> list[Event]:
         """The last n events, oldest first (all of them when n is None)."""
@@ -76,27 +64,12 @@ class EventLog:
             return events
         return events[-n:] if n > 0 else []
 
-    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
-        """Registers callback; returns a function that unsubscribes it."""
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-        return unsubscribe
-
     def __len__(self) -> int:
         return len(self._events)
 
 
 def _zeros(names: Sequence[str]) -> dict[str, int]:
     return {name: 0 for name in names}
-
-
-def _tier_name(tier: str | Tier) -> str:
-    return tier.value if isinstance(tier, Tier) else tier
 
 
 class Stats:
@@ -108,7 +81,6 @@ class Stats:
         self._prefix_query_tokens: dict[str, int] = {}
         self._prefix_hit_tokens: dict[str, dict[str, int]] = {}
         self._escalations: dict[str, int] = {}
-        self._preemptions = 0
         self._preemptions_by_kind = {kind: 0 for kind in PREEMPTION_KINDS}
         self._downgrades: dict[str, int] = {}
         self._escalations_refused = 0
@@ -136,8 +108,7 @@ class Stats:
             self._prefix_query_tokens[member] = self._prefix_query_tokens.get(member, 0) + prompt_tokens
             hits = self._prefix_hit_tokens.setdefault(member, _zeros(HIT_TIERS))
             for tier, num_tokens in hit_tokens_by_tier.items():
-                name = _tier_name(tier)
-                hits[name] = hits.get(name, 0) + num_tokens
+                hits[tier] = hits.get(tier, 0) + num_tokens
 
     def on_escalation(self, src: str, dst: str) -> None:
         with self._lock:
@@ -153,7 +124,6 @@ class Stats:
         if kind not in PREEMPTION_KINDS:
             raise ValueError(f"preemption kind must be one of {PREEMPTION_KINDS}, got {kind!r}")
         with self._lock:
-            self._preemptions += 1
             self._preemptions_by_kind[kind] += 1
 
     def on_queue_wait(self, member: str, wait_s: float) -> None:
@@ -165,10 +135,9 @@ class Stats:
         with self._lock:
             self._evictions += num_pages
 
-    def on_offload(self, tier: str | Tier, num_pages: int) -> None:
+    def on_offload(self, tier: str, num_pages: int) -> None:
         with self._lock:
-            name = _tier_name(tier)
-            self._offloads[name] = self._offloads.get(name, 0) + num_pages
+            self._offloads[tier] = self._offloads.get(tier, 0) + num_pages
 
     def on_warmup(self, issued: bool, hit: bool) -> None:
         with self._lock:
@@ -225,25 +194,21 @@ class Stats:
         serving = list(serving) if serving is not None else members
         with self._lock:
             counters = {
-                "requests": {m: {**_zeros(OUTCOMES), **self._requests.get(m, {})}
-                             for m in _union(members, self._requests)},
-                "prefix_query_tokens": {m: self._prefix_query_tokens.get(m, 0)
-                                        for m in _union(members, self._prefix_query_tokens)},
-                "prefix_hit_tokens": {m: {**_zeros(HIT_TIERS), **self._prefix_hit_tokens.get(m, {})}
-                                      for m in _union(members, self._prefix_hit_tokens)},
+                "requests": _per_member(members, self._requests, OUTCOMES),
+                "prefix_query_tokens": _per_member(members, self._prefix_query_tokens),
+                "prefix_hit_tokens": _per_member(members, self._prefix_hit_tokens, HIT_TIERS),
                 "escalations": {**{f"{a}->{b}": 0 for i, a in enumerate(serving) for b in serving[i + 1:]},
                                 **self._escalations},
                 "escalations_refused": self._escalations_refused,
-                "preemptions": self._preemptions,
+                "preemptions": sum(self._preemptions_by_kind.values()),
                 "preemptions_by_kind": dict(self._preemptions_by_kind),
                 "downgrades": dict(self._downgrades),
                 "evictions": self._evictions,
                 "offloads": dict(self._offloads),
                 "warmups": dict(self._warmups),
-                "generated_tokens": {m: self._generated_tokens.get(m, 0)
-                                     for m in _union(members, self._generated_tokens)},
-                "prompt_tokens": {m: self._prompt_tokens.get(m, 0) for m in _union(members, self._prompt_tokens)},
-                "member_steps": {m: self._member_steps.get(m, 0) for m in _union(members, self._member_steps)},
+                "generated_tokens": _per_member(members, self._generated_tokens),
+                "prompt_tokens": _per_member(members, self._prompt_tokens),
+                "member_steps": _per_member(members, self._member_steps),
                 "drafted_tokens": {**_draft_pairs(members), **self._drafted_tokens},
                 "accepted_draft_tokens": {**_draft_pairs(members), **self._accepted_tokens},
                 "draft_length_steps": {str(k): n for k, n in sorted(self._draft_length_steps.items())},
@@ -259,8 +224,8 @@ class Stats:
             "members": members,
             "pages": pages_block(members, pages),
             "queue_depth": int(queue_depth),
-            "running": {m: running.get(m, 0) for m in _union(members, running)},
-            "waiting": {m: waiting.get(m, 0) for m in _union(members, waiting)},
+            "running": _per_member(members, running),
+            "waiting": _per_member(members, waiting),
             "counters": counters,
             "queue_wait_s": {m: _wait_percentiles(v) for m, v in waits.items()},
             "recent_routes": routes,
@@ -274,8 +239,7 @@ def pages_block(members: Sequence[str], pages: Mapping[str, Any]) -> dict[str, A
         "total": int(pages.get("total", 0)),
         "page_bytes": int(pages.get("page_bytes", 0)),
         "by_state": {**_zeros(PAGE_STATES), **pages.get("by_state", {})},
-        "by_member": {m: {**_zeros(MEMBER_PAGE_STATES), **by_member.get(m, {})}
-                      for m in _union(list(members), by_member)},
+        "by_member": _per_member(list(members), by_member, MEMBER_PAGE_STATES),
     }
 
 
@@ -304,3 +268,11 @@ def _draft_pairs(members: list[str]) -> dict[str, int]:
 def _union(members: list[str], extra: Mapping[str, Any]) -> list[str]:
     """The family's members in order, then any other names seen (never drop a counted name)."""
     return members + [m for m in extra if m not in members]
+
+
+def _per_member(members: list[str], counts: Mapping[str, Any], states: Sequence[str] | None = None) -> dict[str, Any]:
+    """counts for every member and every other counted name: a number (0 where none), or with `states` a count per
+    state (0 where none)."""
+    if states is None:
+        return {m: counts.get(m, 0) for m in _union(members, counts)}
+    return {m: {**_zeros(states), **counts.get(m, {})} for m in _union(members, counts)}

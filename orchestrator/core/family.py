@@ -1,11 +1,10 @@
 """A model family as MFS sees it: members (small to large), their KV shapes, layer lineages, tokenizer identity.
 
-Loaded once from a family directory (family.yaml + one Hugging Face checkpoint folder per member).
-Layer lineages are hashed from the weights here (numpy via safetensors, no torch) so the core can
-decide which members may share which cached pages. A checkpoint whose config.json carries
-`mfs_random_weights: {seed, std}` has no weight files: the local engine draws every tensor from (seed, tensor
-name) when it loads (timing runs on real shapes, build_scripts/random_family.py), and its lineages hash those
-draws' identities, so members with the same seed and widths share their common lower layers.
+Loaded once from a family directory (family.yaml + one Hugging Face checkpoint folder per member). Layer lineages
+are hashed from the weights here (numpy via safetensors, no torch). A checkpoint whose config.json carries
+`mfs_random_weights: {seed, std}` has no weight files: the local engine draws every tensor from (seed, tensor name)
+(timing runs on real shapes, build_scripts/random_family.py), and its lineages hash those draws' identities, so
+members with the same seed and widths share their common lower layers.
 """
 from __future__ import annotations
 
@@ -112,10 +111,6 @@ class FamilySpec:
         modify)."""
         return self._serving
 
-    def next_larger(self, name: str) -> MemberSpec | None:
-        index = self.member(name).index
-        return self.members[index + 1] if index + 1 < len(self.members) else None
-
     def shared_depth(self, a: str, b: str) -> int:
         """Number of leading layers whose lineages agree (0 for an independent family)."""
         la, lb = self.member(a).layer_lineages, self.member(b).layer_lineages
@@ -127,11 +122,6 @@ class FamilySpec:
     def is_nested(self) -> bool:
         return all(self.shared_depth(a.name, b.name) == a.num_layers
                    for a, b in zip(self.members, self.members[1:]))
-
-    def incompatible_pairs(self) -> list[tuple[str, str]]:
-        """Member pairs whose tokenizers differ: they must never share prefix-cache entries."""
-        return [(a.name, b.name) for i, a in enumerate(self.members) for b in self.members[i + 1:]
-                if a.tokenizer_hash != b.tokenizer_hash]
 
     def context_tokens(self) -> int:
         return max(m.context_tokens for m in self.members)
@@ -149,12 +139,8 @@ def resolve_family_dir(family: str | Path) -> Path:
     raise FamilyError(f"family {family!r}: not a directory and not a shipped family (shipped: {', '.join(known) or 'none'})")
 
 
-def load_family(family: str | Path, per_member_lineage: bool = False) -> FamilySpec:
-    """Loads and checks family.yaml and every member checkpoint's config, tokenizer and weights' lineage.
-
-    per_member_lineage=True salts each member's lineages with its name: what an independent
-    family would get (used by the 'no cross-member sharing' ablation).
-    """
+def load_family(family: str | Path) -> FamilySpec:
+    """Loads and checks family.yaml and every member checkpoint's config, tokenizer and weights' lineage."""
     root = resolve_family_dir(family)
     manifest_path = root / "family.yaml"
     if not manifest_path.is_file():
@@ -174,7 +160,7 @@ def load_family(family: str | Path, per_member_lineage: bool = False) -> FamilyS
             raise FamilyError(f"{manifest_path}: members[{index}] needs a string 'name'")
         checkpoint = root / str(entry.get("checkpoint", entry["name"]))
         serving = {k: v for k, v in entry.items() if k not in ("name", "checkpoint")}
-        members.append(_load_member(entry["name"], index, checkpoint, serving, per_member_lineage))
+        members.append(_load_member(entry["name"], index, checkpoint, serving))
     spec = FamilySpec(name=name, members=tuple(members), root=root)
     sizes = [m.num_layers * m.hidden_size for m in spec.members]
     if sizes != sorted(sizes):
@@ -207,7 +193,7 @@ def read_checkpoint_config(checkpoint: Path) -> dict:
     return config
 
 
-def _load_member(name: str, index: int, checkpoint: Path, serving: dict, per_member_lineage: bool) -> MemberSpec:
+def _load_member(name: str, index: int, checkpoint: Path, serving: dict) -> MemberSpec:
     if not checkpoint.is_dir():
         raise FamilyError(f"member {name}: checkpoint folder {checkpoint} is missing")
     config = read_checkpoint_config(checkpoint)
@@ -219,15 +205,12 @@ def _load_member(name: str, index: int, checkpoint: Path, serving: dict, per_mem
     if not tokenizer_file.is_file():
         raise FamilyError(f"member {name}: {tokenizer_file} is missing")
     tokenizer_hash = hashlib.blake2b(tokenizer_file.read_bytes(), digest_size=16).hexdigest()
-    lineages = layer_lineages(checkpoint, config)
-    if per_member_lineage:
-        lineages = tuple(hashlib.blake2b(f"{name}|{l}".encode(), digest_size=16).hexdigest() for l in lineages)
     return MemberSpec(
         name=MemberName(name), index=index, checkpoint_dir=checkpoint, architecture=config["_arch"],
         num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"], num_heads=num_heads,
         num_kv_heads=config.get("num_key_value_heads") or num_heads, head_dim=head_dim,
         vocab_size=config["vocab_size"], context_tokens=config.get("max_position_embeddings", 2048),
-        layer_lineages=lineages, tokenizer_hash=tokenizer_hash, eos_token_ids=eos_ids, serving=serving,
+        layer_lineages=layer_lineages(checkpoint, config), tokenizer_hash=tokenizer_hash, eos_token_ids=eos_ids, serving=serving,
     )
 
 

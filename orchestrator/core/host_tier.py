@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from orchestrator.core.types import PageKey, Tier
+from orchestrator.core.types import PageKey
 
 
 def count_by_lineage(counts: Counter[str], lineage: str, delta: int) -> None:
@@ -21,8 +21,6 @@ class _LRU:
     """Entries LRU by bytes within one capacity: the whole host tier, or one part of it."""
 
     def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.bytes_used = 0
         self.entries: OrderedDict[PageKey, bytes] = OrderedDict()   # head = least recently used
@@ -34,8 +32,6 @@ class HostTier:
     In parts (HostTier.in_parts): each part holds the lineages assigned to it and is an LRU of its own size, as
     separate servers each have their own host memory: one part's saves never evict another part's pages."""
 
-    tier = Tier.HOST
-
     def __init__(self, capacity_bytes: int) -> None:
         self._whole: _LRU | None = _LRU(capacity_bytes)
         self._parts: dict[str, _LRU] = {}
@@ -46,10 +42,8 @@ class HostTier:
 
     @classmethod
     def in_parts(cls, part_bytes: dict[str, int], part_of_lineage: dict[str, str]) -> HostTier:
-        """part name -> its bytes, and each lineage's part; a key of a lineage with no part is never stored."""
-        unknown = set(part_of_lineage.values()) - set(part_bytes)
-        if unknown:
-            raise ValueError(f"lineages assigned to parts without bytes: {sorted(unknown)}")
+        """part name -> its bytes, and each lineage's part (one of them); a key of a lineage with no part is never
+        stored."""
         tier = cls(sum(part_bytes.values()))
         tier._whole = None
         tier._parts = {name: _LRU(n) for name, n in part_bytes.items()}
@@ -62,11 +56,12 @@ class HostTier:
         part = self._part_of.get(key.lineage)
         return self._parts[part] if part is not None else None
 
+    def _lrus(self) -> list[_LRU]:
+        return [self._whole] if self._whole is not None else list(self._parts.values())
+
     @property
     def num_entries(self) -> int:
-        if self._whole is not None:
-            return len(self._whole.entries)
-        return sum(len(lru.entries) for lru in self._parts.values())
+        return sum(len(lru.entries) for lru in self._lrus())
 
     def part_bytes(self) -> dict[str, int]:
         """Each part's capacity ({} when the tier is one LRU)."""
@@ -77,9 +72,7 @@ class HostTier:
         return lru is not None and key in lru.entries
 
     def keys(self) -> list[PageKey]:
-        if self._whole is not None:
-            return list(self._whole.entries)
-        return [k for lru in self._parts.values() for k in lru.entries]
+        return [k for lru in self._lrus() for k in lru.entries]
 
     def room_bytes(self, key: PageKey) -> int:
         """Free bytes where `key` would be stored (its part's, in parts)."""
@@ -95,9 +88,7 @@ class HostTier:
         evicted: list[tuple[PageKey, bytes]] = []
         while lru.bytes_used + len(data) > lru.capacity_bytes:
             old_key, old_data = lru.entries.popitem(last=False)
-            lru.bytes_used -= len(old_data)
-            self.bytes_used -= len(old_data)
-            count_by_lineage(self.lineage_counts, old_key.lineage, -1)
+            self._forget(lru, old_key, old_data)
             evicted.append((old_key, old_data))
         lru.entries[key] = bytes(data)
         lru.bytes_used += len(data)
@@ -116,8 +107,10 @@ class HostTier:
 
     def discard(self, key: PageKey) -> None:
         lru = self._lru(key)
-        data = lru.entries.pop(key, None) if lru is not None else None
-        if data is not None and lru is not None:
-            lru.bytes_used -= len(data)
-            self.bytes_used -= len(data)
-            count_by_lineage(self.lineage_counts, key.lineage, -1)
+        if lru is not None and (data := lru.entries.pop(key, None)) is not None:
+            self._forget(lru, key, data)
+
+    def _forget(self, lru: _LRU, key: PageKey, data: bytes) -> None:
+        lru.bytes_used -= len(data)
+        self.bytes_used -= len(data)
+        count_by_lineage(self.lineage_counts, key.lineage, -1)

@@ -1,8 +1,7 @@
 """KV cache facade over the page pool: per-request per-layer block tables, prefix match across tiers, allocation.
 
-A member's logical block is one page per layer (plus one residual page when the member records its
-exit-depth hidden states for a nested handover): the geometry is KVLayout's (kv_layout.py). Prefix identity is PageKey(lineage, block_hash), so
-members of a nested family find each other's lower-layer pages; independent members never do.
+The block geometry is KVLayout's (kv_layout.py). Prefix identity is PageKey(lineage, block_hash), so members of a
+nested family find each other's lower-layer pages; independent members never do.
 """
 from __future__ import annotations
 
@@ -102,9 +101,6 @@ class KVCacheManager:
     def tokens_per_block(self, member: str) -> int:
         return self._blocks[member]
 
-    def records_residual(self, member: str) -> bool:
-        return self.layout.records_residual(member)
-
     def pages_per_block(self, member: str) -> int:
         return self.layout.pages_per_block(member)
 
@@ -198,7 +194,8 @@ class KVCacheManager:
         records = residuals and self.layout.records_residual(member)
         account = account or member
         slots = self._table_slots(member, match, hashes, records)
-        pages = self._pin_arena_hits(account, slots)
+        # arena hits are pinned first, so allocating the fresh pages (None) cannot evict them
+        pages = self.pool.acquire_keys([slot[3] for slot in slots], account)
         num_blocks = -(-total_tokens // self._blocks[member])
         num_grow = max(0, num_blocks - match.num_full_blocks - match.num_shared_blocks)
         per_block = self.pages_per_block(member) if records else self.family.member(member).num_layers
@@ -246,11 +243,6 @@ class KVCacheManager:
                     slots.append(("out", None, block, None))
         return slots
 
-    def _pin_arena_hits(self, account: str, slots: list[_Slot]) -> list[PageId | None]:
-        """Acquires every slot's page already in the arena (first, so allocating fresh pages cannot evict
-        them); None where the slot needs a fresh page."""
-        return self.pool.acquire_keys([slot[3] for slot in slots], account)
-
     def _fill_tables(self, member: str, slots: list[_Slot], pages: list[PageId | None], account: str,
                      records: bool) -> tuple[SeqKV, list[tuple[PageId, PageKey, Tier]]]:
         """Allocates the missing pages and lays every slot into the request's tables; a slot whose key a
@@ -285,13 +277,10 @@ class KVCacheManager:
             raise RuntimeError("page pool short after can_allocate said yes")  # invariant
         return pages[0]
 
-    def blocks_to_grow(self, seq: SeqKV, total_tokens: int) -> int:
-        return max(0, -(-total_tokens // seq.tokens_per_block) - seq.num_blocks)
-
     def grow(self, seq: SeqKV, total_tokens: int) -> bool:
         """Adds blocks so the tables cover total_tokens. All or nothing."""
-        missing = self.blocks_to_grow(seq, total_tokens)
-        if missing == 0:
+        missing = -(-total_tokens // seq.tokens_per_block) - seq.num_blocks
+        if missing <= 0:
             return True
         per_block = len(seq.block_tables) + (seq.residual_out is not None)
         pages = self.pool.allocate(seq.account or seq.member, missing * per_block)

@@ -7,7 +7,7 @@ scheduler's validation and the baseline's split arithmetic (eval/baseline/static
 from __future__ import annotations
 
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.family import FamilySpec, MemberSpec, dtype_bytes
+from orchestrator.core.family import FamilySpec, MemberSpec
 
 
 def records_residuals(config: MFSConfig, warm_handover: bool = True) -> bool:
@@ -34,12 +34,6 @@ class KVLayout:
                      and self._blocks[s.name] == self._blocks[m.name]]
             for m in family.members
         }
-
-    @classmethod
-    def for_config(cls, family: FamilySpec, config: MFSConfig, warm_handover: bool = True) -> KVLayout:
-        """The layout a server with this config uses (page size, dtype, residuals when escalation reads them)."""
-        return cls(family, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
-                   records_residuals(config, warm_handover))
 
     def tokens_per_block(self, member: str) -> int:
         return self._blocks[member]

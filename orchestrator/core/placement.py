@@ -15,19 +15,27 @@ from orchestrator.core.sequence import Sequence
 from orchestrator.core.types import Request, RouteDecision
 
 
+def misfit(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str, int], member: str,
+           request: Request) -> InvalidRequestError | None:
+    """Why `member` cannot hold the request whole (its context the prompt, its capacity every page), or None."""
+    prompt_tokens = len(request.prompt_token_ids)
+    context_tokens = family.member(member).context_tokens
+    if prompt_tokens >= context_tokens:
+        return InvalidRequestError(f"prompt has {prompt_tokens} tokens; member {member} holds {context_tokens}",
+                                   param="prompt")
+    pages = kv.pages_for_tokens(member, prompt_tokens + request.sampling.max_tokens)
+    if pages > capacity_pages[member]:
+        return InvalidRequestError(f"request needs {pages} KV pages on {member}; the pool can give it "
+                                   f"at most {capacity_pages[member]}", param="max_tokens")
+    return None
+
+
 def check_fits(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str, int], request: Request) -> None:
     """Every member the request may run on (escalation included) can hold it whole; else InvalidRequestError."""
-    needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-    candidates = [request.pinned_member] if request.pinned_member else family.serving_names
-    for name in candidates:
-        member = family.member(name)
-        if len(request.prompt_token_ids) >= member.context_tokens:
-            raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens; member {name} "
-                                      f"holds {member.context_tokens}", param="prompt")
-        pages = kv.pages_for_tokens(name, needed_tokens)
-        if pages > capacity_pages[name]:
-            raise InvalidRequestError(f"request needs {pages} KV pages on {name}; the pool can give it "
-                                      f"at most {capacity_pages[name]}", param="max_tokens")
+    for name in [request.pinned_member] if request.pinned_member else family.serving_names:
+        error = misfit(family, kv, capacity_pages, name, request)
+        if error is not None:
+            raise error
 
 
 class Placement(Protocol):
@@ -50,10 +58,7 @@ class SharedPoolPlacement:
         check_fits(self.family, self.kv, self.capacity_pages, request)
 
     def holds(self, member: str, request: Request) -> bool:
-        """The member's context holds the prompt and its share of the pool the whole request."""
-        needed_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-        return (len(request.prompt_token_ids) < self.family.member(member).context_tokens
-                and self.kv.pages_for_tokens(member, needed_tokens) <= self.capacity_pages[member])
+        return misfit(self.family, self.kv, self.capacity_pages, member, request) is None
 
     def place(self, decision: RouteDecision, request: Request) -> RouteDecision:
         return decision

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from orchestrator.core.config import RouterConfig, RouterWeights
 from orchestrator.core.family import FamilySpec
-from orchestrator.core.types import MemberName, Profile, Request, RouteDecision
+from orchestrator.core.types import MemberName, Request, RouteDecision
 
 SESSION_BONUS_INDEPENDENT = 0.2   # router.session_bonus: null means this for independent families, 0 for nested
 
@@ -57,33 +57,30 @@ class SessionAffinity:
             self._members.popitem(last=False)
 
 
-class SessionHomes:
+class SessionHomes(SessionAffinity):
     """Session id -> the member that served its first turn (router.sticky_sessions): later turns go there while it
     holds them, as a front balancer with session affinity keeps a conversation on its server. LRU-bounded."""
 
-    __slots__ = ("max_sessions", "_homes")
+    __slots__ = ()
 
     def __init__(self, max_sessions: int = 1 << 16) -> None:
-        self.max_sessions = max_sessions
-        self._homes: OrderedDict[str, MemberName] = OrderedDict()
+        super().__init__(max_sessions)
 
     def keep(self, decision: RouteDecision, request: Request, holds: Callable[[str, Request], bool]) -> RouteDecision:
         """The session's home instead of the routed member while holds(home, request)."""
         session = request.session_id
-        home = self._homes.get(session) if session else None
+        home = self._members.get(session) if session else None
         if session is None or home is None or home == decision.member or request.pinned_member is not None \
                 or not holds(home, request):
             return decision
-        self._homes.move_to_end(session)
+        self._members.move_to_end(session)
         return dataclasses.replace(decision, member=home, reason=f"session kept on {home}; {decision.reason}")
 
     def remember(self, request: Request, member: str) -> None:
         """The first turn's (placed) member becomes the session's home."""
         session = request.session_id
-        if session and session not in self._homes and request.pinned_member is None:
-            self._homes[session] = MemberName(member)
-            if len(self._homes) > self.max_sessions:
-                self._homes.popitem(last=False)
+        if session and session not in self._members and request.pinned_member is None:
+            self.record(session, member)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,27 +100,17 @@ class FitPenalties:
 class Router:
     """Scores every member and picks one; every component lands in the RouteDecision so it can be explained.
 
-    total(member) = w.complexity * fit + w.affinity * cached_fraction + session - w.load * load_fraction
+    total(member) = w.complexity * fit + w.affinity * cached_fraction + session - w.load * load_fraction - pressure
       fit             see FitPenalties (thresholds from config.complexity_thresholds)
       cached_fraction matched_prefix_tokens[member] / prompt tokens, 0 below config.affinity_min_tokens
       session         config.session_bonus for the session's last member
       load_fraction   min(1, max((running + queued tokens) / config.load_saturation_tokens,
-                                 expected_delay_s / config.delay_saturation_s))
+                                 expected_delay_s / config.delay_saturation_s)); 0 unless load_in_score
       pressure        config.pressure_weight * pool_pressure * pages_per_token / the largest pages_per_token
-                      (a full pool makes page-hungry members dearer)
-    Affinity and session are 0 when use_affinity is False, load and pressure when use_load is False
-    (a router blind to other members' caches and load: eval's separate deployments); load alone is 0 when router.load_in_score is off (the default for an independent
-    family: what the load part does is send a request up a size, config.py). components[member] holds the
-    weighted contributions (load and pressure are negative), so they sum to scores[member]. The highest total
-    wins, ties go to the smaller member.
-    Downgrade (profile allow_downgrade, use_load): a winner that is saturated (tokens >= saturation), or
-    busy (it already runs config.downgrade_running requests, or its expected delay is at least
-    config.downgrade_delay_s) moves to the largest smaller member that is neither saturated nor expected to wait that long,
-    and (busy rule) whose complexity band ends at most config.downgrade_max_gap below the request's
-    complexity: the quality guard. With config.downgrade_max_escalation_rate, a smaller member whose recent
-    escalation rate is above it is no target of a downgrade that avoids a wait (saturated, or expected delay):
-    a request sent there would likely escalate back out and wait anyway, after two prefills. The running-count
-    rule alone (a busy, not a slow, winner) ignores it.
+    use_affinity=False zeroes affinity and session, use_load=False load and pressure (eval's blind router).
+    components[member] holds the weighted parts (load and pressure negative), summing to scores[member]. The
+    highest total wins, ties go to the smaller member. A saturated or busy winner may then be downgraded (profile
+    allow_downgrade, use_load): _downgrade_target, _delay_downgrade_target.
     """
 
     __slots__ = ("family", "config", "fit", "_names", "_num_members", "_thresholds", "session_bonus", "use_affinity",
@@ -155,9 +142,9 @@ class Router:
         return self._names[self.adequate_index(complexity)]
 
     def weights(self, request: Request) -> RouterWeights:
+        """The request's profile's weights, or the configured profile's when the config does not name it."""
         profiles = self.config.profiles
-        profile = request.profile
-        weights = profiles.get(profile.value if isinstance(profile, Profile) else str(profile))
+        weights = profiles.get(request.profile.value)
         return weights if weights is not None else profiles[self.config.profile]
 
     def route(self, request: Request, *, complexity: float, matched_prefix_tokens: dict[str, int],
@@ -297,12 +284,3 @@ class Router:
         if key == "session":
             return f"the session's last member {winner} outweighed it"
         return f"{adequate} is loaded ({loads.get(adequate, _IDLE).total_tokens} tokens), {winner} chosen"
-
-
-def largest_member_bound(thresholds, num_members: int) -> float:
-    """The complexity from which adequate_index gives the largest of num_members members (thresholds are the
-    lower bounds of the members' bands after the first; a family smaller than the list uses its first ones, a
-    larger one has no band for its largest members and gets the highest band's bound)."""
-    if num_members < 2:
-        return 0.0
-    return float(thresholds[min(num_members, len(thresholds) + 1) - 2])

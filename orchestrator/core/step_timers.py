@@ -1,7 +1,7 @@
 """StepTimers: the engine loop's cumulative wall time per phase of a step (what /v1/stats reports)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(slots=True)
@@ -33,7 +33,5 @@ class StepTimers:
         self.last_executed_s = executed
 
     def to_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
-                "execute_s": self.execute_s, "update_s": self.update_s, "deliver_s": self.deliver_s,
-                "between_steps_s": self.between_steps_s, "execute_cpu_s": self.execute_cpu_s,
-                "computed_tokens": self.computed_tokens}
+        """Every counter (what /v1/stats reports as engine.timers)."""
+        return {name: value for name, value in asdict(self).items() if name != "last_executed_s"}

@@ -35,11 +35,6 @@ def _checksum(layout: bytes, lineage: bytes, block_hash: bytes, data: bytes, key
     return h.digest()
 
 
-def disk_layout(page_bytes: int, dtype: str) -> str:
-    """The layout tag of a disk tier's files: pages of another size or dtype are refused (a miss)."""
-    return f"{page_bytes}B-{dtype}"
-
-
 @dataclass(slots=True)
 class _DiskEntry:
     path: Path
@@ -47,22 +42,16 @@ class _DiskEntry:
 
 
 class DiskTier:
-    """One checksummed file per page under `directory`; survives restarts. Capacity counts data bytes
-    (each file adds a header of ~52 bytes + the layout and the key).
-
-    page_bytes and dtype (when given) are written into every file and checked on the way back: a file written
-    with another page size or KV dtype (a restart with another pool.page_bytes or engine.dtype) is dropped by
-    the start-up scan and is a miss on get, never data of the wrong shape. mac_key adds a keyed checksum beside
-    the plain one: a file whose keyed checksum does not verify (written without the key) is a miss too."""
-
-    tier = Tier.DISK
+    """One checksummed file per page under `directory`; survives restarts. Capacity counts data bytes (each file
+    adds a header of ~52 bytes + the layout and the key). A file of another page size or dtype (page_bytes, dtype)
+    is dropped by the start-up scan and a miss on get; so is, on get, one whose keyed checksum (mac_key) does not
+    verify (docs/CONFIG.md, Tiers)."""
 
     def __init__(self, directory: str | Path, capacity_bytes: int, *, page_bytes: int | None = None,
                  dtype: str | None = None, mac_key: bytes | None = None) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.page_bytes = page_bytes
-        self.layout = (disk_layout(page_bytes, dtype or "") if page_bytes is not None else (dtype or "")).encode()
+        # the layout tag of its files ("16384B-float32"): pages of another size or dtype are a miss
+        self.layout = (f"{page_bytes}B-{dtype or ''}" if page_bytes is not None else (dtype or "")).encode()
         # any length of key: blake2b takes at most 64 bytes, so the tier keys with a digest of it
         self.mac_key = hashlib.blake2b(mac_key, digest_size=32).digest() if mac_key else None
         self.directory = Path(directory)
@@ -88,23 +77,13 @@ class DiskTier:
         lineage_hex = hashlib.blake2b(key.lineage.encode("utf-8"), digest_size=8).hexdigest()
         return self.directory / f"{lineage_hex}-{key.block_hash.hex()}{_SUFFIX}"
 
-    def put(self, key: PageKey, data: bytes) -> list[tuple[PageKey, bytes]]:
-        """Stores atomically; returns evicted entries with their data (read back from their files)."""
-        return self._put(key, data, read_evicted=True)
-
-    def _put(self, key: PageKey, data: bytes, read_evicted: bool) -> list[tuple[PageKey, bytes]]:
+    def put(self, key: PageKey, data: bytes) -> None:
+        """Stores atomically, evicting the least recently used files to make room (a page over capacity: not at
+        all)."""
         self.discard(key)
         if len(data) > self.capacity_bytes:
-            return []
-        evicted: list[tuple[PageKey, bytes]] = []
-        while self.bytes_used + len(data) > self.capacity_bytes:
-            old_key, old = self._entries.popitem(last=False)
-            self.bytes_used -= old.data_bytes
-            count_by_lineage(self.lineage_counts, old_key.lineage, -1)
-            old_data = self._read(old_key, old.path) if read_evicted else None
-            _unlink(old.path)
-            if old_data is not None:
-                evicted.append((old_key, old_data))
+            return
+        self._evict_to(self.capacity_bytes - len(data))
         path = self.path_for(key)
         lineage, layout = key.lineage.encode("utf-8"), self.layout
         mac = _checksum(layout, lineage, key.block_hash, data, self.mac_key) if self.mac_key else _NO_MAC
@@ -120,11 +99,8 @@ class DiskTier:
             os.replace(tmp, path)
         except OSError:
             _unlink(Path(tmp))
-            return evicted
-        self._entries[key] = _DiskEntry(path, len(data))
-        self.bytes_used += len(data)
-        count_by_lineage(self.lineage_counts, key.lineage, 1)
-        return evicted
+            return
+        self._add(key, path, len(data))
 
     def get(self, key: PageKey) -> bytes | None:
         """The stored bytes, or None if missing or corrupt (a corrupt file is deleted)."""
@@ -145,9 +121,22 @@ class DiskTier:
     def discard(self, key: PageKey) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self.bytes_used -= entry.data_bytes
-            count_by_lineage(self.lineage_counts, key.lineage, -1)
-            _unlink(entry.path)
+            self._forget(key, entry)
+
+    def _add(self, key: PageKey, path: Path, data_bytes: int) -> None:
+        self._entries[key] = _DiskEntry(path, data_bytes)
+        self.bytes_used += data_bytes
+        count_by_lineage(self.lineage_counts, key.lineage, 1)
+
+    def _forget(self, key: PageKey, entry: _DiskEntry) -> None:
+        self.bytes_used -= entry.data_bytes
+        count_by_lineage(self.lineage_counts, key.lineage, -1)
+        _unlink(entry.path)
+
+    def _evict_to(self, bytes_used: int) -> None:
+        """Drops the least recently used files until at most `bytes_used` bytes remain."""
+        while self.bytes_used > bytes_used:
+            self._forget(*self._entries.popitem(last=False))
 
     def _read(self, key: PageKey, path: Path) -> bytes | None:
         try:
@@ -178,38 +167,38 @@ class DiskTier:
             found.append((path.stat().st_mtime, parsed[0], path, parsed[1]))
         # Oldest first: full checksums are verified lazily on get, so a restart stays cheap.
         for _, key, path, data_bytes in sorted(found, key=lambda item: item[0]):
-            self._entries[key] = _DiskEntry(path, data_bytes)
-            self.bytes_used += data_bytes
-            count_by_lineage(self.lineage_counts, key.lineage, 1)
-        while self.bytes_used > self.capacity_bytes:
-            old_key, old = self._entries.popitem(last=False)
-            self.bytes_used -= old.data_bytes
-            count_by_lineage(self.lineage_counts, old_key.lineage, -1)
-            _unlink(old.path)
+            self._add(key, path, data_bytes)
+        self._evict_to(self.capacity_bytes)
+
+
+def _split(raw: bytes, size: int, layout: bytes) -> tuple[PageKey, int, bytes, bytes] | None:
+    """(key, where the data starts, checksum, keyed checksum) from a file's bytes up to its block hash at least and
+    the file's size; None if the magic, the lengths, the layout or the key is off."""
+    if len(raw) < _HEADER.size:
+        return None
+    magic, layout_len, lineage_len, hash_len, data_len, checksum, mac = _HEADER.unpack_from(raw)
+    start = _HEADER.size + layout_len
+    end = start + lineage_len + hash_len
+    if magic != _MAGIC or size != end + data_len or len(raw) < end or raw[_HEADER.size:start] != layout:
+        return None
+    try:
+        return PageKey(raw[start:start + lineage_len].decode("utf-8"), raw[start + lineage_len:end]), end, checksum, mac
+    except UnicodeDecodeError:
+        return None
 
 
 def _parse(raw: bytes, layout: bytes, mac_key: bytes | None) -> tuple[PageKey, bytes] | None:
     """(key, data) of a whole file, or None if anything (magic, layout, lengths, key, checksums) is off."""
-    if len(raw) < _HEADER.size:
+    split = _split(raw, len(raw), layout)
+    if split is None:
         return None
-    magic, layout_len, lineage_len, hash_len, data_len, checksum, mac = _HEADER.unpack_from(raw)
-    start = _HEADER.size
-    if magic != _MAGIC or len(raw) != start + layout_len + lineage_len + hash_len + data_len:
+    key, start, checksum, mac = split
+    lineage, data = key.lineage.encode("utf-8"), raw[start:]
+    if _checksum(layout, lineage, key.block_hash, data) != checksum:
         return None
-    file_layout = raw[start:start + layout_len]
-    start += layout_len
-    lineage = raw[start:start + lineage_len]
-    block_hash = raw[start + lineage_len:start + lineage_len + hash_len]
-    data = raw[start + lineage_len + hash_len:]
-    if file_layout != layout or _checksum(file_layout, lineage, block_hash, data) != checksum:
+    if mac_key is not None and not hmac.compare_digest(_checksum(layout, lineage, key.block_hash, data, mac_key), mac):
         return None
-    if mac_key is not None and not hmac.compare_digest(_checksum(file_layout, lineage, block_hash, data, mac_key),
-                                                       mac):
-        return None
-    try:
-        return PageKey(lineage.decode("utf-8"), block_hash), data
-    except UnicodeDecodeError:
-        return None
+    return key, data
 
 
 def _parse_header(path: Path, layout: bytes) -> tuple[PageKey, int] | None:
@@ -218,18 +207,13 @@ def _parse_header(path: Path, layout: bytes) -> tuple[PageKey, int] | None:
         size = path.stat().st_size
         with path.open("rb") as f:
             head = f.read(_HEADER.size)
-            if len(head) < _HEADER.size:
-                return None
-            magic, layout_len, lineage_len, hash_len, data_len, _, _ = _HEADER.unpack(head)
-            if magic != _MAGIC or size != _HEADER.size + layout_len + lineage_len + hash_len + data_len:
-                return None
-            if f.read(layout_len) != layout:
-                return None
-            lineage = f.read(lineage_len)
-            block_hash = f.read(hash_len)
-        return PageKey(lineage.decode("utf-8"), block_hash), data_len
-    except (OSError, UnicodeDecodeError):
+            if len(head) == _HEADER.size:
+                _, layout_len, lineage_len, hash_len, *_ = _HEADER.unpack(head)
+                head += f.read(layout_len + lineage_len + hash_len)
+    except OSError:
         return None
+    split = _split(head, size, layout)
+    return (split[0], size - split[1]) if split is not None else None
 
 
 def _unlink(path: Path) -> None:
@@ -251,7 +235,7 @@ class TieredStore:
         if self.host is None:
             if self.disk is None:
                 return None
-            self.disk._put(key, data, read_evicted=False)
+            self.disk.put(key, data)
             return Tier.DISK if self.disk.contains(key) else None
         demoted = self.host.put(key, data)
         stored = self.host.contains(key)
@@ -261,7 +245,7 @@ class TieredStore:
             self.disk.discard(key)        # one copy per key: the host copy is the newest
         if self.disk is not None:
             for old_key, old_data in demoted:
-                self.disk._put(old_key, old_data, read_evicted=False)
+                self.disk.put(old_key, old_data)
         if stored:
             return Tier.HOST
         return Tier.DISK if self.disk is not None and self.disk.contains(key) else None
@@ -285,12 +269,6 @@ class TieredStore:
         if self.disk is not None and self.disk.contains(key):
             return Tier.DISK
         return None
-
-    def discard(self, key: PageKey) -> None:
-        if self.host is not None:
-            self.host.discard(key)
-        if self.disk is not None:
-            self.disk.discard(key)
 
     def counts(self) -> dict[str, int]:
         return {"host": self.host.num_entries if self.host is not None else 0,

@@ -1,8 +1,5 @@
-"""The shared vocabulary of MFS: requests, sampling, pages, step plans and results.
-
-Pure data, no behaviour beyond trivial helpers. The core, the engines and the server all speak
-these types; nothing here imports torch, the network or the engines.
-"""
+"""The shared vocabulary of MFS: requests, sampling, pages, step plans and results (pure data: the core, the
+engines and the server all speak these types)."""
 from __future__ import annotations
 
 import enum
@@ -15,16 +12,9 @@ MemberName = NewType("MemberName", str)
 
 
 class PageKey(NamedTuple):
-    """Identity of a page's contents: what one layer's KV (or a residual block) holds for a prefix.
-
-    lineage: hash of everything that determines this layer's values for a given prefix (embeddings,
-    this layer and every layer below it, rope settings); for a residual block, the lineage of the
-    layer whose OUTPUT it stores, suffixed with ":residual".
-    block_hash: chained hash of the token blocks up to and including this one (seeded with the
-    tokenizer's content hash and the request's cache_salt).
-    A tuple: the page pool hashes and compares keys for every page it registers or looks up, and a tuple
-    does that in C (a frozen dataclass did it in Python; same hash, same equality between keys).
-    """
+    """Identity of a page's contents: one layer's KV (or a residual block) for a prefix (docs/ARCHITECTURE.md,
+    Page identity). A tuple: the page pool hashes and compares keys for every page it registers or looks up, and a
+    tuple does that in C."""
 
     lineage: str
     block_hash: bytes
@@ -41,7 +31,6 @@ class RequestState(enum.Enum):
     PREEMPTED = "preempted"    # pages taken back (recompute) or swapped to host; waits to resume
     FINISHED = "finished"
     CANCELLED = "cancelled"
-    FAILED = "failed"
 
 
 class FinishReason(enum.Enum):
@@ -98,10 +87,8 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0                         # lower runs first; FCFS within a priority
     complexity_hint: float | None = None      # eval may pass a known difficulty; None = estimate
-    # False: the core builds only the request's first output and its final one; the tokens in between are
-    # emitted on time (a rollback can no longer drop them) but reach the caller with the final output. For a
-    # caller that reads nothing else (mfs simulate: a record needs the first token's time and the whole reply),
-    # it saves an output object per generated token.
+    # False: only the first output and the final one are built; the tokens between are emitted on time (a rollback
+    # can no longer drop them) but reach the caller with the final one (mfs simulate: one output object less a token).
     intermediate_outputs: bool = True
 
 
@@ -137,16 +124,10 @@ class DraftSpec:
 
 @dataclass(slots=True)
 class SeqChunk:
-    """One request's share of one member's forward pass in one step.
+    """One request's share of one member's forward pass in one step (docs/ARCHITECTURE.md, SeqChunk semantics).
 
-    The engine computes layers [start_layer, num_layers) for `token_ids` at positions
-    [start_pos, start_pos + len(token_ids)). Layer l's attention reads pages block_tables[l] for
-    positions [0, start_pos + len(token_ids)) and writes the new tokens' K/V into them.
-    start_layer > 0 only for a nested-family handover: the input to start_layer is then read from
-    residual pages (residual_table) instead of the embeddings.
-    If residual_table_out is set, the hidden state after the member's last layer (before the final
-    norm) for these tokens is written into those pages (one page per block), so a larger member can
-    later start from it.
+    If residual_table_out is set, the hidden state after the member's last layer (before the final norm) for these
+    tokens is written into those pages (one page per block), so a larger member can later start from it.
     """
 
     request_id: RequestId

@@ -1,6 +1,6 @@
 """The family's tokenizer at the edge: encode prompts, render chat templates, decode streams with stop strings.
 
-One tokenizer serves the whole family (members share it; family.incompatible_pairs() says otherwise).
+One tokenizer serves the whole family (its members share it: MemberSpec.tokenizer_hash seeds the block hashes).
 Uses the `tokenizers` library and jinja2 directly: no transformers at run time.
 """
 from __future__ import annotations
