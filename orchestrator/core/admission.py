@@ -59,8 +59,9 @@ class Admission:
             while queue:
                 seq = queue.popleft()
                 scope = self.reservation.scope_of(seq.member)
+                aged = aging is not None and step - seq.enqueued_step >= aging
                 if members is not None and seq.member not in members:
-                    if aging is not None and step - seq.enqueued_step >= aging:
+                    if aged:
                         held[scope] = held.get(scope, 0) + self.reservation.demand_pages(seq)
                     kept.append(seq)
                     continue
@@ -70,7 +71,6 @@ class Admission:
                         self.forget(seq)   # a warm-up that cannot run now is worthless later
                         continue
                     blocked.add(seq.member)
-                    aged = aging is not None and step - seq.enqueued_step >= aging
                     if aged:
                         held[scope] = held.get(scope, 0) + self.reservation.demand_pages(seq)
                     if aged and not seq.held:

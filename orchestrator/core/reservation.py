@@ -12,9 +12,9 @@ from typing import ClassVar
 
 from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
                                       is_length_fixed, peak_growth, steps_until_fit)
-from orchestrator.core.kv_cache import PrefixMatch
+from orchestrator.core.kv_cache import PrefixMatch, SeqKV
 from orchestrator.core.parts import SchedulerParts
-from orchestrator.core.sequence import DraftState, Sequence
+from orchestrator.core.sequence import Sequence
 from orchestrator.core.speculation import draft_member_for
 from orchestrator.core.types import PageId, Request
 
@@ -82,17 +82,20 @@ class Reservation(ABC):
 
     def future_pages(self, seq: Sequence) -> int:
         """Pages a running request will still allocate for its expected decode (its draft's included)."""
-        if seq.kv is None:
-            return 0
+        return 0 if seq.kv is None else self._held_and_future(seq)[1]
+
+    def _held_and_future(self, seq: Sequence) -> tuple[int, int, int]:
+        """A running request's pages held and still to allocate (its draft's included), and its expected length."""
+        assert seq.kv is not None
         _, per_block, context = self._geometry[seq.member]
         final = expected_final_tokens(seq, self.ratio.value, context)
-        pages = max(0, self._pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
-        if seq.draft is not None:
-            pages += self._draft_future_pages(seq.draft, final)
-        return pages
-
-    def _draft_future_pages(self, draft: DraftState, final_tokens: int) -> int:
-        return max(0, self._draft_pages_for[draft.member](final_tokens) - draft.kv.num_pages())
+        held = len(seq.kv.block_tables[0]) * per_block
+        future = max(0, self._pages_for[seq.member](final) - held)
+        draft = seq.draft
+        if draft is not None:
+            held += draft.kv.num_pages()
+            future += max(0, self._draft_pages_for[draft.member](final) - draft.kv.num_pages())
+        return held, future, final
 
     def draft_decode_pages(self, seq: Sequence) -> int:
         """Pages the draft of a request being admitted will allocate beyond its prompt (0 when it drafts not):
@@ -155,19 +158,12 @@ class Reservation(ABC):
 
     def _running_demands(self, member: str) -> list[RunningDemand]:
         """RunningDemand of each running request holding pages in `member`'s scope."""
-        ratio, geometry, pages_for = self.ratio.value, self._geometry, self._pages_for
         scope = self._scope[member]
         demands = []
         for s in self.running:
             if s.kv is None or (scope is not None and s.member not in scope):
                 continue
-            _, per_block, context = geometry[s.member]
-            final = expected_final_tokens(s, ratio, context)
-            held = len(s.kv.block_tables[0]) * per_block
-            future = max(0, pages_for[s.member](final) - held)
-            if s.draft is not None:
-                held += s.draft.kv.num_pages()
-                future += self._draft_future_pages(s.draft, final)
+            held, future, final = self._held_and_future(s)
             demands.append(RunningDemand(held_pages=held, future_pages=future,
                                          remaining_steps=max(0, final - len(s.token_ids)) + 1))
         return demands
@@ -204,29 +200,28 @@ class PeakReservation(Reservation):
                 _, per_block, context = self._geometry[seq.member]
                 final = expected_final_tokens(seq, 1.0, context)
                 held = len(seq.kv.block_tables[0]) * per_block
-                if claimed:
-                    pages = seq.kv.all_pages()
-                    private = self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
-                else:
-                    private = self.kv.num_private_pages(seq.kv)
-                profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
+                steps, n = final - len(seq.token_ids) + 1, len(seq.token_ids)
+                profiles.append(decode_profile(steps, n, final, held, self._private(seq.kv, claimed),
                                                self._pages_for[seq.member], slack, self._geometry[seq.member][0]))
                 draft = seq.draft
                 if draft is not None:
-                    if claimed:
-                        pages = draft.kv.all_pages()
-                        private = self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
-                    else:
-                        private = self.kv.num_private_pages(draft.kv)
-                    profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final,
-                                                   draft.kv.num_pages(), private, self._draft_pages_for[draft.member],
-                                                   slack, draft.kv.tokens_per_block))
+                    profiles.append(decode_profile(steps, n, final, draft.kv.num_pages(),
+                                                   self._private(draft.kv, claimed),
+                                                   self._draft_pages_for[draft.member], slack,
+                                                   draft.kv.tokens_per_block))
             else:
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)
         if not claimed:
             self._cache[scope] = reserved
         return reserved
+
+    def _private(self, kv: SeqKV, claimed: frozenset[PageId]) -> int:
+        """Pages only `kv` holds, less those an admission is about to share (claimed)."""
+        if not claimed:
+            return self.kv.num_private_pages(kv)
+        pages = kv.all_pages()
+        return self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
 
     def reserved_pages_bound(self, member: str) -> int:
         """An upper bound of reserved_pages(member) in one pass: each decoding request of fixed length counted at

@@ -51,9 +51,10 @@ class Speculation:
     with the request); per step the DraftSpecs (plan); after the step the verify's bookkeeping (verified, then
     advance once the tokens are in)."""
 
-    def __init__(self, parts: SchedulerParts, private: bool = False) -> None:
-        """private: each member's server keeps its own draft copy (its keys salted with that server, its pages
-        from that server's slice)."""
+    def __init__(self, parts: SchedulerParts, shares_pages: Callable[[Sequence, str], bool],
+                 private: bool = False) -> None:
+        """shares_pages: Reservation.shares_pages. private: each member's server keeps its own draft copy (its keys
+        salted with that server, its pages from that server's slice)."""
         self.family, self.config, self.kv, self.running = parts.family, parts.config, parts.kv, parts.running
         self.stats = parts.stats
         self.settings = parts.config.speculation
@@ -62,7 +63,7 @@ class Speculation:
         # (a nested one merges the draft member's batch into its host's forward instead), where its batch rides at
         # all, and its drafts are its own (a separate server's draft copy is not its small member)
         self.rides = not parts.family.is_nested() and self.settings.drafts_ride and not self.private
-        self.pool = parts.pool
+        self.shares_pages = shares_pages
         self.acceptance = AcceptanceEstimates(self.settings)
         self.length = DraftLength(self.settings)
         self.estimate: StepCost | None = None
@@ -103,9 +104,8 @@ class Speculation:
         if not self.settings.enabled:
             return False
         released = False
-        scope = self.pool.members_sharing(member)
         for seq in self.running:
-            if seq.draft is not None and (scope is None or seq.member in scope):
+            if seq.draft is not None and self.shares_pages(seq, member):
                 seq.drop_draft(self.kv)
                 released = True
         if released:
