@@ -388,7 +388,8 @@ def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
     h.submit("e2", [8] + PROMPT, max_tokens=12)
     h.run(2000)
     assert h.scheduler.routing.loads()["s"].escalation_rate == 1.0
-    assert h.scheduler.routing.loads()["m"].escalation_rate == 0.0 and h.scheduler.handover.rates._count == {"s": 2, "m": 2}
+    assert h.scheduler.routing.loads()["m"].escalation_rate == 0.0
+    assert h.scheduler.handover.rates._count == {"s": 2, "m": 2}
 
 
 def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():

@@ -41,18 +41,15 @@ from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, R
 @dataclass(slots=True)
 class SchedulerPolicies:
     """Policies given by whoever builds the scheduler (eval composes its compared systems from these); None takes
-    MFS's: SharedPoolPlacement (placement.py), MaxRunning (admission.py), EveryMember (batching.py), a Router over
-    the whole family, HandoverRules()."""
+    MFS's own."""
 
     placement: Placement | None = None
     running_cap: RunningCap | None = None
     step_members: StepMembers | None = None
-    router: Router | None = None                 # None: MFS's, reading caches and load across the family
-    handover: HandoverRules | None = None        # None: warm handovers and warm-ups (HandoverRules())
+    router: Router | None = None
+    handover: HandoverRules | None = None
     private_drafts: bool = False                 # each member's server drafts with its own draft copy
-    # member turns (member_turns.py): price each member's forward by its weight bytes only, never by the executor's
-    # step-cost estimate; and a draft member whose decodes ride every draft forward steps in every step it has
-    # decodes (False: it takes turns like any member). eval's ablations flip them.
+    # eval's ablations of member turns: forwards priced by weight bytes only; a riding draft member in every step
     turns_by_weights: bool = False
     draft_member_every_step: bool = False
 
@@ -164,8 +161,8 @@ class Scheduler:
 
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:
-        """Ends a request at the next schedule(); finish_reason STOP (a stop string found at the edge)
-        counts as finished, anything else as cancelled. Aborting twice is harmless."""
+        """Ends a request at the next schedule(); finish_reason STOP (a stop string found at the edge) counts as
+        finished, anything else as cancelled. Aborting twice is harmless."""
         self.lifecycle.aborts.append((request_id, reason, finish_reason))
 
     def _release_pins_then_drafts(self, member: str) -> bool:
@@ -174,13 +171,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, now_s: float) -> tuple[StepPlan, list[RequestOutput]]:
-        """Plans one step for the members in `scope` (all, unless narrowed). Also returns outputs produced without
-        running anything (cancellations).
-
-        Members on separate devices step independently: each device gets a plan for its own members (the scope
-        narrowed to them) when it is free, while others' plans may still be running. Such a plan touches only
-        its members' requests (decode slots, victims, admission, aborts, batches), so a request in a step in
-        flight is never planned, preempted or ended before that step's update."""
+        """Plans one step for the members in `scope` (all, unless narrowed: a plan then touches only their requests,
+        never one in a step in flight on another device). Also returns outputs produced without running anything
+        (cancellations)."""
         plan = StepPlan(released_requests=self.lifecycle.take_released())
         self.waiting.tick()
         members = self.scope.members
@@ -263,7 +256,8 @@ class Scheduler:
             self.speculation.advance(plan, accepted)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: SampledToken, now_s: float, last: bool = True) -> RequestOutput | None:
+    def _append_token(self, seq: Sequence, token: SampledToken, now_s: float,
+                      last: bool = True) -> RequestOutput | None:
         """One sampled token into its request (the caller counts it in the stats); `last`: its request's last token
         of the step, after which its output is due."""
         seq.append_token(token.token_id, token.logprob, token.top_logprobs)
