@@ -533,7 +533,7 @@ def test_a_downgrade_the_sessions_home_undoes_is_not_counted():
     h = Harness(family=independent_family(), **{"router.downgrade_running": 1})
     first = h.submit("t0", PROMPT, max_tokens=40, session_id="chat", complexity_hint=0.95)
     h.step()
-    assert first.member == "l" and h.scheduler.loads()["l"].num_running == 1        # busy: downgrade_running 1
+    assert first.member == "l" and h.scheduler.routing.loads()["l"].num_running == 1        # busy: downgrade_running 1
     later = h.submit("t1", PROMPT + [7] * 8, max_tokens=2, session_id="chat", complexity_hint=0.5)
     assert later.member == "l" and later.downgraded_from is None
     assert later.reason.startswith("session kept on l") and "downgraded to s" in later.reason

@@ -180,7 +180,7 @@ def test_expected_delay_downgrade_fires_in_the_scheduler_and_is_counted():
         h.step()
     h.submit("behind", [4] * 100, max_tokens=4, pinned_member=MemberName("l"))      # does not fit beside it
     h.step()
-    loads = h.scheduler.loads(Request(RequestId("probe"), list(PROMPT), SamplingParams(max_tokens=8), h.now))
+    loads = h.scheduler.routing.loads(Request(RequestId("probe"), list(PROMPT), SamplingParams(max_tokens=8), h.now))
     assert loads["l"].expected_delay_s >= 0.05 > loads["m"].expected_delay_s
     decision = h.submit("mid", PROMPT, max_tokens=8, complexity_hint=0.75)
     assert decision.member == "m" and decision.downgraded_from == "l"
@@ -271,7 +271,7 @@ def _shared_prefix_run(num_pages: int, c_max: int, b_max: int, b_tail: list[int]
             h.submit("b", HANDOVER_PROMPT + b_tail, max_tokens=b_max, pinned_member=MemberName("m"))
         h.step()
         h.scheduler.running.changed()
-        states.append((step, h.scheduler.reserved_pages("m"), h.pool.num_available_pages("m"),
+        states.append((step, h.scheduler.reservation.reserved_pages("m"), h.pool.num_available_pages("m"),
                        sorted(str(s.request_id) for s in h.scheduler.running)))
         if not h.scheduler.has_work():
             break
@@ -388,13 +388,14 @@ def test_scheduler_feeds_each_members_escalation_rate_to_the_router():
     h.submit("e1", PROMPT, max_tokens=12)
     h.submit("pinned", [7] + PROMPT, max_tokens=12, pinned_member=MemberName("s"))
     h.run(2000)
-    loads = h.scheduler.loads()
+    loads = h.scheduler.routing.loads()
     assert [s.member for s in h.final("e1").spans][:2] == ["s", "m"]
     assert loads["s"].escalation_rate == 1.0 and loads["m"].escalation_rate == 0.0   # e1 finished on m
     h.submit("e2", [8] + PROMPT, max_tokens=12)
     h.run(2000)
-    assert h.scheduler.loads()["s"].escalation_rate == 1.0
-    assert h.scheduler.loads()["m"].escalation_rate == 0.0 and h.scheduler.escalation_rates._count == {"s": 2, "m": 2}
+    assert h.scheduler.routing.loads()["s"].escalation_rate == 1.0
+    assert h.scheduler.routing.loads()["m"].escalation_rate == 0.0
+    assert h.scheduler.handover.rates._count == {"s": 2, "m": 2}
 
 
 def test_reservation_bound_kept_across_admissions_equals_a_fresh_sum():

@@ -139,7 +139,7 @@ class ReservationMachine(RuleBasedStateMachine):
         if self.exact:
             assert counters["preemptions"] == 0, "a running request with exact length was preempted"
             pinned = sum(len(seq.pinned_kv.all_pages()) for seq in scheduler.waiting if seq.pinned_kv is not None)
-            assert scheduler.reserved_pages("s") <= pool.num_available_pages("s") + pinned
+            assert scheduler.reservation.reserved_pages("s") <= pool.num_available_pages("s") + pinned
 
     def teardown(self):
         self.h.run(3000)                         # raises when requests never finish

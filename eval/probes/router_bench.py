@@ -126,7 +126,7 @@ def run_full_path(prompt_tokens: int = DEFAULT_PROMPT_TOKENS, calls: int = 2000,
     samples = []
     for call in range(WARMUP_CALLS + calls):
         t0 = time.perf_counter_ns()
-        decision = scheduler.route(request, estimator.score(prompt))
+        decision = scheduler.routing.route(request, estimator.score(prompt))
         if call >= WARMUP_CALLS:
             samples.append(time.perf_counter_ns() - t0)
     samples.sort()

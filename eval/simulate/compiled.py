@@ -39,7 +39,7 @@ MODULES = (
     "orchestrator.core.host_tier", "orchestrator.core.block_hash", "orchestrator.core.complexity",
     "orchestrator.core.events",
     "orchestrator.core.types", "orchestrator.core.kv_layout", "orchestrator.core.router",
-    "orchestrator.core.member_turns",
+    "orchestrator.core.routing_inputs", "orchestrator.core.member_turns",
     "orchestrator.core.speculation", "orchestrator.core.draft_length", "orchestrator.core.demand",
     "eval.baseline.deployments", "eval.baseline.split_pool",
     "eval.simulate.executor", "eval.simulate.clock", "eval.simulate.node", "eval.simulate.fleet",

@@ -25,7 +25,10 @@ from eval.simulate.step_profile import StepProfile
 from eval.bench.sessions import ClosedLoopSessions, record_output
 from eval.workloads import Trace
 from orchestrator.core.errors import MFSError
+from orchestrator.core.events import pages_block
+from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.sequence import Sequence
+from orchestrator.core.snapshot import pages_state
 from orchestrator.core.types import Request, RequestOutput
 
 STATS_INTERVAL_S = 0.5          # the bench samples the stats snapshot every 0.5 s
@@ -165,7 +168,7 @@ def _simulate(tag: str, make_nodes: NodeFactory, trace: Trace, stats_interval_s:
             next_turn(index, k, clock() + path_out_s)
 
     def sample() -> None:
-        samples.append({"t_s": clock(), "stats": {"pages": _sum_pages([n.scheduler.pages_snapshot() for n in nodes])}})
+        samples.append({"t_s": clock(), "stats": {"pages": _sum_pages([_pages(n.scheduler) for n in nodes])}})
         if remaining[0] > 0 or pending:
             events.push(clock() + stats_interval_s, sample)
 
@@ -204,6 +207,13 @@ def _sum_counters(items: list[Any]) -> Any:
     if isinstance(first, (int, float)) and not isinstance(first, bool):
         return sum(items)
     return first
+
+
+def _pages(scheduler: Scheduler) -> dict:
+    """A node's stats snapshot's "pages" block alone (sampled every stats interval of virtual time)."""
+    family = scheduler.family
+    return pages_block(family.member_names, pages_state(family, scheduler.pool, scheduler.tiers,
+                                                        scheduler.config.pool.page_bytes))
 
 
 def _sum_pages(pages: list[dict]) -> dict:

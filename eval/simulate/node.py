@@ -229,7 +229,7 @@ class SimNode:
     def adequate_member(self, request: Request) -> str:
         """The member this node's router would judge the request is for, before load and affinity (the front
         router's member homes need it)."""
-        return self.scheduler.router.adequate_member(self.scheduler.complexity_of(request))
+        return self.scheduler.routing.router.adequate_member(self.scheduler.complexity_of(request))
 
     def moved_out(self) -> list[Sequence]:
         return [] if self.homes is None else moved_out(self.scheduler, self.homes)

@@ -44,11 +44,9 @@ class Admission:
         self._admit_counter = itertools.count()
 
     def admit(self, plan: StepPlan, now_s: float) -> None:
-        """FCFS within a priority with per-member head-of-line blocking (one member's full pool never blocks
-        another), except that a request waiting scheduler.aging_steps or longer has its pages held: later
-        requests in its pool are admitted only if they fit beside them (no starvation). Requests of members
-        outside the step's scope wait untouched (their devices may be mid-step), their aged ones still holding
-        pages."""
+        """FCFS within a priority with per-member head-of-line blocking, except that a request waiting
+        scheduler.aging_steps or longer has its pages held: later requests in its pool are admitted only beside
+        them (no starvation). Requests outside the step's scope wait untouched, their aged ones still holding."""
         aging, members = self.config.scheduler.aging_steps, self.scope.members
         held: dict[frozenset[str] | None, int] = {}    # scope -> pages held for aged requests
         blocked: set[str] = set()                  # members whose head did not fit this step
@@ -59,8 +57,9 @@ class Admission:
             while queue:
                 seq = queue.popleft()
                 scope = self.reservation.scope_of(seq.member)
+                aged = aging is not None and step - seq.enqueued_step >= aging
                 if members is not None and seq.member not in members:
-                    if aging is not None and step - seq.enqueued_step >= aging:
+                    if aged:
                         held[scope] = held.get(scope, 0) + self.reservation.demand_pages(seq)
                     kept.append(seq)
                     continue
@@ -70,7 +69,6 @@ class Admission:
                         self.forget(seq)   # a warm-up that cannot run now is worthless later
                         continue
                     blocked.add(seq.member)
-                    aged = aging is not None and step - seq.enqueued_step >= aging
                     if aged:
                         held[scope] = held.get(scope, 0) + self.reservation.demand_pages(seq)
                     if aged and not seq.held:
@@ -85,8 +83,8 @@ class Admission:
                 self.handover.release_pins(name)
 
     def _admit_or_free_drafts(self, seq: Sequence, plan: StepPlan, now_s: float, held_pages: int) -> bool:
-        """try_admit; a request refused pages gets another try once the running requests' drafts in its pool are
-        given back (a draft only speeds a request up: a waiting request's pages come first)."""
+        """try_admit, and once more after the running drafts in its pool are given back (pages for a waiting
+        request come before a draft's, which only speeds a request up)."""
         if self.try_admit(seq, plan, now_s, held_pages):
             return True
         return (not seq.is_warmup and self.speculation is not None
@@ -100,15 +98,13 @@ class Admission:
         allow_shared = self.handover.rules.warm
         match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=allow_shared)
         if match.num_shared_blocks:
-            # A handover holds one residual input page per shared block to its end, beyond
-            # pages_for_tokens: if its whole length would then exceed the pool, it recomputes the lower
-            # layers instead (else alone, admitted without a reserve, it would preempt itself).
+            # A handover holds a residual input page per shared block to its end: if its whole length would then
+            # exceed the pool, it recomputes the lower layers instead (else it would preempt itself).
             longest = len(seq.token_ids) + max(0, seq.request.sampling.max_tokens - seq.num_generated)
             if (self.kv.pages_for_tokens(seq.member, longest) + match.num_shared_blocks
                     > self.capacity_pages[seq.member]):
                 match = self.kv.match(seq.member, seq.hashes, len(seq.token_ids), allow_shared=False)
-        # Headroom matters only when others share the pages: alone, a request always fits (intake checked its
-        # whole length against the capacity), so it must never wait for a reserve.
+        # Alone, a request always fits (intake checked its whole length): it never waits for a reserve.
         shares_pages = self.reservation.shares_pages
         reserve_pages = 0
         if any(shares_pages(s, seq.member) for s in self.running):

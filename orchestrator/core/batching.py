@@ -14,13 +14,11 @@ from orchestrator.core.types import MemberBatch, MemberName, SeqChunk, StepPlan
 
 class StepMembers(Protocol):
     def select(self, running: Iterable[Sequence]) -> Iterable[Sequence]:
-        """Those of `running` that step; `running` holds the members in the step's scope alone (the others'
-        requests may be in a step on their own devices and must not be planned)."""
+        """Those of `running` (the step's scope alone) that step."""
 
 
 class EveryMember:
-    """Every member with running requests runs in every step (one scheduler for the family): the period between
-    two tokens is the same for all requests of one device."""
+    """Every member with running requests runs in every step."""
 
     def select(self, running: Iterable[Sequence]) -> Iterable[Sequence]:
         return running

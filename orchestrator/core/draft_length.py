@@ -1,6 +1,5 @@
-"""How many tokens each member's requests draft in a step: the acceptance estimates, the draft length policy
-(DraftLength: the k that maximizes tokens per second of device time, priced by the executor's step costs), and
-the forwards a step's plan runs (plan_forwards: what a step-cost estimator prices). Pure: no clock, no I/O.
+"""How many tokens each member's requests draft in a step: the acceptance estimates, DraftLength, and the
+forwards a step's plan runs (plan_forwards: what a step-cost estimator prices). Pure: no clock, no I/O.
 """
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ StepCost = Callable[[Seq[ForwardShape]], "float | None"]
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens one verify of k drafts yields on average when each draft is accepted with probability `acceptance`
-    until the first rejection: 1 + a + ... + a^k = (1 - a^(k + 1)) / (1 - a)."""
+    """Tokens one verify of k drafts yields on average: 1 + a + ... + a^k = (1 - a^(k + 1)) / (1 - a)."""
     if k <= 0:
         return 1.0
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
@@ -33,9 +31,8 @@ def pair_name(draft: str, target: str) -> str:
 
 
 class AcceptanceEstimates:
-    """Per draft->target pair, the per-token acceptance its recent verifies show: accepted drafts over accepted
-    drafts plus rejections (the estimate of a geometric's parameter), both decayed by DECAY per verify, seeded
-    with the configured prior as PRIOR_VERIFIES verifies' worth."""
+    """Per draft->target pair, the per-token acceptance: accepted drafts over accepted drafts plus rejections (a
+    geometric's parameter), both decayed by DECAY per verify, seeded with the prior as PRIOR_VERIFIES verifies."""
 
     PRIOR_VERIFIES: ClassVar[float] = 20.0
     DECAY: ClassVar[float] = 0.995
@@ -79,18 +76,11 @@ class Candidate(NamedTuple):
 
 
 class DraftLength:
-    """Each target member's k in the step: the choice that makes the step's device time per token smallest,
-    T(k) / sum_r E_r(k_r), where E_r is what chunk r gets from the step (expected_tokens for a drafting request at
-    its member's k_r, 1 for every other chunk) and T(k) the executor's estimate of the step with those drafts (the
-    draft forwards before the step, each verify k_r + 1 rows at its context). Time per token, not each request's
-    own token period: every request running on the device waits for the step, not only those in it (members that
-    skip the step, member_turns.py), so a step's cost is its time over what it yields. Members differ: a draft is
-    cheap beside a large target's forward and dear beside a small one's, so one k for the step would over-draft
-    the one or under-draft the other; a member's k is chosen with the others' held (coordinate descent, until no
-    member's k changes). Along one member's k the cost has one minimum (T grows about linearly, sum E_r ever
-    less), so k grows while each step up lowers it; 0 (no drafts) where even one does not pay: large batches,
-    compute-bound steps. Without an estimator, the fixed k; while the estimator has no estimate yet (an engine
-    still measuring its first steps), 0."""
+    """Each target member's k in the step: the choice that minimises the step's device time per token,
+    T(k) / sum_r E_r(k_r) (docs/ARCHITECTURE.md "Speculation"), one member's k at a time with the others held
+    (coordinate descent, until none changes). Along one member's k the cost has one minimum (T grows about
+    linearly, sum E_r ever less), so k grows while each step up lowers it. Without an estimator, the fixed k;
+    while the estimator has no estimate yet (an engine still measuring its first steps), 0."""
 
     # passes of coordinate descent over the members (each pass only lowers the cost; two settle it in practice)
     MAX_PASSES: ClassVar[int] = 3
@@ -100,10 +90,9 @@ class DraftLength:
 
     def choose(self, plan: StepPlan, candidates: list[Candidate], estimate: StepCost | None,
                margin: float = 0.0, riders: Seq[Rider] = ()) -> dict[str, int]:
-        """target member -> the tokens its candidates draft this step. margin: how far the estimate may be off,
-        relative (a fit of noisy measured steps; 0 for a cost model): drafts must save more than that share of the
-        time per token, or none are made (a saving inside the estimate's own error is no evidence). riders: the
-        draft member's decodes that ride every draft forward, each yielding a token per forward (at least one)."""
+        """target member -> the tokens its candidates draft this step. margin: the estimate's relative error;
+        drafts must save more than that share of the time per token, or none are made. riders: the draft member's
+        decodes that ride every draft forward, a token per forward (at least one)."""
         targets: list[str] = sorted({c.seq.member for c in candidates})
         if estimate is None:
             return dict.fromkeys(targets, self.config.fixed_k)
@@ -161,19 +150,16 @@ class DraftEntry(NamedTuple):
 
 
 def ride_tokens(forwards: int, max_tokens: int) -> int:
-    """Tokens a rider decodes in a step of `forwards` draft forwards: one per forward, within its own bound; with
-    fewer than two it rides nothing (one token, in its batch or the catch-up, as without rides)."""
+    """Tokens a rider decodes in `forwards` draft forwards: one each, within its bound; under two it rides not."""
     tokens = min(forwards, max_tokens)
     return tokens if tokens >= 2 else 1
 
 
 def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int], max_rows: int,
                   riders: Seq[Rider] = ()) -> list[ForwardShape]:
-    """The forwards of `plan` if every candidate drafted min(its member's k in ks, its max_k) tokens: the draft
-    forwards first (the first one catches each draft up to its request's last token, the k - 1 others decode one
-    drafted token each; riders decode a token in each, out of their batch's forward), then each member batch with
-    the candidates' chunks as verifies of k + 1 rows. A catch-up longer than a verify (a draft's first step after
-    admission) counts as max_rows + 1 rows: it is paid once, not per step."""
+    """The forwards of `plan` if every candidate drafted min(its member's k, its max_k) tokens: the draft forwards
+    (a catch-up, then k - 1 one-token forwards; riders a token in each), then each member batch with verifies of
+    k + 1 rows. A catch-up longer than a verify counts as max_rows + 1 rows: it is paid once, not per step."""
     by_chunk = {id(c.chunk): min(ks.get(c.seq.member, 0), c.max_k) for c in candidates}
     drafts: dict[str, list[DraftEntry]] = {}
     for c in candidates:
@@ -198,8 +184,7 @@ def step_forwards(plan: StepPlan, candidates: list[Candidate], ks: dict[str, int
 
 
 def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
-    """The forwards of a planned step as its DraftSpecs set them (what an executor that measures its steps fits
-    its step-cost estimate on): the same shapes step_forwards prices, from the plan itself."""
+    """The forwards of a planned step as its DraftSpecs set them: the shapes step_forwards prices."""
     drafts: dict[str, list[DraftEntry]] = {}
     riding: set[int] = set()
     for batch in plan.batches:
@@ -218,8 +203,7 @@ def plan_forwards(plan: StepPlan) -> list[ForwardShape]:
 
 
 def _draft_forwards(drafts: dict[str, list[DraftEntry]]) -> list[ForwardShape]:
-    """Per draft member, from its requests' entries: the catch-up forward (one row a decode, up to
-    CATCH_UP_VERIFY_ROWS a verify's rows, more a prefill chunk), then one forward per further drafted token."""
+    """Per draft member: the catch-up forward, then one forward per further drafted token."""
     forwards: list[ForwardShape] = []
     for member, entries in drafts.items():
         forwards.append(ForwardShape(MemberName(member), tuple(e.before for e in entries if e.rows == 1),
@@ -234,8 +218,7 @@ def _draft_forwards(drafts: dict[str, list[DraftEntry]]) -> list[ForwardShape]:
 
 def _batch_forwards(plan: StepPlan, drafts_of: Callable[[SeqChunk], int],
                     riding: set[int] | None = None) -> list[ForwardShape]:
-    """Each member batch's forward, a chunk with k drafts as a verify of k + 1 rows; riding (chunk ids): chunks
-    computed in the draft forwards instead (a batch left with none has no forward)."""
+    """Each member batch's forward, a chunk with k drafts as a verify of k + 1 rows, riding chunks left out."""
     forwards: list[ForwardShape] = []
     for batch in plan.batches:
         decodes: list[int] = []

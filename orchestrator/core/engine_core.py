@@ -1,15 +1,10 @@
 """EngineCore: the family on one StepExecutor (page pool, KV cache manager, tiers, scheduler) and its step loop.
 
-Engine-agnostic and caller-agnostic: it knows the StepExecutor protocol, never a model, and hands each
-RequestOutput to the sink its request registered. `EngineCore.build` is the one way every runner assembles it:
-the engine process and LocalServing (the HTTP edge), the Triton python-backend model (one member per Triton
-model), the simulator's nodes (virtual time) and the tests, so the core behaves the same behind each.
-
-One step is two halves: begin_step (schedule -> deliver -> tier copies -> execute) and finish_step (update ->
-deliver). A real loop (`run`) calls them back to back; the simulator runs them as two events in virtual time.
-`drain` steps a core until it has no work. Scheduler state is guarded by `lock`, held only for the pure planning
-and bookkeeping calls, never while the model runs: add_request, abort and snapshot from other threads wait at
-most one planning call.
+It knows the StepExecutor protocol, never a model, and hands each RequestOutput to the sink its request
+registered. `EngineCore.build` is how every runner assembles it, so the core behaves the same behind each. A step
+is two halves, begin_step and finish_step: a real loop (`run`) calls them back to back, the simulator runs them as
+two events in virtual time. `lock` guards the scheduler only for the pure planning and bookkeeping calls, never
+while the model runs, so other threads wait at most one planning call.
 """
 from __future__ import annotations
 
@@ -32,7 +27,7 @@ from orchestrator.core.scheduler import Scheduler
 from orchestrator.core.step_timers import StepTimers
 from orchestrator.core.host_tier import HostTier
 from orchestrator.core.tiers import DiskTier, TieredStore
-from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, RequestOutput, RouteDecision,
+from orchestrator.core.types import (FinishReason, Request, RequestId, RequestOutput, RouteDecision,
                                      SampledToken, StepPlan)
 
 # A request's destination: every RequestOutput in order, or one MFSError when the engine failed the request.
@@ -44,11 +39,9 @@ SchedulerFactory = Callable[..., Scheduler]
 ExecutorFactory = Callable[[FamilySpec, int, int], StepExecutor]
 # The complexity estimator routing scores prompts with, or how to make it from the family (the edge's tokenizer).
 EstimatorSource = ComplexityEstimator | Callable[[FamilySpec], ComplexityEstimator]
-# The host/disk tiers, or how to make them from the config and the family (eval's separate deployments: a host
-# tier in one part per deployment).
+# The host/disk tiers, or how to make them from the config and the family (None: the ones the config asks for).
 TiersSource = TieredStore | Callable[[MFSConfig, FamilySpec], TieredStore | None]
-# The page ledger, made from the config and the family once the arena's size is known (config.num_arena_pages): eval's
-# separate deployments pass a static split of the pages. None: one pool every member shares (pool.member_limits).
+# The page ledger from the config and the family (eval's static split); None: one pool every member shares.
 PoolSource = Callable[[MFSConfig, FamilySpec], PagePool]
 IDLE_WAIT_S = 0.05          # an idle loop re-checks this often even without a wake-up
 NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for pages): do not spin
@@ -86,11 +79,6 @@ def _disk_key(path: str | None) -> bytes | None:
     return key
 
 
-def serving_family(config: MFSConfig) -> FamilySpec:
-    """The family config.family names, as the local engine serves it."""
-    return load_family(config.family)
-
-
 @dataclass(slots=True)
 class Step:
     """One step between its two halves: what begin_step planned and ran, for finish_step (and the caller)."""
@@ -120,7 +108,7 @@ class EngineCore:
                  clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
                  cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None,
                  tiers: TiersSource | None = None, pool: PoolSource | None = None, warm_handover: bool = True):
-        """tiers: None takes the ones the config asks for (build_tiers). Prefer EngineCore.build."""
+        """Prefer EngineCore.build."""
         self.config, self.family, self.clock = config, family, clock
         self.pool = (pool(config, family) if pool is not None
                      else PagePool(config.num_arena_pages(), config.pool.member_limits, family.member_names))
@@ -130,7 +118,6 @@ class EngineCore:
                                  self.tiers, record_residuals=records_residuals(config, warm_handover))
         self.events = EventLog()
         self.stats_counters = Stats()
-        # MFS's scheduler, or one eval's baselines compose from the core's scheduler and their own policies
         self.scheduler = (scheduler_factory or Scheduler)(family, config, self.pool, self.kv, estimator, self.tiers,
                                                           self.events, self.stats_counters)
         self.executor: StepExecutor | None = None      # attached by build's make_executor, or later by the runner
@@ -138,13 +125,11 @@ class EngineCore:
         self.wake = threading.Event()
         self.num_steps = 0
         self.last_error: str | None = None
-        # the real-time loop's liveness (run, step_or_fail): failed steps in a row, and the clock when the loop
-        # last went round (a step ended, failed or not, or an idle wait did); the server's health reads both
+        # the real-time loop's liveness, read by the server's health: failed steps in a row, and when it last went round
         self.failed_steps = 0
         self.last_tick_s: float | None = None
         self._sinks: dict[RequestId, Sink] = {}
-        # A runner that batches its sinks' hand-overs (one event-loop wake-up or one pipe message per step, not
-        # one per request) flushes here: called once after each delivery of a step's outputs.
+        # called once after each delivery of a step's outputs: a runner that batches its sinks' hand-overs flushes
         self.on_delivered: Callable[[], None] | None = None
         self.step_clock = step_clock                   # a fine wall clock: fills `timers` (None: not timed)
         self.cpu_clock = cpu_clock                     # the engine thread's CPU clock (execute_cpu_s)
@@ -157,18 +142,11 @@ class EngineCore:
               tiers: TiersSource | None = None, step_clock: Callable[[], float] | None = None,
               cpu_clock: Callable[[], float] | None = None, pool: PoolSource | None = None,
               warm_handover: bool = True) -> EngineCore:
-        """The core for `config`, as every runner assembles it.
-
-        family: None loads config.family as the local engine serves it (serving_family). estimator: the one routing
-        scores with, or a function of the family that makes it (the edge's tokenizer: orchestrator.serve).
-        make_executor(family, num_pages, page_bytes): called once the arena's size is known; None: the runner
-        attaches one to `executor` before stepping (LocalServing loads the model when it starts). scheduler_factory:
-        the scheduler to run (None: MFS's); eval's baselines pass theirs. tiers: the tiers, or a function of (config,
-        family) that makes them; None takes the ones the config asks for. step_clock, cpu_clock: fill `timers`.
-        pool: a function of (config, family) that makes the page ledger (eval's separate deployments: a slice of the
-        pages each); None: one pool every member shares. warm_handover: whether escalations may reuse the source's
-        shared layers (residual pages are written only then)."""
-        family = family if family is not None else serving_family(config)
+        """The core for `config`, as every runner assembles it. family: None loads config.family. make_executor:
+        None when the runner attaches one to `executor` before stepping (LocalServing loads the model when it
+        starts). warm_handover: whether escalations may reuse the source's shared layers (residual pages are
+        written only then). The other sources: see their types above; None takes MFS's own."""
+        family = family if family is not None else load_family(config.family)
         if not isinstance(estimator, ComplexityEstimator):
             estimator = estimator(family)
         core = cls(config, family, estimator, clock, step_clock=step_clock, cpu_clock=cpu_clock,
@@ -246,8 +224,8 @@ class EngineCore:
 
     def step_or_fail(self, on_step_error: Callable[[Exception], None] | None = None) -> None:
         """One step of a real-time loop; if it raises (a fault no request is known to cause), every listened-to
-        request fails, never the loop. Only a step that ran ends a run of failed ones (not the next, which only ends the failed
-        requests). A step that could run nothing (e.g. waiting for pages) waits for a wake-up: no spin."""
+        request fails, never the loop. Only a step that ran ends a run of failed ones. A step that could run nothing
+        (e.g. waiting for pages) waits for a wake-up: no spin."""
         try:
             step = self.step()
         except Exception as exc:
@@ -318,8 +296,7 @@ class EngineCore:
             self.on_delivered()
 
     def fail(self, errors: dict[RequestId, MFSError]) -> None:
-        """Aborts these requests (pages return at the next step) and tells each sink its error (a step that
-        failed: every listened-to request, a 503; a RequestFault: its requests, each with its own error)."""
+        """Aborts these requests (pages return at the next step) and tells each sink its error."""
         with self.lock:
             for request_id, error in errors.items():
                 self.scheduler.abort(request_id, error.message)
@@ -332,11 +309,21 @@ class EngineCore:
             self.on_delivered()
 
     def copy_tiers(self, plan: StepPlan) -> StepPlan:
-        """Saves evicted pages to the host/disk tiers and loads tier hits, before the step overwrites them."""
+        """Saves evicted pages to the host/disk tiers, then loads tier hits into their fresh pages (in that order: a
+        page can be evicted and reloaded in one step), before the step overwrites them. A load that fails (missing,
+        or a disk block that failed its checksum) is dropped and its requests recompute."""
         if self.tiers is None:
             return plan
         now = self.clock()
-        stored, failed = copy_tier_pages(plan, self.tiers, self.executor)
+        stored = [tier for page, key in plan.page_saves
+                  if (tier := self.tiers.put(key, self.executor.read_page(page))) is not None]
+        failed = []
+        for page, key, _tier in plan.page_loads:
+            found = self.tiers.get(key)
+            if found is None:
+                failed.append(page)
+            else:
+                self.executor.write_page(page, found[0])
         for tier in stored:
             self.stats_counters.on_offload(tier.value, 1)
         if plan.page_saves:
@@ -360,19 +347,3 @@ def drain(core: EngineCore, max_steps: int, step: Callable[[], object] | None = 
     if core.has_work():
         raise RuntimeError(f"work remains after {max_steps} steps")
     return max_steps
-
-
-def copy_tier_pages(plan: StepPlan, tiers: TieredStore, executor: StepExecutor) -> tuple[list, list[PageId]]:
-    """Copies evicted pages out to the tiers, then tier hits into their fresh pages (in that order: a
-    page can be evicted and reloaded in one step). Returns the tiers that stored each saved page and
-    the pages whose load failed (missing, or a disk block that failed its checksum)."""
-    stored = [tier for page, key in plan.page_saves
-              if (tier := tiers.put(key, executor.read_page(page))) is not None]
-    failed = []
-    for page, key, _tier in plan.page_loads:
-        found = tiers.get(key)
-        if found is None:
-            failed.append(page)
-        else:
-            executor.write_page(page, found[0])
-    return stored, failed

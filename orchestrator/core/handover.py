@@ -17,9 +17,7 @@ from orchestrator.core.types import MemberName, Request, RequestId
 
 @dataclass(frozen=True, slots=True)
 class HandoverRules:
-    """What an escalation's target gets from its source. MFS: the source's pages stay cached for the target (a
-    nested family's shared lower layers and exit residuals included) and likely escalations are warmed up on the
-    next member. Separate servers (eval's baselines) get none of it: the conversation is re-sent, cold."""
+    """What an escalation's target gets from its source: MFS's defaults, or none of it (separate servers: cold)."""
 
     warmup: bool = True                 # prefill likely escalations on the next member while it is idle
     reuse_shared_layers: bool = True    # nested family: the target starts at the source's exit depth
@@ -61,9 +59,8 @@ class Handover:
             seq.monitor = ConfidenceMonitor(self.config.escalation)
 
     def warm_up(self, seq: Sequence, now_s: float) -> Sequence | None:
-        """A warm-up prefill of a likely escalation's prompt on the next member while that member (and the
-        whole engine: members share the device) is idle, where the placement says it would be read here; None
-        when not worth it. The caller queues it."""
+        """A warm-up prefill of a likely escalation's prompt on the next member while the engine is idle, where
+        the placement says it would be read; None when not worth it. The caller queues it."""
         cfg = self.config.escalation
         if not (self.rules.warmup and cfg.enabled and seq.monitor is not None
                 and in_warmup_band(cfg, seq.complexity)):
@@ -85,9 +82,8 @@ class Handover:
         return warm_seq
 
     def escalate(self, seq: Sequence, now_s: float) -> None:
-        """Hands the request to the next larger member. Its full blocks stay cached under their keys, so the
-        target's prefix match finds its own cache and (nested family) the shared lower layers and residuals;
-        only the rest is prefilled there."""
+        """Hands the request to the next larger member; its full blocks stay cached, so the target prefills only
+        what its prefix match (and a nested family's shared layers) does not find."""
         if not self.placement.accepts_escalation(seq):
             self.stats.on_escalation_refused()
             return

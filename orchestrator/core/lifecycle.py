@@ -48,9 +48,8 @@ class Lifecycle:
         return released
 
     def process_aborts(self, now_s: float) -> list[RequestOutput]:
-        """Ends the aborted and the timed-out requests (and their warm-ups); their final outputs. A request
-        running on a member outside the step's scope may be in a step on its own device, so it ends at that
-        member's next plan."""
+        """Ends the aborted and the timed-out requests (and their warm-ups); their final outputs. One running
+        outside the step's scope ends at its member's next plan."""
         timeout_s = self.config.scheduler.request_timeout_s
         if timeout_s is not None and self._oldest_arrival_timed_out(now_s, timeout_s):
             for seq in list(self.by_id.values()):
@@ -89,8 +88,7 @@ class Lifecycle:
         return members is None or seq.member in members or seq.request_id not in self.running
 
     def _oldest_arrival_timed_out(self, now_s: float, timeout_s: float) -> bool:
-        """Whether the earliest arrival among the requests still known has waited past the timeout (then
-        some request has; if not, none has, as now - arrival only grows with older arrivals)."""
+        """Whether the earliest arrival among the requests still known has waited past the timeout."""
         arrivals = self._arrivals
         while arrivals and self.by_id.get(arrivals[0][2].request_id) is not arrivals[0][2]:
             heapq.heappop(arrivals)

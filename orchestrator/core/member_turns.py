@@ -1,44 +1,27 @@
 """Token-level member scheduling on a shared device: which members' decodes run in a step.
 
-When every member steps in every step, each token of every member waits for the sum of all the members' forwards,
-so a small member's tokens are held behind the largest member's forward. One scheduler over the family can instead
-let each member step at its own frequency f (a share of the steps; a member with prefill work steps at once, so
-time to first token is not traded): a step then lasts D = sum_i f_i c_i (c_i: member i's forward), and member i's
-tokens come every D / f_i. The objective is the mean over requests of their token latency, each request counted
-once (as the headline metric counts them): sum_i w_i D / f_i, where w_i is the rate at which requests arrive at
-member i, is smallest at f_i proportional to sqrt(w_i / c_i) (a Lagrange condition), the largest stepping every
-time. Each member's period is bounded by `max_slowdown` x the period of running every member in every step
-(sum_i c_i), its TPOT guard; frequencies below what that bound needs are raised to it.
+When every member steps in every step, a small member's tokens wait behind the largest member's forward. Instead
+each member steps at its own frequency f (a share of the steps; a member with prefill work steps at once, so time to
+first token is not traded): a step lasts D = sum_i f_i c_i (c_i: member i's forward) and member i's tokens come
+every D / f_i. The mean token latency over requests, sum_i w_i D / f_i (w_i: the rate requests arrive at member i),
+is smallest at f_i proportional to sqrt(w_i / c_i) (a Lagrange condition), the largest stepping every time. Each
+member's period is bounded by `max_slowdown` x sum_i c_i (every member in every step), its TPOT guard.
 
-The scheduler sees the requests in flight, not arrival rates; Little's law links the two. A request of L tokens
-stays for L / (f_i a_i) steps (a_i: tokens per step, above 1 with speculation), so the requests decoding on i,
-each weighted 1 / L, sum to w_i / (f_i a_i), and w_i / a_i = s_i x sum_r 1 / L_r, where s_i is the share of the
-steps member i has actually taken (a moving average). Counting the requests in flight instead would count a
-member's slowness again: the slower its tokens, the more of its requests are in flight and the more it would step,
-while the requests of the small members, the most numerous, wait. A request's max_tokens stands for its length
-(exact when the length is fixed; an open length's max_tokens is a bound).
+The scheduler sees the requests in flight, not arrival rates; Little's law links them: w_i / a_i = s_i x sum_r 1 / L_r
+(a_i: tokens per step, s_i: the share of the steps member i has taken, a moving average; L_r: a request's max_tokens).
+Counting the requests in flight instead would count a member's slowness again (the slower its tokens, the more of
+its requests are in flight).
 
-The formulas are scale-free, so relative forward costs suffice: weight bytes estimated from the member's shape (a
-decode forward of a small batch reads every weight once), a cost function given by whoever builds the policy, or,
-once the executor offers one (the default), its own estimate of each member's decode forward at the
-batch and context it has (its cost model in simulation, a real engine's fit of its measured steps), which also
-prices what a forward costs beyond reading its weights (a small member's forward is dearer than its bytes say).
-A deterministic credit per member (credit += f each step; the member steps when it reaches 1) turns the
-frequencies into steps.
+Only relative forward costs matter: the executor's estimate of each member's decode forward at its batch and
+context once it offers one (which also prices what a forward costs beyond its weights), else weight bytes from the
+member's shape (or a cost function given by the builder). A credit per member (credit += f each step; it steps at 1)
+turns frequencies into steps.
 
-With speculation, every member above the draft member verifies drafts, and the drafts of all the members stepping
-together run in one set of draft forwards (speculation.py): their fixed cost, the draft member's weights read once
-per forward, is paid once per step that drafts, not once per drafting member. So a drafting member whose credit has
-reached JOIN_CREDIT joins a step another drafting member takes, paying its turn in advance (its credit goes below 0
-and it waits the longer for its next): its frequency over time is unchanged, its steps fall where drafts are made
-anyway.
-
-Where the draft member's own decodes also ride every draft forward (a family of separate weights), they take a
-token in each of a drafting step's k draft forwards without a read of its weights of their own, so its tokens come
-at the pace of the drafting members' steps, not at its own frequency. With riding_draft_member (an ablation's) it
-then stands outside the frequency model (riding_draft_member): it steps in every step it has decodes, and the
-others' frequencies are computed among themselves, so the drafting member with the most work per forward steps
-every step and the draft member's requests always ride. Pure: no clock, no I/O.
+With speculation, the drafts of all the members stepping together share one set of draft forwards (speculation.py),
+so a drafting member whose credit has reached JOIN_CREDIT joins another drafting member's step, paying its turn in
+advance: its frequency over time is unchanged, its steps fall where drafts are made anyway. With
+riding_draft_member (an ablation's), a draft member whose decodes ride every draft forward steps in every step it
+has decodes, and the frequencies are the others'. Pure: no clock, no I/O.
 """
 from __future__ import annotations
 
@@ -79,10 +62,9 @@ class MemberTurns:
 
     def __init__(self, family: FamilySpec, max_slowdown: float, cost: ForwardCost | None = None,
                  shared_drafts: bool = False, riding_draft_member: bool = False) -> None:
-        """shared_drafts: the members above the draft member draft with it in shared forwards (speculation on, one
-        draft member for the family): they join each other's steps (JOIN_CREDIT). riding_draft_member (with
-        shared_drafts): the draft member's decodes ride every draft forward, so it steps whenever it has decodes and
-        the frequencies are the other members'."""
+        """shared_drafts: the members above the draft member draft in shared forwards, so they join each other's
+        steps (JOIN_CREDIT). riding_draft_member (with shared_drafts): the draft member steps whenever it has
+        decodes, and the frequencies are the other members'."""
         if max_slowdown < 1.0:
             raise ValueError(f"scheduler.member_turns {max_slowdown}: a member's token period can only grow (>= 1)")
         self.max_slowdown = max_slowdown
@@ -95,8 +77,7 @@ class MemberTurns:
         self.estimate: StepCost | None = None
 
     def use_step_cost(self, estimate: StepCost | None) -> None:
-        """The executor's step-cost estimate prices each member's decode forward from now on (None: the cost
-        function again)."""
+        """The executor's step-cost estimate prices each member's decode forward (None: the cost function)."""
         self.estimate = estimate
 
     def frequencies(self, weights: dict[str, float], batch: dict[str, int] | None = None,
@@ -171,9 +152,8 @@ class MemberTurns:
 
     def _estimated_costs(self, decoding: dict[str, int], context: dict[str, int],
                          members: Collection[str]) -> dict[str, float] | None:
-        """Per member of `members` (decoding: its requests; context: their contexts summed), the estimate of its
-        decode forward: its requests at their mean context. None when the estimate has no figure for one of them (an
-        engine still measuring its first steps): seconds and bytes do not mix."""
+        """Per member, the estimate of its decode forward (its requests at their mean context). None when one has
+        no figure yet: seconds and bytes do not mix."""
         estimate = self.estimate
         assert estimate is not None
         costs: dict[str, float] = {}

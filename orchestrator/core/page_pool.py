@@ -14,9 +14,8 @@ from orchestrator.core.types import PageId, PageKey
 
 
 class _FreeQueue:
-    """The free pages in the order they are taken: the never-used pages of the pool's id range, in id
-    order, then the pages freed since, in the order they were freed. Keeping the never-used ones as a range
-    (not one queue entry per page) makes a GPU-sized arena (~10^6 pages) cost nothing to build."""
+    """The free pages in the order they are taken: the never-used pages in id order (kept as a range, so a
+    GPU-sized arena costs nothing to build), then the pages freed since, in the order they were freed."""
 
     __slots__ = ("next_fresh", "end", "freed")
 
@@ -46,16 +45,10 @@ class _FreeQueue:
 
 
 class PagePool:
-    """THE ledger of the arena, in pages: one pool every member allocates from. Pure bookkeeping: it never touches
-    page contents.
-
-    Its pages are the ids first_page .. first_page + num_pages - 1 (a page source made of several pools, such as
-    eval's static split, gives each its own range; the ledger's lists are indexed by page id).
-    limits: elastic floor_pages (kept available to the member: other members may not take them) and
-    ceiling_pages (at most this many USED pages owned by the member).
-    A page's owner is the member that allocated it, or that took it back from the cache (acquire at
-    refcount 0); sharing a USED page never changes its owner.
-    """
+    """THE ledger of the arena, in pages: one pool every member allocates from; it never touches page contents.
+    Its pages are the ids first_page .. first_page + num_pages - 1 (eval's static split gives each part its own
+    range). limits: per member, floor_pages kept available to it and ceiling_pages, the most USED pages it may own.
+    A page's owner is the member that allocated it or took it back from the cache; sharing never changes it."""
 
     def __init__(self, num_pages: int, limits: dict[str, MemberLimit] | None = None, members: Iterable[str] = (),
                  first_page: int = 0) -> None:
@@ -86,9 +79,8 @@ class PagePool:
             self._cached_by.setdefault(member, 0)
 
     def members_sharing(self, member: str) -> frozenset[str] | None:
-        """The members whose requests draw on the pages `member`'s requests draw on (its memory scope): None = every
-        member, this one pool. A page source that gives each member pages of its own (eval's static split)
-        answers {member}; the scheduler's reservation, preemption and pins follow the answer."""
+        """`member`'s memory scope: the members whose requests draw on the pages its requests draw on (None: every
+        member). eval's static split answers {member}."""
         return None
 
     # ------------------------------------------------------------------------- capacity
@@ -105,7 +97,7 @@ class PagePool:
 
     def num_available_pages_total(self, member: str) -> int:
         """The most pages `member` could ever hold (everyone else idle): the pool's, minus others' whole floors,
-        up to its ceiling. A request needing more can never run: reject it up front."""
+        up to its ceiling."""
         total = self.num_pages - sum(self._limits[m].floor_pages for m in self._floor_members if m != member)
         limit = self._limits.get(member)
         if limit is not None and limit.ceiling_pages is not None:
@@ -153,11 +145,8 @@ class PagePool:
         return self._page_of_key.get(key)
 
     def acquire(self, page: PageId, member: str) -> None:
-        """One more reference. A cached page leaves the LRU queue, becomes USED and owned by `member`.
-
-        Never fails on capacity: a prefix hit is free memory-wise, but it does leave the cache, so
-        check can_allocate for new pages AFTER acquiring hits.
-        """
+        """One more reference; a cached page becomes USED and owned by `member`. Never fails on capacity, but a
+        hit leaves the cache: check can_allocate for new pages AFTER acquiring hits."""
         count = self._refcount[page]
         if count == 1:
             self.sharing_epoch += 1        # a private page becomes shared
@@ -206,8 +195,8 @@ class PagePool:
         cached.move_to_end(page, last=False)
 
     def register(self, page: PageId, key: PageKey) -> PageId:
-        """Gives a USED page its key (its block is full). Returns the canonical page for the key:
-        `page`, or the page that already held it (the mapping never moves; `page` stays keyless)."""
+        """Gives a USED page its key (its block is full). Returns the canonical page for the key: `page`, or the
+        page that already held it (the mapping never moves; `page` stays keyless)."""
         if self._refcount[page] <= 0:
             raise ValueError(f"page {page} is not in use (refcount {self._refcount[page]})")
         holder = self._page_of_key.get(key)
@@ -225,8 +214,7 @@ class PagePool:
             self.register(page, key)
 
     def acquire_keys(self, keys: Iterable[PageKey | None], member: str) -> list[PageId | None]:
-        """lookup() then acquire() of each key in turn (None for a key not in the arena, or a None key), in one
-        call: an admission pins every page of its prefix hit, one per layer per block."""
+        """lookup() then acquire() of each key in turn (None for a key not in the arena, or a None key)."""
         page_of_key = self._page_of_key
         pages: list[PageId | None] = []
         for key in keys:
@@ -266,8 +254,7 @@ class PagePool:
         return self._owner[page]
 
     def num_private(self, pages: list[PageId]) -> int:
-        """How many of `pages` have refcount 1 (only their one holder references them): counted in C, as the
-        scheduler's peak reservation asks it for every running request's ~10^3 pages on every admission."""
+        """How many of `pages` have refcount 1, counted in C (the peak reservation asks it on every admission)."""
         if len(pages) < 2:
             return sum(1 for page in pages if self._refcount[page] == 1)
         return itemgetter(*pages)(self._refcount).count(1)

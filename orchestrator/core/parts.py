@@ -1,5 +1,4 @@
-"""SchedulerParts: what the scheduler's policy objects share (family, config, pool, KV, tiers, queues, event log,
-the step's scope)."""
+"""SchedulerParts: what the scheduler's policy objects share."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -15,10 +14,9 @@ from orchestrator.core.tiers import TieredStore
 
 
 class StepScope:
-    """The members a step's plan may touch: every member (members None), as a server stepping its family on one
-    device plans. A runner stepping members on devices of their own (the simulator's per-member placement) narrows
-    it to one device's members before it asks for that device's plan: the plan then grows, preempts, admits, ends
-    and batches only their requests, never one that may be in a step in flight on another device."""
+    """The members a step's plan may touch (None: every member). A runner stepping members on devices of their own
+    narrows it to one device's members before it asks for that device's plan, so the plan never touches a request
+    that may be in a step in flight on another device."""
 
     __slots__ = ("members",)
 
@@ -35,8 +33,7 @@ class SchedulerParts:
     tiers: TieredStore | None
     running: RunningSet
     waiting: WaitingQueue
-    # Most pages each member can ever hold (its slice, minus the other members' floors, under its ceiling):
-    # a request needing more is refused at once rather than left waiting for room that never comes.
+    # most pages each member can ever hold: a request needing more is refused at once, not left waiting
     capacity_pages: dict[str, int]
     events: EventLog
     stats: Stats

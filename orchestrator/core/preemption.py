@@ -48,11 +48,9 @@ class Preemption:
         self.victim_key = VICTIM_ORDERS[self.config.scheduler.victim_order]
 
     def ensure_decode_slots(self, plan: StepPlan, now_s: float) -> bool:
-        """Every decoding request gets a page slot for its next token, reserved before the step runs; when pages
-        are short, escalation pins are given up before a request would preempt itself, and victims are taken in
-        scheduler.victim_order among the requests sharing its pages. Only the requests of the members in the
-        step's scope grow or are preempted (the others' may be in a step on their own devices). Returns whether
-        anything was preempted."""
+        """Every decoding request in the step's scope gets a page slot for its next token; when pages are short,
+        escalation pins go first, then victims in scheduler.victim_order among the requests sharing its pages.
+        Returns whether anything was preempted."""
         preempted, members = False, self.scope.members
         running = self.running
         grow = self.kv.grow
@@ -79,11 +77,10 @@ class Preemption:
         return preempted
 
     def preempt(self, seq: Sequence, now_s: float, plan: StepPlan | None = None) -> None:
-        """Pages go back (full blocks stay cached under their keys), the request waits at the queue front and
-        resumes identically. Swap: when the host tier has room for the victim's full blocks they are copied there
-        now (plan.page_saves), so its resume reloads them instead of recomputing even if the arena evicts them
-        meanwhile; recompute: they stay only as long as the arena keeps them. The last, partial block is
-        recomputed either way."""
+        """Pages go back (full blocks stay cached), the request waits at the queue front and resumes identically.
+        Swap: when the host tier has room, its full blocks are copied there now (plan.page_saves), so its resume
+        reloads them even if the arena evicts them meanwhile; recompute: they last as long as the arena keeps
+        them. The last, partial block is recomputed either way."""
         kind = "recompute"
         host = self.tiers.host if self.tiers is not None else None
         if (plan is not None and seq.kv is not None and host is not None and self.config.scheduler.swap_preempted

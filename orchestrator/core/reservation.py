@@ -1,8 +1,6 @@
-"""Reservation: the pages admitted requests will still need, and how long a new request would wait for pages.
-
-What admission leaves free beside the running requests, and the router's expected delay; chosen by name (peak |
-block | guaranteed_no_evict). The expected lengths and decode profiles it sums are demand.py's. Its caches are keyed
-by the running set's version and the new-token ratio, so nobody clears them. Pure: no clock, no I/O.
+"""Reservation: what admission leaves free beside the running requests (chosen by name: peak | block |
+guaranteed_no_evict), and how long a new request would wait for pages (the router's expected delay). Its caches
+are keyed by the running set's version and the new-token ratio, so nobody clears them. Pure: no clock, no I/O.
 """
 from __future__ import annotations
 
@@ -12,16 +10,15 @@ from typing import ClassVar
 
 from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
                                       is_length_fixed, peak_growth, steps_until_fit)
-from orchestrator.core.kv_cache import PrefixMatch
+from orchestrator.core.kv_cache import PrefixMatch, SeqKV
 from orchestrator.core.parts import SchedulerParts
-from orchestrator.core.sequence import DraftState, Sequence
+from orchestrator.core.sequence import Sequence
 from orchestrator.core.speculation import draft_member_for
 from orchestrator.core.types import PageId, Request
 
 
 class Reservation(ABC):
-    """The pool-demand arithmetic over the running set and the waiting queue. Subclasses say how much admission
-    leaves free for the running requests' decode (reserved_pages, reserve_beside_running)."""
+    """The pool-demand arithmetic over the running set and the waiting queue (demand.py's terms)."""
 
     name: ClassVar[str] = ""          # ClassVar: a compiled (mypyc) class keeps it on the class
 
@@ -39,7 +36,6 @@ class Reservation(ABC):
         self._demands: dict[frozenset[str] | None, list[RunningDemand]] = {}
         self._bounds: dict[frozenset[str] | None, int] = {}
         # member -> (tokens per block, pages per block, context tokens): read per running request on every arrival
-        # and admission (kv.pages_for_tokens through three calls cost more than the sums)
         kv = parts.kv
         self._geometry = {m.name: (kv.tokens_per_block(m.name), kv.pages_per_block(m.name), m.context_tokens)
                           for m in parts.family.members}
@@ -61,9 +57,8 @@ class Reservation(ABC):
             self._bounds.clear()
 
     def admitted(self, seq: Sequence) -> None:
-        """`seq` was just added to the running set: another running request's future_pages reads only that
-        request, so the bound of seq's scope grows by seq's term; the exact reservation and the delay inputs
-        also depend on which pages are shared, so they are recomputed."""
+        """`seq` was just added to the running set: the bound of its scope (a sum of per-request terms) grows by
+        its term; the rest depends on which pages are shared, so it is recomputed."""
         bounds = dict(self._bounds) if self._key == (self.running.version - 1, self.ratio.value) else {}
         self._fresh()
         self._bounds.update(bounds)
@@ -72,7 +67,6 @@ class Reservation(ABC):
             self._bounds[scope] += self.future_pages(seq)
 
     def scope_of(self, member: str) -> frozenset[str] | None:
-        """The members whose requests draw on `member`'s pages (None: every member): the pool's answer."""
         return self._scope[member]
 
     def shares_pages(self, seq: Sequence, member: str) -> bool:
@@ -82,21 +76,23 @@ class Reservation(ABC):
 
     def future_pages(self, seq: Sequence) -> int:
         """Pages a running request will still allocate for its expected decode (its draft's included)."""
-        if seq.kv is None:
-            return 0
+        return 0 if seq.kv is None else self._held_and_future(seq)[1]
+
+    def _held_and_future(self, seq: Sequence) -> tuple[int, int, int]:
+        """A running request's pages held and still to allocate (its draft's included), and its expected length."""
+        assert seq.kv is not None
         _, per_block, context = self._geometry[seq.member]
         final = expected_final_tokens(seq, self.ratio.value, context)
-        pages = max(0, self._pages_for[seq.member](final) - len(seq.kv.block_tables[0]) * per_block)
-        if seq.draft is not None:
-            pages += self._draft_future_pages(seq.draft, final)
-        return pages
-
-    def _draft_future_pages(self, draft: DraftState, final_tokens: int) -> int:
-        return max(0, self._draft_pages_for[draft.member](final_tokens) - draft.kv.num_pages())
+        held = len(seq.kv.block_tables[0]) * per_block
+        future = max(0, self._pages_for[seq.member](final) - held)
+        draft = seq.draft
+        if draft is not None:
+            held += draft.kv.num_pages()
+            future += max(0, self._draft_pages_for[draft.member](final) - draft.kv.num_pages())
+        return held, future, final
 
     def draft_decode_pages(self, seq: Sequence) -> int:
-        """Pages the draft of a request being admitted will allocate beyond its prompt (0 when it drafts not):
-        what its draft's attach leaves free besides the reservation."""
+        """Pages the draft of a request being admitted will allocate beyond its prompt (0 when it drafts not)."""
         member = draft_member_for(self.family, self.config, seq)
         if member is None:
             return 0
@@ -118,9 +114,9 @@ class Reservation(ABC):
         """Pages attach must leave free for the running requests (and seq's own decode) when seq joins them."""
 
     def delay_and_pressure(self, member: str, request: Request, step_cost_s: float | None) -> dict:
-        """MemberLoad's expected_delay_s, pool_pressure and pages_per_token for `request` on `member`: the pages it
-        and the queue ahead of it in the same pool need, against the free pages beyond the reservation and the
-        pages the running requests return as they end, plus the queued tokens over the step budget, in steps."""
+        """MemberLoad's expected_delay_s, pool_pressure and pages_per_token for `request` on `member`: in steps,
+        until the pages it and the queue ahead of it need fit (free beyond the reservation, plus what the running
+        requests return as they end), plus the queued tokens over the step budget."""
         self._fresh()
         spec = self.family.member(member)
         ppb = self.kv.pages_per_block(member)
@@ -155,19 +151,12 @@ class Reservation(ABC):
 
     def _running_demands(self, member: str) -> list[RunningDemand]:
         """RunningDemand of each running request holding pages in `member`'s scope."""
-        ratio, geometry, pages_for = self.ratio.value, self._geometry, self._pages_for
         scope = self._scope[member]
         demands = []
         for s in self.running:
             if s.kv is None or (scope is not None and s.member not in scope):
                 continue
-            _, per_block, context = geometry[s.member]
-            final = expected_final_tokens(s, ratio, context)
-            held = len(s.kv.block_tables[0]) * per_block
-            future = max(0, pages_for[s.member](final) - held)
-            if s.draft is not None:
-                held += s.draft.kv.num_pages()
-                future += self._draft_future_pages(s.draft, final)
+            held, future, final = self._held_and_future(s)
             demands.append(RunningDemand(held_pages=held, future_pages=future,
                                          remaining_steps=max(0, final - len(s.token_ids)) + 1))
         return demands
@@ -181,11 +170,8 @@ class PeakReservation(Reservation):
     name: ClassVar[str] = "peak"
 
     def reserved_pages(self, member: str, claimed_pages: Collection[PageId] = ()) -> int:
-        """Pages reserved for the running requests' remaining decode in `member`'s pool.
-
-        claimed_pages: arena pages an admission is about to share (its prefix hits). A running request's private
-        page among them stops being private, so its end returns nothing: the reservation the admission must leave
-        free is the one after the sharing, not before."""
+        """claimed_pages: arena pages an admission is about to share (its prefix hits): a running request's private
+        page among them returns nothing at its end, so the reservation is the one after the sharing."""
         self._fresh()
         # Only a page held by exactly one request now can change its owner's credit.
         claimed = frozenset(p for p in claimed_pages if self.pool.refcount(p) == 1)
@@ -204,29 +190,28 @@ class PeakReservation(Reservation):
                 _, per_block, context = self._geometry[seq.member]
                 final = expected_final_tokens(seq, 1.0, context)
                 held = len(seq.kv.block_tables[0]) * per_block
-                if claimed:
-                    pages = seq.kv.all_pages()
-                    private = self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
-                else:
-                    private = self.kv.num_private_pages(seq.kv)
-                profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final, held, private,
+                steps, n = final - len(seq.token_ids) + 1, len(seq.token_ids)
+                profiles.append(decode_profile(steps, n, final, held, self._private(seq.kv, claimed),
                                                self._pages_for[seq.member], slack, self._geometry[seq.member][0]))
                 draft = seq.draft
                 if draft is not None:
-                    if claimed:
-                        pages = draft.kv.all_pages()
-                        private = self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
-                    else:
-                        private = self.kv.num_private_pages(draft.kv)
-                    profiles.append(decode_profile(final - len(seq.token_ids) + 1, len(seq.token_ids), final,
-                                                   draft.kv.num_pages(), private, self._draft_pages_for[draft.member],
-                                                   slack, draft.kv.tokens_per_block))
+                    profiles.append(decode_profile(steps, n, final, draft.kv.num_pages(),
+                                                   self._private(draft.kv, claimed),
+                                                   self._draft_pages_for[draft.member], slack,
+                                                   draft.kv.tokens_per_block))
             else:
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)
         if not claimed:
             self._cache[scope] = reserved
         return reserved
+
+    def _private(self, kv: SeqKV, claimed: frozenset[PageId]) -> int:
+        """Pages only `kv` holds, less those an admission is about to share (claimed)."""
+        if not claimed:
+            return self.kv.num_private_pages(kv)
+        pages = kv.all_pages()
+        return self.pool.num_private(pages) - sum(1 for p in pages if p in claimed)
 
     def reserved_pages_bound(self, member: str) -> int:
         """An upper bound of reserved_pages(member) in one pass: each decoding request of fixed length counted at
@@ -243,10 +228,9 @@ class PeakReservation(Reservation):
         return bound
 
     def reserve_beside_running(self, seq: Sequence, match: PrefixMatch, held_pages: int) -> int:
-        """The running requests' reservation plus seq's own decode. The exact peak costs O(running^2) at GPU
-        scale, so the one-pass bound is used when even it leaves room for every page seq could take (all its
-        pages and residual inputs, pinned hits included, plus the held pages): attach then admits exactly as it
-        would with the exact one."""
+        """The running requests' reservation plus seq's own decode. The exact peak costs O(running^2), so the
+        one-pass bound is used when even it leaves room for every page seq could take: attach then admits exactly
+        as it would with the exact one."""
         member = seq.member
         own = max(0, self.demand_pages(seq) - self.kv.pages_for_tokens(member, len(seq.token_ids)))
         other_pages = own + (0 if seq.held else held_pages)
@@ -281,10 +265,9 @@ class BlockReservation(Reservation):
 
 
 class GuaranteedNoEvict(PeakReservation):
-    """TensorRT-LLM's guaranteed_no_evict capacity policy: a request is admitted only when the pages for its whole
-    prompt + max_tokens fit beside every running request's remaining max_tokens in full, so a decode never runs
-    short and nothing is ever preempted; the price is admitting fewer requests while replies end early. The peak
-    reservation with the reserved share of an open length's remaining tokens held at 1 (it never decays)."""
+    """TensorRT-LLM's guaranteed_no_evict: admitted only when prompt + max_tokens fit beside every running
+    request's remaining max_tokens in full, so nothing is ever preempted. The peak reservation with the new-token
+    ratio held at 1."""
 
     name: ClassVar[str] = "guaranteed_no_evict"
 
@@ -294,8 +277,7 @@ class GuaranteedNoEvict(PeakReservation):
         ratio.init = ratio.minimum = ratio.value = 1.0
 
 
-# scheduler.decode_reservation -> the reservation; guaranteed_no_evict is also the simulator's capacity policy of
-# that name (peak: max_utilization, with its decaying ratio and preemption when a decode runs short)
+# scheduler.decode_reservation -> the reservation
 RESERVATIONS: dict[str, type[Reservation]] = {cls.name: cls for cls in (PeakReservation, BlockReservation,
                                                                         GuaranteedNoEvict)}
 

@@ -1,17 +1,12 @@
-"""One scheduler for the whole family: intake and routing; per step preemption, admission, batches and the update.
+"""One scheduler for the whole family: intake and routing; per step preemption, admission, batches and the update
+(the sampled tokens back into their requests). schedule(now) -> StepPlan -> update(plan, sampled, now) -> outputs.
 
-The update puts the sampled tokens back into their requests.
-
-Step shape: schedule(now) -> StepPlan (the engine runs it) -> update(plan, sampled, now) -> outputs. The policies
-are objects: reservation and victim order chosen by name in the config (reservation.py, preemption.py);
-placement, the running cap and which members step given by whoever builds the scheduler (SchedulerPolicies:
-MFS's defaults, or eval's independent deployments). `scope` says which members a plan may touch (every member
-unless a runner with devices of their own narrows it: parts.StepScope). Pure: no torch, no I/O, the clock is
+It composes policy objects: reservation and victim order chosen by name in the config, the rest given by its
+builder (SchedulerPolicies). `scope` (parts.StepScope) says which members a plan may touch. Pure: the clock is
 passed in.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +15,7 @@ from orchestrator.core.batching import BatchFormer, StepMembers
 from orchestrator.core.complexity import ComplexityEstimator
 from orchestrator.core.config import MFSConfig
 from orchestrator.core.errors import InvalidRequestError, QueueFullError
-from orchestrator.core.events import EventKind, EventLog, Stats, pages_block
+from orchestrator.core.events import EventKind, EventLog, Stats
 from orchestrator.core.family import FamilySpec
 from orchestrator.core.handover import Handover, HandoverRules
 from orchestrator.core.kv_cache import KVCacheManager
@@ -32,7 +27,8 @@ from orchestrator.core.placement import Placement, SharedPoolPlacement
 from orchestrator.core.preemption import Preemption
 from orchestrator.core.request_queue import RunningSet, WaitingQueue
 from orchestrator.core.reservation import RESERVATIONS
-from orchestrator.core.router import MemberLoad, Router, SessionHomes
+from orchestrator.core.router import Router, SessionHomes
+from orchestrator.core.routing_inputs import RoutingInputs
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.snapshot import pages_state
 from orchestrator.core.draft_length import StepCost
@@ -45,18 +41,15 @@ from orchestrator.core.types import (FinishReason, PageId, Request, RequestId, R
 @dataclass(slots=True)
 class SchedulerPolicies:
     """Policies given by whoever builds the scheduler (eval composes its compared systems from these); None takes
-    MFS's: SharedPoolPlacement (placement.py), MaxRunning (admission.py), EveryMember (batching.py), a Router over
-    the whole family, HandoverRules()."""
+    MFS's own."""
 
     placement: Placement | None = None
     running_cap: RunningCap | None = None
     step_members: StepMembers | None = None
-    router: Router | None = None                 # None: MFS's, reading caches and load across the family
-    handover: HandoverRules | None = None        # None: warm handovers and warm-ups (HandoverRules())
+    router: Router | None = None
+    handover: HandoverRules | None = None
     private_drafts: bool = False                 # each member's server drafts with its own draft copy
-    # member turns (member_turns.py): price each member's forward by its weight bytes only, never by the executor's
-    # step-cost estimate; and a draft member whose decodes ride every draft forward steps in every step it has
-    # decodes (False: it takes turns like any member). eval's ablations flip them.
+    # eval's ablations of member turns: forwards priced by weight bytes only; a riding draft member in every step
     turns_by_weights: bool = False
     draft_member_every_step: bool = False
 
@@ -72,9 +65,6 @@ class Scheduler:
         self.kv = kv
         self.tiers = tiers
         policies = policies or SchedulerPolicies()
-        self.router = policies.router or Router(family, config.router)
-        sticky = config.router.sticky_sessions
-        self.homes = SessionHomes() if (sticky if sticky is not None else not family.is_nested()) else None
         self.estimator = estimator
         self.events = events if events is not None else EventLog()   # an empty log is falsy (__len__)
         self.stats = stats if stats is not None else Stats()
@@ -87,9 +77,13 @@ class Scheduler:
         self.placement = policies.placement or SharedPoolPlacement(family, kv, self.capacity_pages)
         self.reservation = RESERVATIONS[config.scheduler.decode_reservation](parts)
         self.handover = Handover(parts, self.reservation, self.placement, policies.handover or HandoverRules())
-        self.escalation_rates = self.handover.rates      # per member: how often its requests escalate out
-        self.lifecycle = Lifecycle(parts, self.escalation_rates)
-        self.speculation = Speculation(parts, private=policies.private_drafts)
+        self.lifecycle = Lifecycle(parts, self.handover.rates)
+        sticky = config.router.sticky_sessions
+        homes = SessionHomes() if (sticky if sticky is not None else not family.is_nested()) else None
+        self.routing = RoutingInputs(family, kv, self.running, self.waiting, self.reservation, self.lifecycle.sessions,
+                                     self.handover.rates, policies.router or Router(family, config.router), homes,
+                                     self.placement)
+        self.speculation = Speculation(parts, self.reservation.shares_pages, private=policies.private_drafts)
         self.preemption = Preemption(parts, self.reservation, self._release_pins_then_drafts, self.lifecycle.forget)
         self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap,
                                    self.speculation)
@@ -107,10 +101,6 @@ class Scheduler:
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
         self._token_rules = {m.name: (kv.tokens_per_block(m.name), frozenset(m.eos_token_ids), m.context_tokens)
                              for m in family.members}
-        # member -> EMA of the time between busy schedule() calls that planned it (members on devices of their
-        # own step at their own pace), and the time of its last busy one
-        self._step_cost_s: dict[str, float] = {}
-        self._last_busy_schedule_s: dict[str, float] = {}
 
     def use_step_cost(self, estimate: StepCost | None, error: Callable[[], float] | None = None) -> None:
         """The executor's step-cost estimate (None: none): speculation's draft length, and member turns' forward
@@ -148,7 +138,7 @@ class Scheduler:
             raise QueueFullError(f"queue full ({self.config.scheduler.max_queue} waiting requests)")
         complexity = self.complexity_of(request)
         hashes_by_block: dict[int, list[bytes]] = {}
-        decision = self.route(request, complexity, hashes_by_block)
+        decision = self.routing.route(request, complexity, hashes_by_block)
         seq = Sequence(request=request, member=decision.member, token_ids=list(request.prompt_token_ids),
                        num_prompt_tokens=len(request.prompt_token_ids), route=decision, complexity=complexity)
         seq.hashes = hashes_by_block.get(self.kv.tokens_per_block(seq.member), [])
@@ -171,88 +161,23 @@ class Scheduler:
 
     def abort(self, request_id: RequestId, reason: str | None = None,
               finish_reason: FinishReason | None = None) -> None:
-        """Ends a request at the next schedule(); finish_reason STOP (a stop string found at the edge)
-        counts as finished, anything else as cancelled. Aborting twice is harmless."""
+        """Ends a request at the next schedule(); finish_reason STOP (a stop string found at the edge) counts as
+        finished, anything else as cancelled. Aborting twice is harmless."""
         self.lifecycle.aborts.append((request_id, reason, finish_reason))
-
-    def route(self, request: Request, complexity: float,
-              by_block_size: dict[int, list[bytes]] | None = None) -> RouteDecision:
-        """Routes, then places; fills by_block_size with the prompt's block hashes so admission can reuse them."""
-        matched: dict[str, int] = {}
-        by_block_size = {} if by_block_size is None else by_block_size
-        if self.router.use_affinity and request.pinned_member is None:
-            for name in self.family.serving_names:
-                size = self.kv.tokens_per_block(name)
-                if size not in by_block_size:
-                    by_block_size[size] = self.kv.block_hashes(name, request.prompt_token_ids, request.cache_salt)
-                matched[name] = self.kv.estimate_cached_tokens(name, by_block_size[size])
-        session_member = self.lifecycle.sessions.get(request.session_id) if request.session_id else None
-        decision = self.router.route(request, complexity=complexity, matched_prefix_tokens=matched,
-                                     loads=self.loads(request), session_member=session_member)
-        if self.homes is None:
-            return self._settled(self.placement.place(decision, request))
-        decision = self.placement.place(self.homes.keep(decision, request, self.placement.holds), request)
-        self.homes.remember(request, decision.member)
-        return self._settled(decision)
-
-    def _settled(self, decision: RouteDecision) -> RouteDecision:
-        """A downgrade that the session's home or the placement undid (the request runs on a member at least as
-        large as the one it was downgraded from) is no downgrade: the counters count only requests that run below
-        the member routing chose."""
-        down = decision.downgraded_from
-        names = self.family.member_names
-        if down is None or names.index(decision.member) < names.index(down):
-            return decision
-        return dataclasses.replace(decision, downgraded_from=None)
-
-    def loads(self, request: Request | None = None) -> dict[str, MemberLoad]:
-        """Each member's load; with `request`, also the expected wait before it could be admitted there
-        (reservation.py: delay_and_pressure) and its pool's pressure."""
-        running = {n: [0, 0] for n in self.family.member_names}
-        waiting = {n: [0, 0] for n in self.family.member_names}
-        for seq in self.running:
-            running[seq.member][0] += 1
-            running[seq.member][1] += len(seq.token_ids)
-        for seq in self.waiting:
-            waiting[seq.member][0] += 1
-            waiting[seq.member][1] += len(seq.token_ids)
-        extra: dict[str, dict[str, float]] = {n: {} for n in running}
-        if request is not None:
-            for name in running:
-                extra[name] = self.reservation.delay_and_pressure(name, request, self._step_cost_s.get(name))
-        rates = self.escalation_rates
-        return {n: MemberLoad(running[n][0], waiting[n][0], running[n][1], waiting[n][1],
-                              escalation_rate=rates.rate(n), **extra[n]) for n in running}
 
     def _release_pins_then_drafts(self, member: str) -> bool:
         """What a decode short of pages gives up before any request is preempted: escalation pins, then drafts."""
         return self.handover.release_pins(member) or self.speculation.release_drafts(member)
 
-    def reserved_pages(self, member: str) -> int:
-        """Pages reserved for the running requests' remaining decode in `member`'s pool (reservation.py)."""
-        return self.reservation.reserved_pages(member)
-
     # ------------------------------------------------------------------ schedule
     def schedule(self, now_s: float) -> tuple[StepPlan, list[RequestOutput]]:
-        """Plans one step for the members in `scope` (all, unless narrowed). Also returns outputs produced without
-        running anything (cancellations).
-
-        Members on separate devices step independently: each device gets a plan for its own members (the scope
-        narrowed to them) when it is free, while others' plans may still be running. Such a plan touches only
-        its members' requests (decode slots, victims, admission, aborts, batches), so a request in a step in
-        flight is never planned, preempted or ended before that step's update."""
+        """Plans one step for the members in `scope` (all, unless narrowed: a plan then touches only their requests,
+        never one in a step in flight on another device). Also returns outputs produced without running anything
+        (cancellations)."""
         plan = StepPlan(released_requests=self.lifecycle.take_released())
         self.waiting.tick()
         members = self.scope.members
         planned = self.family.member_names if members is None else members
-        last_busy, step_cost = self._last_busy_schedule_s, self._step_cost_s
-        for name in planned:
-            last = last_busy.get(name)
-            if last is not None:
-                # The time between two schedule() calls around a busy step: what one step costs a waiting request.
-                elapsed_s = now_s - last
-                cost = step_cost.get(name)
-                step_cost[name] = elapsed_s if cost is None else 0.8 * cost + 0.2 * elapsed_s
         outputs = self.lifecycle.process_aborts(now_s)
         self.lifecycle.age_idle_sessions(now_s)
         preempted = self.preemption.ensure_decode_slots(plan, now_s)
@@ -263,11 +188,7 @@ class Scheduler:
             self.admission.admit(plan, now_s)
         self.batches.build(plan, self.running)
         self.speculation.plan(plan)
-        for name in planned:
-            if plan.batches:
-                last_busy[name] = now_s
-            else:
-                last_busy.pop(name, None)
+        self.routing.observe_schedule(planned, now_s, busy=bool(plan.batches))
         evictions = self.pool.take_evictions()
         if evictions:
             self.stats.on_eviction(len(evictions))
@@ -335,7 +256,8 @@ class Scheduler:
             self.speculation.advance(plan, accepted)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: SampledToken, now_s: float, last: bool = True) -> RequestOutput | None:
+    def _append_token(self, seq: Sequence, token: SampledToken, now_s: float,
+                      last: bool = True) -> RequestOutput | None:
         """One sampled token into its request (the caller counts it in the stats); `last`: its request's last token
         of the step, after which its output is due."""
         seq.append_token(token.token_id, token.logprob, token.top_logprobs)
@@ -352,12 +274,8 @@ class Scheduler:
         return self.lifecycle.emit(seq) if last else None
 
     # ------------------------------------------------------------------ stats
-    def pages_snapshot(self) -> dict:
-        """snapshot(...)["pages"] alone (the simulator samples it every half second of virtual time)."""
-        return pages_block(self.family.member_names, self._pages_state())
-
     def snapshot(self, now_s: float) -> dict:
-        loads = self.loads()
+        loads = self.routing.loads()
         return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
                                    pages=self._pages_state(), queue_depth=self.num_waiting(),
                                    running={n: l.num_running for n, l in loads.items()},

@@ -1,15 +1,7 @@
-"""Draft-target speculation inside the family: which member drafts for a request, the draft's KV beside the
-request's own, the step's DraftSpecs (their lengths from draft_length.DraftLength, a policy object), and what a
-verify gives back.
-
-A smaller member drafts k tokens for a request of a larger one, which verifies them in one forward of k + 1 rows
-(the step-plan contract: types.DraftSpec, docs/ARCHITECTURE.md "Speculation"). In MFS the draft costs no weights of
-its own, its pages come from the one pool, and its KV of a session's prefix is often cached already (the session
-started on it, or it served the previous turn): the draft's tables are prefix-matched in the draft member's cache
-at admission like any request's. With private drafts (separate servers) each member's server keeps its own draft copy:
-the draft's keys carry that server's salt (a cache no other server reads) and its pages come from that server's
-slice. Drafts are the first pages to go under pressure: before a decode would preempt a request, and before a
-waiting request is refused pages (release_drafts). Pure: no clock, no I/O.
+"""Draft-target speculation inside the family (docs/ARCHITECTURE.md "Speculation"): which member drafts for a
+request, the draft's KV beside the request's own (prefix-matched in the draft member's cache at admission), the
+step's DraftSpecs (k from draft_length.DraftLength) and what a verify gives back. Drafts are the first pages to go
+under pressure (release_drafts). Pure: no clock, no I/O.
 """
 from __future__ import annotations
 
@@ -25,21 +17,18 @@ from orchestrator.core.types import DraftSpec, MemberName, RequestId, SampledTok
 
 
 def draftable(sampling: SamplingParams) -> bool:
-    """Whether a verify gives exactly what decoding alone would: not with penalties or a logit bias (the rows past
-    the first would need the drafted tokens in their history), nor with a seed under sampling (a seeded reply is
-    the same every time; speculation's draws depend on k, which depends on the batch)."""
+    """Whether a verify gives exactly what decoding alone would: not with penalties or a logit bias (later rows
+    would need the drafts in their history), nor with a seed under sampling (the draws would depend on k)."""
     return not sampling.penalized and not (sampling.temperature > 0 and sampling.seed is not None)
 
 
 def speculable(seq: Sequence) -> bool:
-    """Whether `seq` may take more than one token a step: not a warm-up, not pinned (its caller named the one member
-    to answer), its sampling one speculation reproduces (draftable)."""
+    """Whether `seq` may take more than one token a step: not a warm-up, not pinned, its sampling draftable."""
     return not seq.is_warmup and seq.request.pinned_member is None and draftable(seq.request.sampling)
 
 
 def draft_member_for(family: FamilySpec, config: MFSConfig, seq: Sequence) -> MemberName | None:
-    """The member that drafts for `seq` on its current member: the family's smallest member, when it is smaller
-    and `seq` is speculable. None when speculation is off."""
+    """The member that drafts for `seq`: the family's smallest, when smaller and `seq` is speculable; else None."""
     smallest = family.members[0].name
     if not config.speculation.enabled or seq.member == smallest or not speculable(seq):
         return None
@@ -47,22 +36,21 @@ def draft_member_for(family: FamilySpec, config: MFSConfig, seq: Sequence) -> Me
 
 
 class Speculation:
-    """Per request its draft (attach at admission, release_drafts under pressure; Sequence.drop_pages releases it
-    with the request); per step the DraftSpecs (plan); after the step the verify's bookkeeping (verified, then
-    advance once the tokens are in)."""
+    """Per request its draft (attach, release_drafts); per step the DraftSpecs (plan); after it the verify's
+    bookkeeping (verified, then advance once the tokens are in)."""
 
-    def __init__(self, parts: SchedulerParts, private: bool = False) -> None:
-        """private: each member's server keeps its own draft copy (its keys salted with that server, its pages
-        from that server's slice)."""
+    def __init__(self, parts: SchedulerParts, shares_pages: Callable[[Sequence, str], bool],
+                 private: bool = False) -> None:
+        """shares_pages: Reservation.shares_pages. private: each member's server keeps its own draft copy (its keys
+        salted with that server, its pages from that server's slice)."""
         self.family, self.config, self.kv, self.running = parts.family, parts.config, parts.kv, parts.running
         self.stats = parts.stats
         self.settings = parts.config.speculation
         self.private = private
-        # the draft member's own decodes ride every draft forward (a token in each): in a family of separate weights
-        # (a nested one merges the draft member's batch into its host's forward instead), where its batch rides at
-        # all, and its drafts are its own (a separate server's draft copy is not its small member)
+        # the draft member's own decodes ride every draft forward: in a family of separate weights (a nested one
+        # merges its batch into its host's forward), and not with private drafts (a server's copy is not its member)
         self.rides = not parts.family.is_nested() and self.settings.drafts_ride and not self.private
-        self.pool = parts.pool
+        self.shares_pages = shares_pages
         self.acceptance = AcceptanceEstimates(self.settings)
         self.length = DraftLength(self.settings)
         self.estimate: StepCost | None = None
@@ -76,9 +64,8 @@ class Speculation:
 
     # ------------------------------------------------------------------ a request's draft
     def attach(self, seq: Sequence, reserve_pages: int, page_loads: list) -> None:
-        """After seq's own pages: its draft's tables for its tokens, prefix-matched in the draft member's cache
-        (what that member holds of the prompt is not recomputed), allocated beside reserve_pages. None when they
-        do not fit: the request decodes without drafting."""
+        """After seq's own pages: its draft's tables, prefix-matched in the draft member's cache, allocated beside
+        reserve_pages. When they do not fit the request decodes without drafting."""
         member = draft_member_for(self.family, self.config, seq)
         if member is None:
             return
@@ -98,14 +85,13 @@ class Speculation:
                                shares_hashes=shares, num_computed_tokens=match.num_full_tokens)
 
     def release_drafts(self, member: str) -> bool:
-        """Gives back the drafts of the running requests in `member`'s pool (full blocks stay cached); they decode
-        without drafting from now on. True if any was held."""
+        """Gives back the drafts of the running requests in `member`'s pool (they decode plainly from now on);
+        True if any was held."""
         if not self.settings.enabled:
             return False
         released = False
-        scope = self.pool.members_sharing(member)
         for seq in self.running:
-            if seq.draft is not None and (scope is None or seq.member in scope):
+            if seq.draft is not None and self.shares_pages(seq, member):
                 seq.drop_draft(self.kv)
                 released = True
         if released:
@@ -113,17 +99,16 @@ class Speculation:
         return released
 
     def _max_k(self, seq: Sequence, draft: DraftState) -> int:
-        """Drafts seq may take this step: at most max_k, no more than its remaining tokens less the one the verify
-        always gives, and every verified position inside both members' contexts."""
+        """Drafts seq may take this step: within max_k, its remaining tokens (less the verify's own) and both
+        members' contexts."""
         remaining = seq.request.sampling.max_tokens - seq.num_generated - 1
         context = min(self._contexts[seq.member], self._contexts[draft.member]) - len(seq.token_ids) - 1
         return min(self.settings.max_k, remaining, context)
 
     # ------------------------------------------------------------------ a step
     def plan(self, plan: StepPlan) -> None:
-        """Gives the step's decode chunks of requests with a draft their DraftSpec, k from the policy; grows their
-        tables for the k + 1 verify rows and the draft's k - 1 new positions (a request whose pages do not stretch
-        that far decodes plainly this step)."""
+        """Gives the step's decode chunks of requests with a draft their DraftSpec and grows their tables for the
+        k + 1 verify rows and the draft's k - 1 new positions (where pages fall short: a plain decode)."""
         if not self.settings.enabled:
             return
         candidates: list[Candidate] = []
@@ -171,8 +156,7 @@ class Speculation:
         running.changed()       # tables grew
 
     def _riders(self, plan: StepPlan, candidates: list[Candidate]) -> list[Rider]:
-        """The draft member's decode chunks in the plan that may ride its draft forwards: what it would draft for
-        (speculable), with at least two tokens to go."""
+        """The draft member's speculable decode chunks with at least two tokens to go: they may ride its forwards."""
         drafters = {c.seq.draft.member for c in candidates if c.seq.draft is not None}
         riders: list[Rider] = []
         for batch in plan.batches:
@@ -191,8 +175,7 @@ class Speculation:
         return riders
 
     def _ride(self, riders: list[Rider], forwards: int) -> None:
-        """Gives each rider its tokens for a step of `forwards` draft forwards and grows its table to hold them (a
-        rider whose pages do not stretch that far decodes one token, as usual)."""
+        """Gives each rider its tokens for `forwards` draft forwards and grows its table (else it decodes one)."""
         for rider in riders:
             tokens = ride_tokens(forwards, rider.max_tokens)
             chunk = rider.chunk
@@ -204,9 +187,8 @@ class Speculation:
                 chunk.ride_tokens = tokens
 
     def verified(self, plan: StepPlan, sampled: list[SampledToken]) -> dict[RequestId, int] | None:
-        """Before the step's tokens go into their requests: per drafting request, the drafts its member accepted
-        (the tokens it got back, less the one every verify gives), counted per pair (stats, the acceptance
-        estimate) and per request. None when the step drafted nothing."""
+        """Before the step's tokens go in: per drafting request, the drafts accepted (the tokens back less the
+        verify's own), counted per pair and per request. None when the step drafted nothing."""
         drafted = [(chunk, batch.member) for batch in plan.batches for chunk in batch.chunks
                    if chunk.draft is not None or chunk.ride_tokens]
         if not drafted:
@@ -239,9 +221,8 @@ class Speculation:
         return accepted
 
     def advance(self, plan: StepPlan, accepted: dict[RequestId, int]) -> None:
-        """After the tokens went in: a request still running holds its member's KV up to its new last token (not
-        included: the verify's own token is computed next step) and its draft's up to what the draft wrote;
-        newly full blocks of both get their keys."""
+        """After the tokens went in: computed counts up to the new last token (excluded: computed next step) and,
+        for the draft, what it wrote; newly full blocks of both get their keys."""
         register = self.kv.register_full_blocks
         for batch in plan.batches:
             for chunk in batch.chunks:

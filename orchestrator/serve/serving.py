@@ -15,9 +15,9 @@ from contextlib import aclosing
 from typing import Any
 
 from orchestrator.core.config import MFSConfig
-from orchestrator.core.engine_core import UNHEALTHY_AFTER_FAILED_STEPS, EngineCore, serving_family
+from orchestrator.core.engine_core import UNHEALTHY_AFTER_FAILED_STEPS, EngineCore
 from orchestrator.core.errors import EngineUnavailableError
-from orchestrator.core.family import FamilySpec
+from orchestrator.core.family import FamilySpec, load_family
 from orchestrator.core.types import FinishReason, Request, RequestId, RequestOutput
 from orchestrator.serve.local_engine import engine_stats, local_executor
 from orchestrator.serve.output_stream import Item, StepOutputs, StreamTarget, hand_to_loops
@@ -31,7 +31,7 @@ class LocalServing:
                  clock: Callable[[], float] = time.monotonic, **core_parts: Any):
         """core_parts: EngineCore.build's own keywords (scheduler_factory, tiers, ...: eval's compared systems)."""
         self.config = config
-        self.family = family or serving_family(config)
+        self.family = family or load_family(config.family)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = family_tokenizer(self.family)
