@@ -3,7 +3,7 @@
 A compared system is MFS's configuration plus `comparison`: what separates its members when they are not one
 family server (a static split of the pages, per-member KV lineages, routing blind to the other members, cold
 handovers, each server's own draft copy). The core reads none of it. `core_parts` turns it into what
-EngineCore.build takes (the page ledger, the scheduler's policies, whether handovers are warm) and
+EngineCore takes (the page ledger, the scheduler's policies, whether handovers are warm) and
 `system_family` into the family as that system serves it; the separate deployments' own policies (placement,
 batch caps, turns) and host tier are eval/baseline's.
 """
@@ -93,7 +93,7 @@ def compared_scheduler(family, config, pool, kv, estimator, tiers=None, events=N
 
 def core_parts(config: MFSConfig, scheduler_factory: SchedulerFactory | None = None,
                tiers: TiersSource | None = None) -> dict[str, Any]:
-    """EngineCore.build's keyword arguments for this system: its scheduler (the given one, else MFS's with this
+    """EngineCore's keyword arguments for this system: its scheduler (the given one, else MFS's with this
     system's switches when it has any), its tiers, its page ledger (a static split: eval/baseline/split_pool.py)
     and whether handovers are warm."""
     compare = switches(config)

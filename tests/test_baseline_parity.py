@@ -96,9 +96,9 @@ def test_every_fair_baseline_runs_the_cores_scheduler_with_mfs_policies_but_the_
     cores = {}
     for name in ("mfs", *FAIR):
         config = system_config(name, "tiny", 768, SPLIT)
-        cores[name] = EngineCore.build(config, system_family(config), clock=lambda: 0.0,
-                                       estimator=ComplexityEstimator(fake_vocab()),
-                                       **core_parts(config, system_scheduler(name), system_tiers(name))).scheduler
+        cores[name] = EngineCore(config, system_family(config), clock=lambda: 0.0,
+                                 estimator=ComplexityEstimator(fake_vocab()),
+                                 **core_parts(config, system_scheduler(name), system_tiers(name))).scheduler
     mfs = cores["mfs"]
     for name in FAIR:
         other = cores[name]

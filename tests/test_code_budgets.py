@@ -9,7 +9,7 @@ CORE = Path(__file__).resolve().parents[1] / "orchestrator" / "core"
 MODULE_MAX_LINES = 400
 SPECULATION_MAX_LINES = 300
 CORE_BUDGET_LINES = 5_000
-CORE_CEILING_LINES = 5_864          # lower it as the core shrinks toward CORE_BUDGET_LINES; never raise it
+CORE_CEILING_LINES = 5_844          # lower it as the core shrinks toward CORE_BUDGET_LINES; never raise it
 
 
 def _lines(path: Path) -> int:

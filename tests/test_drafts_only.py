@@ -169,8 +169,8 @@ def test_the_local_engine_serves_with_a_drafter_that_takes_no_request(tmp_path):
                                         "escalation.enabled": False, "speculation.enabled": speculate,
                                         "speculation.fixed_k": 3})
         ticks = itertools.count()
-        core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
-                                make_executor=local_executor_factory(config))
+        core = EngineCore(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
+                          make_executor=local_executor_factory(config))
         core.scheduler.speculation.use_step_cost(None)          # the fixed k: every verify path runs
         tokens: list[int] = []
         core.add_request(Request(request_id=RequestId("r"), prompt_token_ids=[5, 17, 42, 99, 7, 311, 12, 64],

@@ -19,8 +19,8 @@ class Clock:
 
 
 def make_core(**overrides) -> EngineCore:
-    return EngineCore.build(fake_config(**overrides), nested_family(), clock=Clock(),
-                            estimator=ComplexityEstimator(fake_vocab()), make_executor=FakeExecutor)
+    return EngineCore(fake_config(**overrides), nested_family(), clock=Clock(),
+                      estimator=ComplexityEstimator(fake_vocab()), make_executor=FakeExecutor)
 
 
 def request(rid: str, max_tokens: int = 5) -> Request:

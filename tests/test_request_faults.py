@@ -25,8 +25,8 @@ def _core(**overrides) -> EngineCore:
     config = load_config(overrides={"family": "tiny", "pool.num_pages": 256, "pool.host_tier_mb": 0,
                                     "escalation.enabled": False, "engine.num_threads": 1, **overrides})
     ticks = itertools.count()
-    core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
-                            make_executor=local_executor_factory(config))
+    core = EngineCore(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
+                      make_executor=local_executor_factory(config))
     core.scheduler.speculation.use_step_cost(None)       # a fixed draft length, whatever this machine's timings
     return core
 

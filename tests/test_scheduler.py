@@ -16,7 +16,7 @@ from tests.fakes import FakeExecutor, fake_config, fake_vocab, independent_famil
 
 
 class Harness:
-    """The core as every runner builds it (EngineCore.build) on the fake family and executor, stepped by hand:
+    """The core as every runner builds it (the EngineCore constructor) on the fake family and executor, stepped by hand:
     each step moves the clock 10 ms and checks the pool's invariants."""
 
     def __init__(self, family=None, tiers=None, low_confidence=(), scheduler_factory=None, core_class=EngineCore,
@@ -24,7 +24,7 @@ class Harness:
         self.now = 0.0
         self.outputs: dict[str, list] = {}
         config = fake_config(**overrides)
-        self.core = core_class.build(
+        self.core = core_class(
             config, family or nested_family(), clock=lambda: self.now,
             estimator=ComplexityEstimator(fake_vocab()), **core_parts(config, scheduler_factory, tiers),
             make_executor=lambda family, num_pages, page_bytes: FakeExecutor(family, num_pages, page_bytes,

@@ -199,14 +199,14 @@ def _growth_at(profile, t: int) -> int:
 
 
 def test_peak_growth_counts_what_ends_before_the_peak():
-    from orchestrator.core.demand import decode_profile, peak_growth
+    from orchestrator.core.demand import DecodeProfile, peak_growth
 
     def pages(n):               # 4 tokens a block, 2 pages a block
         return -(-n // 4) * 2
     # A: 8 tokens now (4 pages held, all private), ends after 4 steps at 12 tokens: grows 2 pages, then frees 4+2.
-    a = decode_profile(4, 8, 12, 4, 4, pages, slack_tokens=1, tokens_per_block=4)
+    a = DecodeProfile(4, 8, 12, 4, 4, pages, slack_tokens=1, tokens_per_block=4)
     # B: 4 tokens now, grows to 24 over 20 steps (10 more pages), nothing private (a shared prefix).
-    b = decode_profile(20, 4, 24, 2, 0, pages, slack_tokens=1, tokens_per_block=4)
+    b = DecodeProfile(20, 4, 24, 2, 0, pages, slack_tokens=1, tokens_per_block=4)
     assert [_growth_at(a, t) for t in range(4)] == [2, 2, 2, 2] and _growth_at(b, 19) == 10
     # Summing both ends would reserve 12; A's 4 private pages are back before B needs its last ones.
     assert peak_growth([a, b]) == max(2 + _growth_at(b, 3), _growth_at(b, 19) - 4) == 6
@@ -331,7 +331,7 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
     candidate step over every request (the plain O(n^2) definition), on random decoding requests."""
     import random
 
-    from orchestrator.core.demand import decode_profile, peak_growth
+    from orchestrator.core.demand import DecodeProfile, peak_growth
 
     def every_candidate(profiles):
         best = 0
@@ -353,7 +353,7 @@ def test_peak_growth_is_the_maximum_over_every_candidate_step():
             final = now + rng.randint(0, 90)
             slack = rng.choice([1, block, rng.randint(0, 2 * block)])
             held = pages(now + rng.choice([0, 1, slack]))
-            profile = decode_profile(final - now + 1, now, final, held, rng.randint(0, held), pages, slack, block)
+            profile = DecodeProfile(final - now + 1, now, final, held, rng.randint(0, held), pages, slack, block)
             # the sweep reads growth only where a block starts: it must change nowhere else
             changes = {t for t in range(1, profile.steps_left) if _growth_at(profile, t) != _growth_at(profile, t - 1)}
             assert changes <= set(profile.growth_steps())

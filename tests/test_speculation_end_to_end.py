@@ -25,8 +25,8 @@ def _tiny_core(speculate: bool, measured: bool = False, rides: bool = False) -> 
                                     "escalation.enabled": False, "speculation.enabled": speculate,
                                     "speculation.fixed_k": 3})
     ticks = itertools.count()
-    core = EngineCore.build(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
-                            make_executor=local_executor_factory(config))
+    core = EngineCore(config, clock=lambda: float(next(ticks)) * 1e-3, estimator=family_estimator,
+                      make_executor=local_executor_factory(config))
     core.scheduler.speculation.rides = rides    # rides: tiny-s's decodes ride as a family of separate weights' do
     if not measured:
         core.scheduler.speculation.use_step_cost(None)

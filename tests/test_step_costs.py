@@ -132,7 +132,7 @@ def test_the_core_prices_draft_lengths_with_the_executors_step_costs_where_it_ha
 
     config = fake_config(**{"speculation.enabled": True})
     family = independent_family()
-    core = EngineCore.build(config, family, clock=lambda: 0.0, estimator=ComplexityEstimator(fake_vocab()))
+    core = EngineCore(config, family, clock=lambda: 0.0, estimator=ComplexityEstimator(fake_vocab()))
     measured = MeasuredStepCosts(family.member_names)
     core.attach_executor(PricedExecutor(measured))
     assert core.scheduler.speculation.estimate == measured.estimate_step_s

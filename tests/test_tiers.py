@@ -219,7 +219,7 @@ def test_a_static_deployments_saves_cannot_evict_anothers_but_an_elastic_ones_ca
     for name in ("baseline", "baseline_elastic"):
         config = system_config(name, "tiny", 768, split, host_tier_mb=1.0)
         family = per_member_lineages(load_family("tiny"))
-        core = EngineCore(config, family, ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
+        core = EngineCore(config, family, estimator=ComplexityEstimator(fake_vocab()), clock=lambda: 0.0,
                           **core_parts(config, system_scheduler(name), system_tiers(name)))
         host = core.tiers.host
         assert host.capacity_bytes == 2**20

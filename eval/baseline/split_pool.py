@@ -5,7 +5,7 @@ one core PagePool per deployment over its own range of page ids (in the split's 
 KV cache manager and scheduler read, answering for a page from the pool that holds it and for a member from its
 slice. The key map stays one across the slices, as the arena's: a page cached in one slice is found from any
 (cross-member sharing, where the family has it, reaches across the slices; a member's new pages are its own).
-Members' floors and ceilings (pool.member_limits) hold within their slice. EngineCore.build takes `split_pool` as
+Members' floors and ceilings (pool.member_limits) hold within their slice. EngineCore takes `split_pool` as
 its pool source for the systems with comparison.static_split (eval/composition.py core_parts).
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ class SplitPool(PagePool):
 
 
 def split_pool(fractions: dict[str, float], config: MFSConfig, family: FamilySpec) -> SplitPool:
-    """The arena's pages (config.num_arena_pages) split by `fractions` (member -> share): EngineCore.build's pool
+    """The arena's pages (config.num_arena_pages) split by `fractions` (member -> share): EngineCore's pool
     source, bound to the fractions with `split_pool_source`."""
     num_pages = config.num_arena_pages()
     return SplitPool(num_pages, split_pages(num_pages, fractions), limits=config.pool.member_limits,

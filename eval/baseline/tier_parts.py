@@ -1,7 +1,7 @@
 """The separate deployments' host KV tier: one part per deployment, each an LRU of its own, sized as its slice.
 
 Separate per-member servers each keep their own host memory; together the parts are as large as MFS's one host
-tier (pool.host_tier_mb), in the proportion of the static split. EngineCore.build takes `deployment_tiers` as its
+tier (pool.host_tier_mb), in the proportion of the static split. EngineCore takes `deployment_tiers` as its
 tiers source for the static-split baselines (eval/systems.py: system_tiers).
 """
 from __future__ import annotations

@@ -60,7 +60,7 @@ def compared_engine(system: str, config: SystemConfig) -> ServingEngine:
 
 
 def compared_parts(system: str, config: SystemConfig) -> dict[str, Any]:
-    """EngineCore.build's keywords for compared system `system` (made in its engine process): its family,
+    """EngineCore's keywords for compared system `system` (made in its engine process): its family,
     scheduler and tiers, as `mfs bench` builds them in-process."""
     return {"family": system_family(config), **core_parts(config, system_scheduler(system), system_tiers(system))}
 

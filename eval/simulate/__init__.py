@@ -10,7 +10,7 @@ families.py     paper-scale families (HF configs, shipped tokenizer) and GPU mem
 confidence.py   per-token confidences recorded from the real tiny family, looked up deterministically
 escalation_model.py  a stated parametric model of when requests escalate (paper-scale families)
 executor.py     SimExecutor: the StepExecutor the core drives; tokens from a seeded stream
-node.py         one serving node: the core as EngineCore.build assembles it, stepped in virtual time
+node.py         one serving node: the core as EngineCore assembles it, stepped in virtual time
 fleet.py        placements (colocated, per-member, fleet:N) and the front router of a fleet
 setup.py        the family, cost model, memory -> pages and GPU settings a simulation runs on
 driver.py       replays a bench trace through the nodes in virtual time -> the bench's records

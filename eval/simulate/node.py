@@ -1,4 +1,4 @@
-"""One serving node in virtual time: the core exactly as every runner assembles it (EngineCore.build: pool, KV
+"""One serving node in virtual time: the core exactly as every runner assembles it (EngineCore: pool, KV
 cache manager, tiers, scheduler, router, escalation), with the SimExecutor in the engine's place.
 
 The real loop runs a step's two halves back to back (EngineCore.step); here they run as two events: at the
@@ -130,7 +130,7 @@ def homed_scheduler(homes: frozenset[str]) -> Callable[..., Scheduler]:
 
 
 class SimCore(EngineCore):
-    """The core as EngineCore.build assembles it, and the move of a waiting request between two nodes' cores."""
+    """The core as EngineCore assembles it, and the move of a waiting request between two nodes' cores."""
 
     def move_out(self, seq: Sequence) -> Sequence:
         """Takes a waiting request out without ending it (no output; the source pages it kept go back), for
@@ -178,7 +178,7 @@ class SimNode:
         """share_device: on one device, each member is a timeline of its own sharing it (SharedDevice): separate
         deployments' processes; else the members on one device step together (one scheduler, one loop).
         homes: the members this node is home to in a fleet with member homes (None: every member). tiers: the
-        tiers source when not the config's own (EngineCore.build)."""
+        tiers source when not the config's own (EngineCore's `tiers`)."""
         from orchestrator.serve.tokenizer import family_estimator
 
         if homes is not None:
@@ -192,9 +192,9 @@ class SimNode:
         self.on_output = on_output
         # The family is loaded as the bench loads it when none is given; routing scores prompts with the
         # tokenizer's estimator, as serving does. No thread, no asyncio: this node steps the core itself.
-        core = SimCore.build(config, family if family is not None else system_family(config), clock=clock,
-                             estimator=family_estimator, make_executor=make_executor,
-                             **core_parts(config, scheduler_factory, tiers))
+        core = SimCore(config, family if family is not None else system_family(config), clock=clock,
+                       estimator=family_estimator, make_executor=make_executor,
+                       **core_parts(config, scheduler_factory, tiers))
         assert isinstance(core, SimCore)
         self.core = core
         self.family = self.core.family

@@ -53,7 +53,7 @@ SOLO_DECODE_CONTEXT = 64        # the bench's decode probe: a 4-token prompt, up
 @dataclass(slots=True)
 class SimSetup:
     family_name: str
-    family: FamilySpec | None             # None: EngineCore.build loads it per system (the shipped tiny, as the bench)
+    family: FamilySpec | None             # None: EngineCore loads it per system (the shipped tiny, as the bench)
     member_names: list[str]
     cost: CostModel
     placement: Placement

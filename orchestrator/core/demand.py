@@ -102,9 +102,6 @@ class DecodeProfile(NamedTuple):
         return range((-covered) % size + 1, min(self.steps_left, self.final_tokens - covered + 1), size)
 
 
-decode_profile = DecodeProfile    # the reservation's name for building one
-
-
 def peak_growth(profiles: Iterable[DecodeProfile]) -> int:
     """The most pages the requests will need beyond now at any future step: the growth of those still
     running minus the private pages of those that ended. It only changes direction when one ends, so

@@ -1,7 +1,7 @@
 """EngineCore: the family on one StepExecutor (page pool, KV cache manager, tiers, scheduler) and its step loop.
 
 It knows the StepExecutor protocol, never a model, and hands each RequestOutput to the sink its request
-registered. `EngineCore.build` is how every runner assembles it, so the core behaves the same behind each. A step
+registered. Its constructor is how every runner assembles it, so the core behaves the same behind each. A step
 is two halves, begin_step and finish_step: a real loop (`run`) calls them back to back, the simulator runs them as
 two events in virtual time. `lock` guards the scheduler only for the pure planning and bookkeeping calls, never
 while the model runs, so other threads wait at most one planning call.
@@ -48,13 +48,6 @@ NOT_RUNNABLE_WAIT_S = 0.01  # work exists but nothing ran (e.g. waiting for page
 UNHEALTHY_AFTER_FAILED_STEPS = 3   # this many failed steps in a row: the server reports itself unhealthy
 
 
-def build_tiers(config: MFSConfig, family: FamilySpec) -> TieredStore | None:
-    """The host/disk tiers the pool config asks for (None when both are off)."""
-    pool = config.pool
-    host = HostTier(int(pool.host_tier_mb * 2**20)) if pool.host_tier_mb > 0 else None
-    return with_disk_tier(config, host)
-
-
 def with_disk_tier(config: MFSConfig, host: HostTier | None) -> TieredStore | None:
     """`host` beside the disk tier the pool config asks for (None when neither is there)."""
     pool = config.pool
@@ -95,32 +88,38 @@ class Step:
     def ran(self) -> bool:
         return self.sampled is not None
 
-    @property
-    def progressed(self) -> bool:
-        """Something ran or was delivered; a loop that made no progress waits for a wake-up instead of spinning."""
-        return self.sampled is not None or self.num_outputs > 0
-
 
 class EngineCore:
     """Pool, KV manager, tiers and scheduler for one family on one executor; steps them and routes outputs."""
 
-    def __init__(self, config: MFSConfig, family: FamilySpec, estimator: ComplexityEstimator,
-                 clock: Callable[[], float], step_clock: Callable[[], float] | None = None,
-                 cpu_clock: Callable[[], float] | None = None, scheduler_factory: SchedulerFactory | None = None,
-                 tiers: TiersSource | None = None, pool: PoolSource | None = None, warm_handover: bool = True):
-        """Prefer EngineCore.build."""
+    def __init__(self, config: MFSConfig, family: FamilySpec | None = None, *, clock: Callable[[], float],
+                 estimator: EstimatorSource, make_executor: ExecutorFactory | None = None,
+                 scheduler_factory: SchedulerFactory | None = None,
+                 tiers: TiersSource | None = None, step_clock: Callable[[], float] | None = None,
+                 cpu_clock: Callable[[], float] | None = None, pool: PoolSource | None = None,
+                 warm_handover: bool = True):
+        """The core for `config`, as every runner assembles it. family: None loads config.family. make_executor:
+        None when the runner attaches one to `executor` before stepping (LocalServing loads the model when it
+        starts). warm_handover: whether escalations may reuse the source's shared layers (residual pages are
+        written only then). The other sources: see their types above; None takes MFS's own."""
+        family = family if family is not None else load_family(config.family)
+        if not isinstance(estimator, ComplexityEstimator):
+            estimator = estimator(family)
         self.config, self.family, self.clock = config, family, clock
         self.pool = (pool(config, family) if pool is not None
                      else PagePool(config.num_arena_pages(), config.pool.member_limits, family.member_names))
-        self.tiers = (build_tiers(config, family) if tiers is None
-                      else tiers if isinstance(tiers, TieredStore) else tiers(config, family))
+        if tiers is None:       # the host/disk tiers the pool config asks for (None when both are off)
+            host_mb = config.pool.host_tier_mb
+            self.tiers = with_disk_tier(config, HostTier(int(host_mb * 2**20)) if host_mb > 0 else None)
+        else:
+            self.tiers = tiers if isinstance(tiers, TieredStore) else tiers(config, family)
         self.kv = KVCacheManager(family, self.pool, config.pool.page_bytes, dtype_bytes(config.engine.dtype),
                                  self.tiers, record_residuals=records_residuals(config, warm_handover))
         self.events = EventLog()
         self.stats_counters = Stats()
         self.scheduler = (scheduler_factory or Scheduler)(family, config, self.pool, self.kv, estimator, self.tiers,
                                                           self.events, self.stats_counters)
-        self.executor: StepExecutor | None = None      # attached by build's make_executor, or later by the runner
+        self.executor: StepExecutor | None = None      # attached by make_executor, or later by the runner
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.num_steps = 0
@@ -134,26 +133,8 @@ class EngineCore:
         self.step_clock = step_clock                   # a fine wall clock: fills `timers` (None: not timed)
         self.cpu_clock = cpu_clock                     # the engine thread's CPU clock (execute_cpu_s)
         self.timers = StepTimers()
-
-    @classmethod
-    def build(cls, config: MFSConfig, family: FamilySpec | None = None, *, clock: Callable[[], float],
-              estimator: EstimatorSource, make_executor: ExecutorFactory | None = None,
-              scheduler_factory: SchedulerFactory | None = None,
-              tiers: TiersSource | None = None, step_clock: Callable[[], float] | None = None,
-              cpu_clock: Callable[[], float] | None = None, pool: PoolSource | None = None,
-              warm_handover: bool = True) -> EngineCore:
-        """The core for `config`, as every runner assembles it. family: None loads config.family. make_executor:
-        None when the runner attaches one to `executor` before stepping (LocalServing loads the model when it
-        starts). warm_handover: whether escalations may reuse the source's shared layers (residual pages are
-        written only then). The other sources: see their types above; None takes MFS's own."""
-        family = family if family is not None else load_family(config.family)
-        if not isinstance(estimator, ComplexityEstimator):
-            estimator = estimator(family)
-        core = cls(config, family, estimator, clock, step_clock=step_clock, cpu_clock=cpu_clock,
-                   scheduler_factory=scheduler_factory, tiers=tiers, pool=pool, warm_handover=warm_handover)
         if make_executor is not None:
-            core.attach_executor(make_executor(family, core.pool.num_pages, config.pool.page_bytes))
-        return core
+            self.attach_executor(make_executor(family, self.pool.num_pages, config.pool.page_bytes))
 
     def attach_executor(self, executor: StepExecutor) -> None:
         """The executor the steps run on; its `step_costs` (an engine_api.StepCostEstimator), where it offers one,
@@ -238,7 +219,7 @@ class EngineCore:
             return
         self.failed_steps = 0 if step.ran else self.failed_steps
         self.last_tick_s = self.clock()
-        if not step.progressed:
+        if not step.ran and step.num_outputs == 0:     # no progress: wait for a wake-up instead of spinning
             self.wake.wait(NOT_RUNNABLE_WAIT_S)
             self.wake.clear()
 

@@ -140,7 +140,7 @@ class KVCacheManager:
         result.num_full_blocks = block
         if not allow_shared:
             return result
-        for source in self.layout.residual_sources(member):
+        for source in self.layout.residual_sources[member]:
             lineages = source.layer_lineages + (source.residual_lineage(),)
             shared = block
             while shared < limit and self._block_tier(lineages, hashes[shared]) is not None:

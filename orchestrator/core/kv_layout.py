@@ -27,8 +27,8 @@ class KVLayout:
                     for big in family.members[m.index + 1:])
             for m in family.members
         }
-        # For each member, the smaller members whose exit residual can feed it (largest depth first).
-        self._residual_sources: dict[str, list[MemberSpec]] = {
+        # For each member, the smaller members whose exit residual can feed its handover (largest depth first).
+        self.residual_sources: dict[str, list[MemberSpec]] = {
             m.name: [s for s in reversed(family.members[:m.index])
                      if self._records_residual[s.name] and family.shared_depth(s.name, m.name) == s.num_layers
                      and self._blocks[s.name] == self._blocks[m.name]]
@@ -40,10 +40,6 @@ class KVLayout:
 
     def records_residual(self, member: str) -> bool:
         return self._records_residual[member]
-
-    def residual_sources(self, member: str) -> list:
-        """Smaller members whose exit residual can feed `member`'s handover, largest depth first."""
-        return self._residual_sources[member]
 
     def pages_per_block(self, member: str) -> int:
         return self.family.member(member).num_layers + (1 if self._records_residual[member] else 0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterable
 
+from orchestrator.core.config import MFSConfig
 from orchestrator.core.family import FamilySpec, MemberSpec
 from orchestrator.core.sequence import Sequence
 from orchestrator.core.draft_length import StepCost
@@ -55,6 +56,22 @@ def shape_weight_bytes(member: MemberSpec) -> float:
     attention = hidden * member.head_dim * (2 * member.num_heads + 2 * member.num_kv_heads)
     mlp = 3 * hidden * (3 * hidden)
     return float(member.num_layers * (attention + mlp) + 2 * member.vocab_size * hidden)
+
+
+def member_turns_for(family: FamilySpec, config: MFSConfig, drafts_ride: bool, private_drafts: bool,
+                     draft_member_every_step: bool) -> MemberTurns | None:
+    """The member turns scheduler.member_turns asks for (unset: none for a nested family, DEFAULT_MEMBER_TURNS
+    otherwise); None when every member steps in every step. drafts_ride: speculation's draft member decodes ride
+    its draft forwards; private_drafts and draft_member_every_step: the builder's policies (SchedulerPolicies)."""
+    turns = config.scheduler.member_turns
+    if turns is None:
+        turns = 0.0 if family.is_nested() else DEFAULT_MEMBER_TURNS
+    if not turns:
+        return None
+    # targets' drafts share the draft member's forwards when their member batches share a step
+    shared_drafts = config.speculation.enabled and not private_drafts
+    riding = shared_drafts and drafts_ride and draft_member_every_step
+    return MemberTurns(family, turns, shared_drafts=shared_drafts, riding_draft_member=riding)
 
 
 class MemberTurns:

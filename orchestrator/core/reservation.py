@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from typing import ClassVar
 
-from orchestrator.core.demand import (NewTokenRatio, RunningDemand, decode_profile, expected_final_tokens,
+from orchestrator.core.demand import (DecodeProfile, NewTokenRatio, RunningDemand, expected_final_tokens,
                                       is_length_fixed, peak_growth, steps_until_fit)
 from orchestrator.core.kv_cache import PrefixMatch, SeqKV
 from orchestrator.core.parts import SchedulerParts
@@ -191,14 +191,14 @@ class PeakReservation(Reservation):
                 final = expected_final_tokens(seq, 1.0, context)
                 held = len(seq.kv.block_tables[0]) * per_block
                 steps, n = final - len(seq.token_ids) + 1, len(seq.token_ids)
-                profiles.append(decode_profile(steps, n, final, held, self._private(seq.kv, claimed),
-                                               self._pages_for[seq.member], slack, self._geometry[seq.member][0]))
+                profiles.append(DecodeProfile(steps, n, final, held, self._private(seq.kv, claimed),
+                                              self._pages_for[seq.member], slack, self._geometry[seq.member][0]))
                 draft = seq.draft
                 if draft is not None:
-                    profiles.append(decode_profile(steps, n, final, draft.kv.num_pages(),
-                                                   self._private(draft.kv, claimed),
-                                                   self._draft_pages_for[draft.member], slack,
-                                                   draft.kv.tokens_per_block))
+                    profiles.append(DecodeProfile(steps, n, final, draft.kv.num_pages(),
+                                                  self._private(draft.kv, claimed),
+                                                  self._draft_pages_for[draft.member], slack,
+                                                  draft.kv.tokens_per_block))
             else:
                 constant += self.future_pages(seq)
         reserved = constant + peak_growth(profiles)

@@ -20,7 +20,7 @@ from orchestrator.core.family import FamilySpec
 from orchestrator.core.handover import Handover, HandoverRules
 from orchestrator.core.kv_cache import KVCacheManager
 from orchestrator.core.lifecycle import Lifecycle
-from orchestrator.core.member_turns import DEFAULT_MEMBER_TURNS, MemberTurns
+from orchestrator.core.member_turns import MemberTurns, member_turns_for
 from orchestrator.core.page_pool import PagePool
 from orchestrator.core.parts import SchedulerParts, StepScope
 from orchestrator.core.placement import Placement, SharedPoolPlacement
@@ -88,14 +88,9 @@ class Scheduler:
         self.admission = Admission(parts, self.reservation, self.handover, self.lifecycle.forget, policies.running_cap,
                                    self.speculation)
         step_members = policies.step_members
-        turns = config.scheduler.member_turns
-        if turns is None:
-            turns = 0.0 if family.is_nested() else DEFAULT_MEMBER_TURNS
-        if step_members is None and turns:
-            # targets' drafts share the draft member's forwards when their member batches share a step
-            shared_drafts = config.speculation.enabled and not policies.private_drafts
-            riding = shared_drafts and self.speculation.rides and policies.draft_member_every_step
-            step_members = MemberTurns(family, turns, shared_drafts=shared_drafts, riding_draft_member=riding)
+        if step_members is None:
+            step_members = member_turns_for(family, config, self.speculation.rides, policies.private_drafts,
+                                            policies.draft_member_every_step)
         self.batches = BatchFormer(config.scheduler, self.stats, step_members, self.scope)
         self._turns_by_weights = policies.turns_by_weights
         # member -> (tokens per block, EOS ids, context tokens): what _append_token reads for every token
@@ -218,43 +213,35 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
         try:
-            return self._update(plan, sampled, now_s)
+            running = self.running
+            for batch in plan.batches:
+                for chunk in batch.chunks:
+                    seq = running.get(chunk.request_id)
+                    if seq is None:
+                        continue
+                    seq.computed_to(chunk.start_pos + len(chunk.token_ids), self.kv)
+                    if seq.is_warmup and seq.num_computed_tokens >= len(seq.token_ids):
+                        self.lifecycle.finish(seq, now_s, outcome=None)
+            accepted = self.speculation.verified(plan, sampled)
+            outputs: list[RequestOutput] = []
+            generated: dict[str, int] = {}      # member -> tokens this step: one stats call per member, not per token
+            # A verify returns several tokens of one request in a row: its output comes after the last of them.
+            following = [token.request_id for token in sampled[1:]] + [None]
+            for token, next_id in zip(sampled, following):
+                seq = running.get(token.request_id)
+                if seq is None:
+                    continue                        # ended, or escalated among this step's tokens: the rest is dropped
+                generated[seq.member] = generated.get(seq.member, 0) + 1
+                output = self._append_token(seq, token, now_s, last=next_id != token.request_id)
+                if output is not None:
+                    outputs.append(output)
+            for member, n in generated.items():
+                self.stats.on_tokens(member, generated_tokens=n)
+            if accepted is not None:
+                self.speculation.advance(plan, accepted)
+            return outputs
         finally:
             self.running.changed()      # tokens and computed positions moved
-
-    def _update(self, plan: StepPlan, sampled: list[SampledToken], now_s: float) -> list[RequestOutput]:
-        running = self.running
-        for batch in plan.batches:
-            for chunk in batch.chunks:
-                seq = running.get(chunk.request_id)
-                if seq is None:
-                    continue
-                computed = chunk.start_pos + len(chunk.token_ids)
-                if computed > seq.num_computed_tokens:
-                    seq.num_computed_tokens = computed
-                kv = seq.kv
-                assert kv is not None
-                self.kv.register_full_blocks(kv, seq.hashes, seq.num_computed_tokens)
-                if seq.is_warmup and seq.num_computed_tokens >= len(seq.token_ids):
-                    self.lifecycle.finish(seq, now_s, outcome=None)
-        accepted = self.speculation.verified(plan, sampled)
-        outputs: list[RequestOutput] = []
-        generated: dict[str, int] = {}          # member -> tokens this step: one stats call per member, not per token
-        # A verify returns several tokens of one request in a row: its output comes after the last of them.
-        following = [token.request_id for token in sampled[1:]] + [None]
-        for token, next_id in zip(sampled, following):
-            seq = running.get(token.request_id)
-            if seq is None:
-                continue                        # ended, or escalated among this step's tokens: the rest is dropped
-            generated[seq.member] = generated.get(seq.member, 0) + 1
-            output = self._append_token(seq, token, now_s, last=next_id != token.request_id)
-            if output is not None:
-                outputs.append(output)
-        for member, n in generated.items():
-            self.stats.on_tokens(member, generated_tokens=n)
-        if accepted is not None:
-            self.speculation.advance(plan, accepted)
-        return outputs
 
     def _append_token(self, seq: Sequence, token: SampledToken, now_s: float,
                       last: bool = True) -> RequestOutput | None:
@@ -277,10 +264,8 @@ class Scheduler:
     def snapshot(self, now_s: float) -> dict:
         loads = self.routing.loads()
         return self.stats.snapshot(time_s=now_s, family=self.family.name, members=self.family.member_names,
-                                   pages=self._pages_state(), queue_depth=self.num_waiting(),
+                                   pages=pages_state(self.family, self.pool, self.tiers, self.config.pool.page_bytes),
+                                   queue_depth=self.num_waiting(),
                                    running={n: l.num_running for n, l in loads.items()},
                                    waiting={n: l.num_waiting for n, l in loads.items()},
                                    serving=self.family.serving_names)
-
-    def _pages_state(self) -> dict:
-        return pages_state(self.family, self.pool, self.tiers, self.config.pool.page_bytes)

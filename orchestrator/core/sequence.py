@@ -74,6 +74,13 @@ class Sequence:
         n = len(self.token_ids)
         return self.num_computed_tokens == n - 1 and n > self.num_prompt_tokens
 
+    def computed_to(self, computed: int, kv: KVCacheManager) -> None:
+        """Its KV exists up to `computed` positions (never moving back); its newly full blocks get their keys."""
+        assert self.kv is not None
+        if computed > self.num_computed_tokens:
+            self.num_computed_tokens = computed
+        kv.register_full_blocks(self.kv, self.hashes, self.num_computed_tokens)
+
     def drop_pages(self, kv: KVCacheManager) -> None:
         """Its pages go back (full blocks stay cached under their keys) and its computed progress restarts."""
         if self.kv is not None:

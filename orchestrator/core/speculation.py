@@ -223,7 +223,6 @@ class Speculation:
     def advance(self, plan: StepPlan, accepted: dict[RequestId, int]) -> None:
         """After the tokens went in: computed counts up to the new last token (excluded: computed next step) and,
         for the draft, what it wrote; newly full blocks of both get their keys."""
-        register = self.kv.register_full_blocks
         for batch in plan.batches:
             for chunk in batch.chunks:
                 spec = chunk.draft
@@ -234,14 +233,12 @@ class Speculation:
                 if seq is None or seq.kv is None:
                     continue            # it stopped or escalated among the returned tokens
                 computed = chunk.start_pos + 1 + n
-                if computed > seq.num_computed_tokens:
-                    seq.num_computed_tokens = computed
-                register(seq.kv, seq.hashes, seq.num_computed_tokens)
+                seq.computed_to(computed, self.kv)
                 draft = seq.draft
                 if draft is None or spec is None:
                     continue
                 draft.num_computed_tokens = min(computed, spec.start_pos + len(spec.token_ids) + spec.num_tokens - 1)
-                register(draft.kv, self._draft_hashes(seq, draft), draft.num_computed_tokens)
+                self.kv.register_full_blocks(draft.kv, self._draft_hashes(seq, draft), draft.num_computed_tokens)
 
     def _draft_hashes(self, seq: Sequence, draft: DraftState) -> list[bytes]:
         if draft.shares_hashes:

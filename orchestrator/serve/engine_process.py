@@ -102,9 +102,9 @@ def unpack_output(packed: tuple) -> RequestOutput:
 
 # ----------------------------------------------------------------------------- engine side (child process)
 def engine_main(config: MFSConfig, conn, parts: Callable[[MFSConfig], dict[str, Any]] | None = None) -> None:
-    """The child: builds the core (EngineCore.build, as LocalServing does, with the local executor) and runs its
+    """The child: builds the core (EngineCore, as LocalServing does, with the local executor) and runs its
     step loop, taking commands between steps. Signals are the parent's business (it drains, then sends "stop");
-    a closed pipe ends it. parts(config): more EngineCore.build keywords, made in the child (eval's compared
+    a closed pipe ends it. parts(config): more EngineCore keywords, made in the child (eval's compared
     systems pass their family, scheduler and tiers; a picklable function, as the child is spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -126,9 +126,9 @@ class _EngineCore:
 
     def __init__(self, config: MFSConfig, conn, parts: dict[str, Any] | None = None):
         self.conn = conn
-        self.core = EngineCore.build(config, clock=time.monotonic, estimator=family_estimator,
-                                     make_executor=local_executor_factory(config, own_process=True),
-                                     step_clock=time.perf_counter, cpu_clock=time.thread_time, **(parts or {}))
+        self.core = EngineCore(config, clock=time.monotonic, estimator=family_estimator,
+                               make_executor=local_executor_factory(config, own_process=True),
+                               step_clock=time.perf_counter, cpu_clock=time.thread_time, **(parts or {}))
         self.outputs: StepOutputs[RequestId] = StepOutputs(lambda items: self.send(out_message(items)))
         self.core.on_delivered = self.outputs.flush
         self.pending_stats: tuple[int, dict] | None = None

@@ -2,7 +2,7 @@
 and the engine block of its stats.
 
 LocalServing (engine.process: thread) and the engine process (engine.process: separate) both assemble their core
-with EngineCore.build and make its executor here; the step measurer times the same executor.
+with EngineCore and make its executor here; the step measurer times the same executor.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def local_executor(config: MFSConfig, family: FamilySpec, num_pages: int, own_pr
 
 
 def local_executor_factory(config: MFSConfig, own_process: bool = False) -> ExecutorFactory:
-    """local_executor as EngineCore.build's make_executor (the arena's size comes from the core)."""
+    """local_executor as EngineCore's make_executor (the arena's size comes from the core)."""
     def make(family: FamilySpec, num_pages: int, _page_bytes: int) -> StepExecutor:
         return local_executor(config, family, num_pages, own_process)
     return make

@@ -1,6 +1,6 @@
 """LocalServing: the whole family on one local engine, behind the ServingEngine interface of the HTTP edge.
 
-A thin async adapter over the core's EngineCore (engine.process: thread): the core is built by EngineCore.build,
+A thin async adapter over the core's EngineCore (engine.process: thread): the core is built by EngineCore(...),
 its executor by local_engine.local_executor when the engine starts; this module adds the engine thread, per-request
 asyncio streams of RequestOutput (output_stream) and start/stop with a grace period.
 """
@@ -29,15 +29,15 @@ log = logging.getLogger("mfs.serving")
 class LocalServing:
     def __init__(self, config: MFSConfig, family: FamilySpec | None = None,
                  clock: Callable[[], float] = time.monotonic, **core_parts: Any):
-        """core_parts: EngineCore.build's own keywords (scheduler_factory, tiers, ...: eval's compared systems)."""
+        """core_parts: EngineCore's own keywords (scheduler_factory, tiers, ...: eval's compared systems)."""
         self.config = config
         self.family = family or load_family(config.family)
         self.family_name = self.family.name
         self.member_names = self.family.member_names
         self.tokenizer = family_tokenizer(self.family)
-        self.core = EngineCore.build(config, self.family, clock=clock, estimator=complexity_estimator(self.tokenizer),
-                                     step_clock=time.perf_counter, **core_parts,
-                                     cpu_clock=time.thread_time)
+        self.core = EngineCore(config, self.family, clock=clock, estimator=complexity_estimator(self.tokenizer),
+                               step_clock=time.perf_counter, **core_parts,
+                               cpu_clock=time.thread_time)
         self._outputs: StepOutputs[StreamTarget] = StepOutputs(self._hand_over)
         self.core.on_delivered = self._outputs.flush      # one event-loop wake-up per step, not per request
         self._thread: threading.Thread | None = None

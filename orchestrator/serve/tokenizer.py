@@ -135,7 +135,7 @@ def complexity_estimator(tokenizer: FamilyTokenizer) -> ComplexityEstimator:
 
 
 def family_estimator(family: FamilySpec) -> ComplexityEstimator:
-    """complexity_estimator of the family's tokenizer (what EngineCore.build takes as its estimator source)."""
+    """complexity_estimator of the family's tokenizer (what EngineCore takes as its estimator source)."""
     return complexity_estimator(family_tokenizer(family))
 
 

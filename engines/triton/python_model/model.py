@@ -147,8 +147,8 @@ class MemberWorker:
                                         num_threads=cfg.engine.num_threads,
                                         # auto = 1 here: Triton's own threads share the process
                                         parallel_forwards=cfg.developer.parallel_forwards or 1)
-        self.core = EngineCore.build(cfg, self.family, clock=time.monotonic, estimator=ComplexityEstimator(()),
-                                     make_executor=make_executor)
+        self.core = EngineCore(cfg, self.family, clock=time.monotonic, estimator=ComplexityEstimator(()),
+                               make_executor=make_executor)
         self._running = True
         self._thread = threading.Thread(target=self.core.run, args=(lambda: self._running,),
                                         name=f"mfs-{self.member}", daemon=True)
