@@ -16,26 +16,26 @@ from orchestrator.core.types import Request, RouteDecision
 
 
 def misfit(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str, int], member: str,
-           request: Request) -> InvalidRequestError | None:
-    """Why `member` cannot hold the request whole (its context the prompt, its capacity every page), or None."""
+           request: Request) -> tuple[str, str] | None:
+    """Why `member` cannot hold the request whole (context, pages): message and field, or None. Not an exception:
+    one kept in a local and raised holds its frame in a cycle (traceback -> frame -> local) only gc frees."""
     prompt_tokens = len(request.prompt_token_ids)
     context_tokens = family.member(member).context_tokens
     if prompt_tokens >= context_tokens:
-        return InvalidRequestError(f"prompt has {prompt_tokens} tokens; member {member} holds {context_tokens}",
-                                   param="prompt")
+        return f"prompt has {prompt_tokens} tokens; member {member} holds {context_tokens}", "prompt"
     pages = kv.pages_for_tokens(member, prompt_tokens + request.sampling.max_tokens)
     if pages > capacity_pages[member]:
-        return InvalidRequestError(f"request needs {pages} KV pages on {member}; the pool can give it "
-                                   f"at most {capacity_pages[member]}", param="max_tokens")
+        return (f"request needs {pages} KV pages on {member}; the pool can give it at most {capacity_pages[member]}",
+                "max_tokens")
     return None
 
 
 def check_fits(family: FamilySpec, kv: KVCacheManager, capacity_pages: dict[str, int], request: Request) -> None:
     """Every member the request may run on (escalation included) can hold it whole; else InvalidRequestError."""
     for name in [request.pinned_member] if request.pinned_member else family.serving_names:
-        error = misfit(family, kv, capacity_pages, name, request)
-        if error is not None:
-            raise error
+        why = misfit(family, kv, capacity_pages, name, request)
+        if why is not None:
+            raise InvalidRequestError(*why)
 
 
 class Placement(Protocol):
