@@ -7,8 +7,9 @@ between two tokens (a stall shows there). Each victim run happens under one cond
 of their own, as other machines' clients would be: their work never delays the victims' event loop):
 
   quiet          the victims alone
-  big_prompts    two clients POSTing a ~4 MB prompt to /v1/completions in a loop (the server refuses it: 4xx)
-  scrape         four clients GETting /metrics at 20 Hz each
+  big_prompts    two clients POSTing a ~4 MB prompt to /v1/completions in a loop (the server refuses it: 4xx),
+                 one after another or --big-hz a second each
+  scrape         four clients GETting /metrics at 20 Hz each (on the clock: 80 requests a second offered)
 
 A round runs quiet, one disturbed condition, quiet, the other (A B A C; the disturbed ones swap places from one
 round to the next), and each disturbed run is paired with the quiet run just before it: its effect is
@@ -60,17 +61,21 @@ CONDITIONS = ("quiet", "big_prompts", "scrape")
 FFFD_IDS = 4                    # how many U+FFFD ids the linearity stream is biased towards
 READY_TIMEOUT_S = 300.0
 DRAIN_TIMEOUT_S = 30.0          # after the victims: how long a disturber may take to finish its request
+MAX_OUTSTANDING = 64            # a paced disturber's requests in flight at most
 
 
 @dataclasses.dataclass(slots=True)
 class Disturbance:
-    """What the disturbers send: big_clients loops POSTing a prompt of prompt_bytes characters, scrapers
-    loops GETting /metrics at scrape_hz each."""
+    """What the disturbers send: big_clients POSTing a prompt of prompt_bytes characters, each one request after
+    another (big_hz 0) or big_hz a second; scrapers GETting /metrics at scrape_hz each. A paced disturber sends
+    on its clock whether or not earlier requests were answered (at most MAX_OUTSTANDING in flight), so the offered
+    rate is what was asked, however slow the answers."""
 
     big_clients: int = 2
     prompt_bytes: int = 4_000_000
     scrapers: int = 4
     scrape_hz: float = 20.0
+    big_hz: float = 0.0
 
 
 DEFAULT = Disturbance()
@@ -101,30 +106,48 @@ async def stream(http: aiohttp.ClientSession, url: str, max_tokens: int, **extra
 
 
 # ----------------------------------------------------------------------------- disturbers
+async def send_one(http: aiohttp.ClientSession, method: str, url: str, answers: Counter, data: bytes | None) -> None:
+    """One request; its answer counted by status (a failed request by its exception's name)."""
+    headers = {"Content-Type": "application/json"} if data is not None else None
+    try:
+        async with http.request(method, url, data=data, headers=headers) as resp:
+            await resp.read()
+            answers[str(resp.status)] += 1
+    except (aiohttp.ClientError, OSError) as exc:
+        answers[type(exc).__name__] += 1
+
+
 async def disturber(http: aiohttp.ClientSession, method: str, url: str, period_s: float, stop: asyncio.Event,
                     answers: Counter, data: bytes | None = None) -> None:
-    """Sends one request after another (at most one per period_s) until stop; counts the answers by status
-    (a failed request by its exception's name)."""
-    headers = {"Content-Type": "application/json"} if data is not None else None
+    """Until stop: one request after another (period_s 0: a closed loop), or one every period_s on the clock
+    (an open loop, at most MAX_OUTSTANDING in flight; a send that would pass it is skipped and counted)."""
+    if not period_s:
+        while not stop.is_set():
+            await send_one(http, method, url, answers, data)
+        return
+    in_flight: set[asyncio.Task] = set()
+    next_s = time.monotonic()
     while not stop.is_set():
-        started_s = time.monotonic()
+        if len(in_flight) < MAX_OUTSTANDING:
+            task = asyncio.create_task(send_one(http, method, url, answers, data))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        else:
+            answers["skipped"] += 1
+        next_s += period_s
         try:
-            async with http.request(method, url, data=data, headers=headers) as resp:
-                await resp.read()
-                answers[str(resp.status)] += 1
-        except (aiohttp.ClientError, OSError) as exc:
-            answers[type(exc).__name__] += 1
-        if period_s:
-            try:
-                await asyncio.wait_for(stop.wait(), max(0.0, period_s - (time.monotonic() - started_s)))
-            except TimeoutError:
-                pass
+            await asyncio.wait_for(stop.wait(), max(0.0, next_s - time.monotonic()))
+        except TimeoutError:
+            pass
+    if in_flight:
+        await asyncio.wait(in_flight, timeout=DRAIN_TIMEOUT_S)
 
 
 def disturbers(condition: str, http: aiohttp.ClientSession, url: str, dist: Disturbance, stop: asyncio.Event,
                answers: Counter, big_body: bytes) -> list:
     if condition == "big_prompts":
-        return [disturber(http, "POST", url + "/v1/completions", 0.0, stop, answers, big_body)
+        period_s = 1.0 / dist.big_hz if dist.big_hz else 0.0
+        return [disturber(http, "POST", url + "/v1/completions", period_s, stop, answers, big_body)
                 for _ in range(dist.big_clients)]
     if condition == "scrape":
         return [disturber(http, "GET", url + "/metrics", 1.0 / dist.scrape_hz, stop, answers)
@@ -338,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-bytes", type=int, default=DEFAULT.prompt_bytes,
                         help="characters of each big prompt (default about 4 MB)")
     parser.add_argument("--big-clients", type=int, default=DEFAULT.big_clients)
+    parser.add_argument("--big-hz", type=float, default=DEFAULT.big_hz,
+                        help="big prompts a second, each client (0: one after another, as fast as answered)")
     parser.add_argument("--scrapers", type=int, default=DEFAULT.scrapers)
     parser.add_argument("--scrape-hz", type=float, default=DEFAULT.scrape_hz, help="scrapes a second, each")
     parser.add_argument("--u-fffd", action="store_true",
@@ -347,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    dist = Disturbance(args.big_clients, args.prompt_bytes, args.scrapers, args.scrape_hz)
+    dist = Disturbance(args.big_clients, args.prompt_bytes, args.scrapers, args.scrape_hz, args.big_hz)
     port = free_port()
     spec = mfs_spec(port, [], name=out.stem + ".server")
     result: dict[str, Any] = {"command": " ".join(["python -m eval.bench.interference", *(sys.argv[1:] if argv is None else argv)]),
