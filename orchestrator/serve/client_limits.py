@@ -6,9 +6,11 @@ identity (an API key's digest, never the key) that bounds it and isolates its pr
   trickles a header a byte at a time (slowloris) would hold a connection forever; here the head must be complete
   within `header_timeout_s` of the connection (or of the previous response) and within `max_header_bytes`, else
   408 / 431 and the connection is closed.
-- `ClientLimits`: ASGI middleware in front of the generation routes: `X-Session-ID` (and the gateway's routing
-  key) at most MAX_SESSION_HEADER_BYTES (431 naming the header), and at most `max_client_requests` requests in
-  flight per API key (per client address without keys), 429 naming the limit.
+- `ClientLimits`: ASGI middleware in front of the generation routes: a declared Content-Length at most
+  `max_body_bytes` (413, answered before routing: a refused body costs the loop as little as possible),
+  `X-Session-ID` (and the gateway's routing key) at most MAX_SESSION_HEADER_BYTES (431 naming the header), and at
+  most `max_client_requests` requests in flight per API key (per client address without keys), 429 naming the
+  limit.
 """
 from __future__ import annotations
 
@@ -56,8 +58,10 @@ class ClientLimits:
     """Pure ASGI middleware for the generation routes (nothing buffered: SSE passes through; a stream counts as
     in flight until its last byte is sent)."""
 
-    def __init__(self, app, api_keys: tuple[str, ...], max_client_requests: int | None):
+    def __init__(self, app, api_keys: tuple[str, ...], max_client_requests: int | None,
+                 max_body_bytes: int | None = None):
         self.app, self.api_keys, self.max_client_requests = app, api_keys, max_client_requests
+        self.max_body_bytes = max_body_bytes
         self.in_flight: dict[str, int] = {}       # client -> requests in flight; an entry leaves at zero
 
     async def __call__(self, scope, receive, send) -> None:
@@ -67,6 +71,12 @@ class ClientLimits:
         headers = {}
         for name, value in scope["headers"]:
             headers.setdefault(name.decode("latin-1").lower(), value)
+        declared = headers.get("content-length", b"")
+        if self.max_body_bytes is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _reply(send, 413, error_json(
+                f"request body is {int(declared)} bytes, over the limit of {self.max_body_bytes}",
+                "invalid_request_error", "request_too_large"), [(b"connection", b"close")])
+            return
         for name in (gateway_headers.SESSION_HEADER, gateway_headers.ROUTING_KEY_HEADER):
             value = headers.get(name)
             if value is not None and len(value) > MAX_SESSION_HEADER_BYTES:

@@ -52,7 +52,8 @@ def create_app(engine: ServingEngine, tokenizer: FamilyTokenizer, family: Family
     _add_probe_routes(app, edge, stats_cache)
     _exact_request_schemas(app)
     _install_error_handlers(app)
-    app.add_middleware(ClientLimits, api_keys=settings.keys(), max_client_requests=settings.max_client_requests)
+    app.add_middleware(ClientLimits, api_keys=settings.keys(), max_client_requests=settings.max_client_requests,
+                       max_body_bytes=edge.body_limit_bytes())
     app.add_middleware(_ResponseCounter, metrics=edge.metrics, node_name=settings.node_name,
                        boot_id=uuid.uuid4().hex[:12])
     return app
