@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -16,9 +15,17 @@ from typing import Any
 
 import uvicorn
 
+from eval.bench.servers import free_port, wait_ready
 from orchestrator.core.errors import MFSError
 from orchestrator.core.types import (
-    FinishReason, MemberName, MemberSpan, Profile, Request, RequestId, RequestOutput, RouteDecision,
+    FinishReason,
+    MemberName,
+    MemberSpan,
+    Profile,
+    Request,
+    RequestId,
+    RequestOutput,
+    RouteDecision,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,12 +179,6 @@ class FakeServingEngine:
 
 
 # ----------------------------------------------------------------------------- a real server in a thread
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_in_thread(app, timeout_s: float = 15.0, settings=None) -> Iterator[str]:
     """Runs `app` under a real uvicorn server on a free loopback port; yields its base URL. With `settings` (a
@@ -212,18 +213,11 @@ def start_process(cmd: list[str], log_path: Path) -> subprocess.Popen:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 300.0) -> None:
-    """Polls url/health until 200 (or the process exits); fails with the server's log otherwise."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    assert httpx.get(url + "/health", timeout=2).status_code == 200, log_path.read_text()
+    """Polls url/health until 200 (eval.bench.servers.wait_ready); fails with the server's log otherwise."""
+    try:
+        asyncio.run(wait_ready(url, proc, timeout_s))
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}\n{log_path.read_text()}") from None
 
 
 def stop_process(proc: subprocess.Popen) -> None:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,37 +36,17 @@ from pathlib import Path
 import httpx
 import psutil
 
+from eval.bench.servers import REPO, free_port, wait_ready
 from eval.bench.soak_load import Tally, run_load
 
-REPO = Path(__file__).resolve().parent.parent
 _READY_TIMEOUT_S = 300.0
 _IDLE_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(port: int, log_path: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "orchestrator.serve.cli", "serve", "--port", str(port), "--log-level", "warning"]
     log = open(log_path, "wb")
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_ready(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mfs serve exited with {proc.returncode} while starting")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("mfs serve did not become healthy")
 
 
 def _process_figures(proc: psutil.Process) -> dict:
@@ -292,7 +271,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     proc = start_server(port, out.with_suffix(".server.log"))
     try:
-        wait_ready(url, proc)
+        asyncio.run(wait_ready(url, proc, _READY_TIMEOUT_S))
         sampler = Sampler(url, psutil.Process(proc.pid), args.sample_s, time.monotonic() + duration_s + 300)
         sampler.start()
         tally = asyncio.run(run_load(url, args.clients, duration_s, args.seed, stalled_readers=args.stalled_readers,
